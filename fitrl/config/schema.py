@@ -1,0 +1,288 @@
+"""The typed configuration of a fitrl run.
+
+One YAML file plus dotted overrides (``actor.optim.lr=1e-5``) fill these dataclasses; the
+loader (:mod:`fitrl.config.loader`) rejects unknown keys with the nearest valid key and
+wrong types with the expected type. Every field carries a docstring: ``fitrl config --doc``
+prints them. Cross-field checks live in ``__post_init__`` and say what to change; nothing
+here copies one field into another behind the user's back.
+
+Batch sizes have one definition (DESIGN §3):
+  data.rollout_batch_size  prompts drawn per RL step
+  rollout.n                responses sampled per prompt (a step makes rollout_batch_size * n sequences)
+  actor.mini_batch_size    prompts per optimizer step
+  actor.micro_batch_size   sequences per forward/backward; gradient accumulation fills the mini-batch
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the CLI prints it as one line and exits 2."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training prompts: jsonl, json or parquet files, or a directory saved by ``datasets.save_to_disk``."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out prompts for validation (same formats); empty disables validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (or a list of chat messages)."""
+    answer_key: str = "answer"
+    """Column holding the reference answer passed to the reward function."""
+    prompt_template: Optional[str] = None
+    """Optional jinja template rendered with the row's columns to form the user message, e.g. ``'Compute {{ prompt }}'``."""
+    system_prompt: Optional[str] = None
+    """Optional system message put before the user message."""
+    apply_chat_template: bool = True
+    """Wrap the prompt in the tokenizer's chat template (with the generation prompt)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are dropped; the count dropped is reported at start-up."""
+    rollout_batch_size: int = 8
+    """Prompts drawn per RL step."""
+    val_batch_size: int = 64
+    """Prompts per generation call during validation (memory knob only; all val prompts are used)."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by ``trainer.seed``)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up length in RL steps (the scheduler advances once per RL step)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Shape after warm-up: constant, or cosine decay to ``min_lr_ratio * lr`` at ``trainer.max_steps``."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value before each optimizer step (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2:
+            raise ConfigError(f"actor.optim.betas must have two values, got {self.betas}")
+        if self.lr <= 0:
+            raise ConfigError(f"actor.optim.lr must be positive, got {self.lr}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local Hugging Face model directory (config.json, weights, tokenizer). Nothing is downloaded."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are held in. fp32 on CPU; bf16 on GPU for the reference model."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory when it differs from ``path``."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (trades ~30% more compute for far less activation memory)."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``)."""
+
+
+@dataclass
+class ActorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    mini_batch_size: int = 8
+    """Prompts per optimizer step; ``data.rollout_batch_size / mini_batch_size`` optimizer steps per epoch."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one device; gradient accumulation fills the mini-batch."""
+    logprob_micro_batch_size: int = 16
+    """Sequences per forward when computing log-probs without gradients."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per RL step."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is clipped below at ``1 - clip_ratio_low``."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is clipped above at ``1 + clip_ratio_high`` (raise it for DAPO clip-higher)."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus in the loss (0 disables; entropy is still logged)."""
+    logprob_chunk_size: int = 1024
+    """Response tokens per chunk when turning logits into log-probs: bounds the fp32 ``tokens x vocab`` temporary."""
+    shuffle_mini_batches: bool = False
+    """Shuffle sequences before splitting into mini-batches."""
+
+
+@dataclass
+class RefConfig:
+    model: Optional[ModelConfig] = None
+    """Reference model; when unset, a frozen copy of the actor's initial model (same path and dtype)."""
+    logprob_micro_batch_size: int = 16
+    """Sequences per forward when computing reference log-probs."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 disables)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 disables)."""
+    n: int = 1
+    """Responses sampled per prompt."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf"] = "hf"
+    """Generation engine: ``hf`` (transformers ``generate``; CPU and GPU)."""
+    n: int = 8
+    """Responses sampled per prompt during training (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature during training; log-probs are computed at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass during training (1.0 disables)."""
+    top_k: int = 0
+    """Top-k sampling during training (0 disables)."""
+    max_response_length: int = 256
+    """New tokens generated at most per response."""
+    micro_batch_size: int = 64
+    """Sequences per ``generate`` call (memory knob; results do not depend on it)."""
+    val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, n=1))
+    """Sampling for validation (greedy, one response per prompt, by default)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError(
+                "rollout.temperature must be > 0 for training (policy-gradient log-probs need a"
+                " sampling distribution); use rollout.val.temperature=0 for greedy validation"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator, from the registry in ``fitrl.algo.advantages`` (e.g. ``grpo``)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred scores by the group's standard deviation."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss, from the registry in ``fitrl.algo.losses``."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number (``token-mean``: sum over all response tokens of the mini-batch / their count)."""
+    use_kl_loss: bool = False
+    """Add ``kl_coef * KL(policy || reference)`` to the loss; builds a reference model."""
+    kl_coef: float = 0.001
+    """Weight of the KL term when ``use_kl_loss`` is on."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator: ``k1``, ``k2``, ``k3`` (low-variance, a.k.a. low_var_kl)."""
+    recompute_old_logprob: bool = True
+    """Recompute the behaviour log-probs with the actor before the update; off reuses the rollout's."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = "arith"
+    """Reward: a registered name (``arith``) or ``path/to/file.py:function`` / ``package.module:function``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the reward function (weights, options)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 20
+    """RL steps to run."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where roles run: ``auto`` picks cuda when available."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU (0 keeps torch's default)."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    experiment_name: str = "fitrl"
+    """Run directory name under ``output_dir`` (a timestamp is appended unless ``run_dir`` is set)."""
+    run_dir: Optional[str] = None
+    """Exact run directory; overrides ``output_dir``/``experiment_name``."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_freq: int = 0
+    """Validate every this many steps (0: only before training and at the end)."""
+    val_only: bool = False
+    """Run validation alone and exit."""
+    log_freq: int = 1
+    """Print one console line every this many steps (metrics.jsonl always gets every step)."""
+    progress_bar: bool = True
+    """Show a rich progress bar over steps (only on a terminal)."""
+
+
+@dataclass
+class FitrlConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts: files, columns, templates, lengths, the rollout batch size."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator, policy loss, KL."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained policy: model, optimizer, mini/micro batches."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy (built only when KL is used)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation: engine, sampling, response length."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The rule reward."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, seed, device, run directory, validation and logging."""
+
+    def __post_init__(self) -> None:
+        check_batch_sizes(self, world_size=1)
+
+
+def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
+    """Divisibility of the batch sizes (DESIGN §3), with what to change when it fails."""
+    rbs, n = cfg.data.rollout_batch_size, cfg.rollout.n
+    mini, micro = cfg.actor.mini_batch_size, cfg.actor.micro_batch_size
+    for name, value in [("data.rollout_batch_size", rbs), ("rollout.n", n),
+                        ("actor.mini_batch_size", mini), ("actor.micro_batch_size", micro)]:
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if rbs % mini:
+        raise ConfigError(
+            f"data.rollout_batch_size={rbs} is not a multiple of actor.mini_batch_size={mini}: "
+            f"set actor.mini_batch_size to a divisor of {rbs} (e.g. {_largest_divisor_at_most(rbs, mini)})"
+        )
+    seqs_per_rank = mini * n // world_size if (mini * n) % world_size == 0 else None
+    if seqs_per_rank is None:
+        raise ConfigError(
+            f"a mini-batch of {mini} prompts x {n} samples = {mini * n} sequences does not split over "
+            f"{world_size} ranks: make actor.mini_batch_size * rollout.n a multiple of {world_size}"
+        )
+    if seqs_per_rank % micro:
+        raise ConfigError(
+            f"each rank gets {seqs_per_rank} sequences per mini-batch (actor.mini_batch_size={mini} x "
+            f"rollout.n={n} / {world_size} ranks), not a multiple of actor.micro_batch_size={micro}: "
+            f"set actor.micro_batch_size to a divisor of {seqs_per_rank} "
+            f"(e.g. {_largest_divisor_at_most(seqs_per_rank, micro)})"
+        )
+
+
+def _largest_divisor_at_most(total: int, limit: int) -> int:
+    return max(d for d in range(1, min(total, limit) + 1) if total % d == 0)
+
+
+def derived_batch_numbers(cfg: FitrlConfig, world_size: int = 1) -> dict[str, int]:
+    """The numbers printed at start-up so nobody has to derive them by hand."""
+    seqs = cfg.data.rollout_batch_size * cfg.rollout.n
+    mini_seqs = cfg.actor.mini_batch_size * cfg.rollout.n
+    opt_steps = cfg.data.rollout_batch_size // cfg.actor.mini_batch_size * cfg.actor.ppo_epochs
+    return {
+        "prompts_per_step": cfg.data.rollout_batch_size,
+        "sequences_per_step": seqs,
+        "sequences_per_mini_batch": mini_seqs,
+        "optimizer_steps_per_rl_step": opt_steps,
+        "grad_accumulation_steps": mini_seqs // world_size // cfg.actor.micro_batch_size,
+        "world_size": world_size,
+    }

@@ -1,0 +1,108 @@
+"""The one container data travels in between roles.
+
+A :class:`Batch` holds per-sample tensors (first dimension = batch) and per-sample Python
+fields (lists: prompt text, answers, uids ...), plus batch-level ``meta``. It splits into
+micro-batches, concatenates, indexes and moves between devices, so the driver never
+handles a loose tensor and a worker group can scatter/gather without knowing the keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    fields: dict[str, list] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        sizes.update({k: len(v) for k, v in self.fields.items()})
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch entries disagree on the batch size: {sizes}")
+
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return v.shape[0]
+        for v in self.fields.values():
+            return len(v)
+        return 0
+
+    def __getitem__(self, key: str):
+        if key in self.tensors:
+            return self.tensors[key]
+        if key in self.fields:
+            return self.fields[key]
+        raise KeyError(f"{key!r} not in batch (tensors: {sorted(self.tensors)}, fields: {sorted(self.fields)})")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.fields
+
+    def keys(self) -> list[str]:
+        return [*self.tensors, *self.fields]
+
+    def update(self, other: "Batch | None" = None, **tensors: torch.Tensor) -> "Batch":
+        """Add entries in place (same batch size); returns self for chaining."""
+        if other is not None:
+            if len(other) != len(self) and len(self):
+                raise ValueError(f"cannot merge a batch of {len(other)} into one of {len(self)}")
+            self.tensors.update(other.tensors)
+            self.fields.update(other.fields)
+            self.meta.update(other.meta)
+        for k, v in tensors.items():
+            if len(self) and v.shape[0] != len(self):
+                raise ValueError(f"tensor {k!r} has batch size {v.shape[0]}, batch has {len(self)}")
+            self.tensors[k] = v
+        return self
+
+    def select(self, keys: Iterable[str]) -> "Batch":
+        keys = list(keys)
+        return Batch({k: self.tensors[k] for k in keys if k in self.tensors},
+                     {k: self.fields[k] for k in keys if k in self.fields}, dict(self.meta))
+
+    def index(self, idx: Sequence[int] | torch.Tensor | slice) -> "Batch":
+        if isinstance(idx, slice):
+            return Batch({k: v[idx] for k, v in self.tensors.items()},
+                         {k: v[idx] for k, v in self.fields.items()}, dict(self.meta))
+        idx_list = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
+        index_tensor = torch.as_tensor(idx_list, dtype=torch.long)
+        return Batch({k: v[index_tensor.to(v.device)] for k, v in self.tensors.items()},
+                     {k: [v[i] for i in idx_list] for k, v in self.fields.items()}, dict(self.meta))
+
+    def split(self, size: int) -> list["Batch"]:
+        """Consecutive pieces of ``size`` samples (the last may be shorter)."""
+        if size < 1:
+            raise ValueError(f"split size must be >= 1, got {size}")
+        return [self.index(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def chunk(self, parts: int) -> list["Batch"]:
+        """``parts`` equal consecutive pieces; the batch must divide evenly (data-parallel scatter)."""
+        if len(self) % parts:
+            raise ValueError(f"batch of {len(self)} does not split into {parts} equal parts")
+        return self.split(len(self) // parts)
+
+    def repeat_interleave(self, n: int) -> "Batch":
+        """Each sample repeated ``n`` times in place: [a, b] -> [a, a, b, b] (GRPO groups stay contiguous)."""
+        return Batch({k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()},
+                     {k: [x for x in v for _ in range(n)] for k, v in self.fields.items()}, dict(self.meta))
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.fields), dict(self.meta))
+
+    @staticmethod
+    def concat(batches: Sequence["Batch"]) -> "Batch":
+        batches = [b for b in batches if len(b) or b.keys()]
+        if not batches:
+            return Batch()
+        first = batches[0]
+        for b in batches[1:]:
+            if set(b.keys()) != set(first.keys()):
+                raise ValueError(f"cannot concat batches with keys {sorted(first.keys())} and {sorted(b.keys())}")
+        tensors = {k: torch.cat([b.tensors[k] for b in batches], dim=0) for k in first.tensors}
+        fields = {k: [x for b in batches for x in b.fields[k]] for k in first.fields}
+        return Batch(tensors, fields, dict(first.meta))

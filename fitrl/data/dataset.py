@@ -1,0 +1,347 @@
+"""Prompt datasets: read rows, build the text the policy sees, tokenise, filter by length.
+
+Everything is read and tokenised eagerly at start-up. RL prompt sets are small (thousands to
+a few hundred thousand rows), and doing it up front means a bad row fails the run in the first
+seconds, with its file and line, instead of at step 3000; it also lets us report exactly how
+many prompts the length limit dropped before any GPU time is spent.
+
+Every problem with the data is a :class:`DataError` whose message starts with where it is:
+``path:line`` for jsonl (1-based, counting blank lines) and ``path: row i`` (0-based, as in
+``dataset[i]``) for json, parquet and ``save_to_disk`` directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import jinja2
+import numpy as np
+
+SUPPORTED_FORMATS = ".jsonl, .json, .parquet, or a directory written by datasets.Dataset.save_to_disk"
+
+
+class DataError(ValueError):
+    """A problem in the data files or data options that the user can fix; names where it is."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading rows
+
+
+def iter_rows(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
+    """Yield ``(source, row)`` for every row of one data file or ``save_to_disk`` directory."""
+    path = str(path)
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"data file not found: {path}")
+    if p.is_dir():
+        yield from _iter_saved_dataset(path)
+        return
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _iter_jsonl(path)
+    elif suffix == ".json":
+        yield from _iter_json(path)
+    elif suffix == ".parquet":
+        yield from _iter_parquet(path)
+    else:
+        raise DataError(f"{path}: unsupported file type {suffix or '(no extension)'!r}; use {SUPPORTED_FORMATS}")
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:
+    # Read bytes and decode line by line so that a bad byte is reported at its own line.
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            source = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{source}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{source}: invalid JSON ({e.msg}: column {e.colno})") from None
+            yield source, _check_object(source, row)
+
+
+def _iter_json(path: str) -> Iterator[tuple[str, dict]]:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            doc = json.load(f)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg}: column {e.colno})") from None
+    # Two common layouts: a bare list of rows, or {"data": [rows]} as many hubs export.
+    rows = doc.get("data") if isinstance(doc, dict) else doc
+    if not isinstance(rows, list):
+        raise DataError(
+            f"{path}: expected a JSON list of objects or an object with a 'data' list, "
+            f"got {_kind(doc)}" + (f" with keys {', '.join(map(str, doc))}" if isinstance(doc, dict) else "")
+        )
+    for i, row in enumerate(rows):
+        source = f"{path}: row {i}"
+        yield source, _check_object(source, row)
+
+
+def _iter_parquet(path: str) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a corrupt or non-parquet file
+        raise DataError(f"{path}: cannot read as parquet ({e})") from None
+    i = 0
+    # Batches keep memory bounded by a batch, not the whole table, while converting to Python.
+    for batch in pf.iter_batches():
+        for row in batch.to_pylist():
+            yield f"{path}: row {i}", row
+            i += 1
+
+
+def _iter_saved_dataset(path: str) -> Iterator[tuple[str, dict]]:
+    import datasets  # imported here: it is slow to import and only directories need it
+
+    try:
+        ds = datasets.load_from_disk(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: directory is not a dataset saved by datasets.save_to_disk; use {SUPPORTED_FORMATS}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        splits = ", ".join(ds)
+        raise DataError(f"{path}: holds several splits ({splits}); list one split directory, e.g. {Path(path) / next(iter(ds))}")
+    for i, row in enumerate(ds):
+        yield f"{path}: row {i}", row
+
+
+def _check_object(source: str, row: Any) -> dict:
+    if not isinstance(row, dict):
+        raise DataError(f"{source}: row is {_kind(row)}, expected an object (a mapping of column to value)")
+    return row
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Building prompts
+
+
+class PromptDataset:
+    """All prompts of ``files``, tokenised, with prompts over ``max_prompt_length`` tokens dropped.
+
+    ``ds[i]`` is a dict with ``prompt_ids`` (list[int]), ``prompt_text`` (exactly the text the
+    ids encode), ``answer`` (passed to the reward), ``extra`` (the row's other columns),
+    ``source`` (``file:line`` / ``file: row i``) and ``index`` (``i``).
+    """
+
+    def __init__(
+        self,
+        files: list[str],
+        tokenizer: Any,
+        *,
+        prompt_key: str,
+        answer_key: str,
+        prompt_template: Optional[str] = None,
+        system_prompt: Optional[str] = None,
+        apply_chat_template: bool = True,
+        max_prompt_length: int,
+        name: str = "train",
+    ) -> None:
+        if isinstance(files, (str, os.PathLike)):
+            files = [files]
+        self.files = [str(f) for f in files]
+        self.name = name
+        self.max_prompt_length = max_prompt_length
+        if not self.files:
+            raise DataError(f"{name}: no data files given")
+        if max_prompt_length < 1:
+            raise DataError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                "the tokenizer has no chat template; set data.apply_chat_template=false "
+                "(and shape the prompt with data.prompt_template) or use a tokenizer that has one"
+            )
+        if system_prompt is not None and not apply_chat_template:
+            # Without a chat template there is no "system message"; gluing it on in some made-up
+            # format would be guessing, and prompt_template already expresses any prefix exactly.
+            raise DataError(
+                "data.system_prompt needs data.apply_chat_template=true; "
+                "for a plain-text prefix put it in data.prompt_template instead"
+            )
+        template = None
+        if prompt_template is not None:
+            # StrictUndefined: a misspelt column must fail loudly, not render as an empty string.
+            env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+            try:
+                template = env.from_string(prompt_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise DataError(f"data.prompt_template: syntax error at line {e.lineno}: {e.message}") from None
+
+        texts, rows = [], []
+        for path in self.files:
+            for source, row in iter_rows(path):
+                # With a template the prompt column is optional: the template names what it uses.
+                required = ([] if template else [(prompt_key, "prompt_key")]) + [(answer_key, "answer_key")]
+                for key, option in required:
+                    if key not in row:
+                        raise DataError(
+                            f"{source}: row has no {key!r} column (columns: {', '.join(map(str, row))}); set data.{option}"
+                        )
+                messages = self._messages(source, row, prompt_key, template, system_prompt)
+                if apply_chat_template:
+                    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                elif len(messages) == 1 and messages[0]["role"] == "user":
+                    text = messages[0]["content"]
+                else:
+                    raise DataError(f"{source}: a multi-message conversation needs data.apply_chat_template=true")
+                texts.append(text)
+                rows.append((source, row))
+        if not rows:
+            raise DataError(f"{name}: no rows in {', '.join(self.files)}")
+
+        # One batched call: fast tokenizers parallelise it, which matters for 100k-row sets.
+        # The chat template already writes its own BOS/special tokens, so adding the tokenizer's
+        # defaults again would double them; plain text gets the defaults as a base model expects.
+        ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
+
+        self.num_rows = len(rows)
+        self._examples: list[dict] = []
+        for (source, row), text, prompt_ids in zip(rows, texts, ids):
+            if len(prompt_ids) > max_prompt_length:
+                continue
+            extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+            self._examples.append(dict(prompt_ids=list(prompt_ids), prompt_text=text, answer=row[answer_key],
+                                       extra=extra, source=source, index=len(self._examples)))
+        self.num_filtered = self.num_rows - len(self._examples)
+        if not self._examples:
+            lengths = [len(x) for x in ids]
+            raise DataError(
+                f"{name}: all {self.num_rows} rows of {', '.join(self.files)} are longer than "
+                f"data.max_prompt_length={max_prompt_length} tokens (shortest {min(lengths)}, longest {max(lengths)}); "
+                f"raise data.max_prompt_length"
+            )
+
+    @staticmethod
+    def _messages(source: str, row: dict, prompt_key: str, template: Optional[jinja2.Template],
+                  system_prompt: Optional[str]) -> list[dict]:
+        """The conversation for one row: system prompt (if any) then the user message(s)."""
+        if template is not None:
+            try:
+                prompt: Any = template.render(**row)
+            except jinja2.UndefinedError as e:
+                raise DataError(
+                    f"{source}: data.prompt_template uses an undefined variable: {e.message} "
+                    f"(columns: {', '.join(map(str, row))})"
+                ) from None
+        else:
+            prompt = row[prompt_key]
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and prompt:
+            for m in prompt:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise DataError(f"{source}: {prompt_key!r} is a list but not of {{'role': str, 'content': str}} messages: {m!r}")
+            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        else:
+            raise DataError(
+                f"{source}: {prompt_key!r} is {_kind(prompt) if prompt != [] else 'an empty list'}; "
+                f"expected a string or a list of {{'role', 'content'}} messages"
+            )
+        if system_prompt is not None:
+            if messages[0]["role"] == "system":
+                # Two system messages break most chat templates; make the user choose.
+                raise DataError(f"{source}: the conversation already has a system message; unset data.system_prompt")
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return messages
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    def __getitem__(self, i: int) -> dict:
+        ex = self._examples[i]
+        # A copy, so a caller that edits its batch cannot corrupt the dataset for later epochs.
+        return {**ex, "prompt_ids": list(ex["prompt_ids"]), "extra": dict(ex["extra"])}
+
+    def summary(self) -> str:
+        """One line for the start-up log, e.g. ``train: 80 prompts from 1 file (3 longer than 256
+        tokens dropped); prompt tokens min/mean/max 12/14.2/19``."""
+        lengths = [len(ex["prompt_ids"]) for ex in self._examples]
+        n_files = len(self.files)
+        dropped = (f" ({self.num_filtered} longer than {self.max_prompt_length} tokens dropped)"
+                   if self.num_filtered else "")
+        return (f"{self.name}: {len(self)} prompts from {n_files} file{'s' if n_files != 1 else ''}{dropped}; "
+                f"prompt tokens min/mean/max {min(lengths)}/{sum(lengths) / len(lengths):.1f}/{max(lengths)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+
+
+class PromptSampler:
+    """Endless stream of dataset indices in batches, one fresh permutation per epoch.
+
+    The order is a pure function of ``(seed, epoch, cursor)``, so ``state_dict()`` is just those
+    numbers and a restored sampler continues with exactly the batches the original would have drawn.
+    A batch may straddle an epoch boundary, so every step gets ``batch_size`` prompts and no prompt
+    is skipped; ``batch_size > size`` simply wraps through several epochs.
+    """
+
+    def __init__(self, size: int, batch_size: int, shuffle: bool, seed: int) -> None:
+        if size < 1:
+            raise ValueError(f"PromptSampler needs at least one prompt, got size={size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
+        self._epoch = 0
+        self._cursor = 0  # position in the current epoch's order; always < size
+        self._order: Optional[np.ndarray] = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next index comes from (= completed passes over the data)."""
+        return self._epoch
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None:
+            if self.shuffle:
+                # Seed with the pair (seed, epoch), not seed + epoch: otherwise seed 1 epoch 1 and
+                # seed 2 epoch 0 would share an order, correlating runs that should be independent.
+                self._order = np.random.default_rng([self.seed, self._epoch]).permutation(self.size)
+            else:
+                self._order = np.arange(self.size)
+        return self._order
+
+    def next_indices(self) -> list[int]:
+        out: list[int] = []
+        while len(out) < self.batch_size:
+            take = min(self.batch_size - len(out), self.size - self._cursor)
+            out.extend(int(i) for i in self._epoch_order()[self._cursor:self._cursor + take])
+            self._cursor += take
+            if self._cursor == self.size:
+                self._epoch, self._cursor, self._order = self._epoch + 1, 0, None
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "cursor": self._cursor, "size": self.size,
+                "shuffle": self.shuffle, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        # The saved position only means something for the same data and order; refuse otherwise
+        # rather than silently resuming into a different sequence.
+        for key in ("size", "shuffle", "seed"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state was saved with {key}={state[key]!r} but this run has {key}={getattr(self, key)!r}; "
+                    f"resume with the same data and trainer.seed"
+                )
+        if not 0 <= state["cursor"] < self.size or state["epoch"] < 0:
+            raise ValueError(f"invalid sampler state {state}")
+        self._epoch, self._cursor, self._order = int(state["epoch"]), int(state["cursor"]), None

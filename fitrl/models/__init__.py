@@ -1,0 +1,1 @@
+"""Model helpers: tiny locally-built causal LMs for tests and demos."""

@@ -1,0 +1,1 @@
+"""Tensor operations shared by roles (log-probs from logits, ...)."""

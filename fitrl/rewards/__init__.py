@@ -1,0 +1,1 @@
+"""Rule rewards: plain functions over text returning the total and its components."""

@@ -1,0 +1,1 @@
+"""Roles (policy, reference) composed from pieces: a model, a training engine, a rollout engine."""

@@ -1,0 +1,151 @@
+"""The policy-training piece: log-probs, the micro-batched PPO-style update, the optimizer.
+
+Gradient accumulation uses *global* denominators: every micro-batch's loss is divided by the
+token count of its whole mini-batch, so the accumulated gradient equals the gradient of the
+mini-batch loss whatever the micro-batch size (tested as an invariance).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from fitrl.algo.kl import KL_ESTIMATORS
+from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
+from fitrl.data.batch import Batch
+from fitrl.ops.logprob import response_logprobs
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of the peak lr for RL step ``step`` (0-based): linear warm-up, then constant or cosine."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class WeightedMetrics:
+    """Averages micro-batch metrics weighted by their token share, so the result is the
+    token mean over the whole batch rather than a mean of micro-batch means."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+
+    def add(self, metrics: dict[str, torch.Tensor | float], weight: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += float(v) * weight
+            self.weights[k] += weight
+
+    def result(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+class Actor:
+    def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int):
+        self.model = model
+        self.cfg = actor_cfg
+        self.algo = algo_cfg
+        self.optimizer = build_optimizer(model, actor_cfg.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, actor_cfg.optim, total_steps))
+        self.policy_loss = POLICY_LOSSES.get(algo_cfg.policy_loss)
+        self.aggregate = LOSS_AGGREGATIONS.get(algo_cfg.loss_agg_mode)
+        self.kl_fn = KL_ESTIMATORS.get(algo_cfg.kl_estimator) if algo_cfg.use_kl_loss else None
+
+    @torch.no_grad()
+    def compute_logprob(self, batch: Batch, temperature: float) -> Batch:
+        """(B, R) log-probs and entropies of the responses under the current weights."""
+        self.model.eval()
+        logps, ents = [], []
+        for micro in batch.split(self.cfg.logprob_micro_batch_size):
+            lp, ent = self._forward(micro, temperature, with_entropy=True)
+            logps.append(lp)
+            ents.append(ent)
+        return Batch({"old_logprobs": torch.cat(logps), "entropy": torch.cat(ents)})
+
+    def _forward(self, micro: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = False):
+        return response_logprobs(
+            self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+            micro["responses"].shape[1], temperature=temperature,
+            chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        )
+
+    def global_token_count(self, mask: torch.Tensor) -> torch.Tensor:
+        """Tokens in the mini-batch across all data-parallel ranks (one rank here; a
+        distributed engine all-reduces this sum)."""
+        return mask.sum().clamp(min=1)
+
+    def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float) -> dict[str, float]:
+        """One RL step of optimisation over ``batch`` (needs old_logprobs, advantages, and
+        ref_logprobs when KL is in the loss)."""
+        self.model.train()
+        metrics = WeightedMetrics()
+        grad_norms, skipped = [], 0
+        generator = torch.Generator().manual_seed(len(batch))
+        for _ in range(self.cfg.ppo_epochs):
+            order = (torch.randperm(len(batch), generator=generator) if self.cfg.shuffle_mini_batches
+                     else torch.arange(len(batch)))
+            for mini in batch.index(order).split(sequences_per_mini_batch):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.accumulate_gradients(mini, temperature, metrics)
+                grad_norm = self._clip_grad()
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # a non-finite gradient would poison Adam's moments for good
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                grad_norms.append(grad_norm)
+        out = metrics.result()
+        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["actor/skipped_steps"] = float(skipped)
+        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        return out
+
+    def accumulate_gradients(self, mini: Batch, temperature: float, metrics: WeightedMetrics) -> None:
+        """Backward over ``mini`` in micro-batches; the grads equal those of the whole mini-batch loss."""
+        denominator = self.global_token_count(mini["response_mask"])
+        for micro in mini.split(self.cfg.micro_batch_size):
+            loss, m = self._micro_loss(micro, denominator, temperature)
+            loss.backward()
+            metrics.add(m, float(micro["response_mask"].sum() / denominator))
+
+    def _micro_loss(self, micro: Batch, denominator: torch.Tensor, temperature: float):
+        mask = micro["response_mask"].float()
+        # entropy is logged every step; it joins the graph only when it is in the loss
+        logp, entropy = self._forward(micro, temperature, with_entropy=True,
+                                      entropy_grad=self.cfg.entropy_coeff != 0)
+        pg_loss, m = self.policy_loss(
+            logp, micro["old_logprobs"], micro["advantages"], mask,
+            clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
+            agg_mode=self.algo.loss_agg_mode, denominator=denominator,
+        )
+        share = mask.sum() / denominator  # turns a globally-scaled sum back into a local mean
+        loss = pg_loss
+        m["actor/pg_loss"] = pg_loss.detach() / share.clamp(min=1e-12)
+        entropy_term = self.aggregate(entropy, mask, denominator)
+        m["actor/entropy"] = entropy_term.detach() / share.clamp(min=1e-12)
+        if self.cfg.entropy_coeff:
+            loss = loss - self.cfg.entropy_coeff * entropy_term
+        if self.kl_fn is not None:
+            kl_term = self.aggregate(self.kl_fn(logp, micro["ref_logprobs"]), mask, denominator)
+            loss = loss + self.algo.kl_coef * kl_term
+            m["actor/kl_loss"] = kl_term.detach() / share.clamp(min=1e-12)
+        return loss, m
+
+    def _clip_grad(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))

@@ -1,0 +1,1 @@
+"""Rollout engines behind one interface: ``generate(prompts, sampling) -> Batch``."""

@@ -1,0 +1,199 @@
+"""Rollout with Hugging Face ``generate`` (CPU and GPU).
+
+Layout of the returned batch, for B = prompts x n sequences, P = longest prompt, R = longest
+response actually generated (<= max_response_length):
+
+  input_ids       (B, P+R)  prompt left-padded | response right-padded
+  attention_mask  (B, P+R)  1 on real prompt tokens and on response tokens up to EOS
+  position_ids    (B, P+R)  counting real tokens only (what generate used)
+  responses       (B, R)
+  response_mask   (B, R)    1 up to and including the first EOS
+  finished        (B,)      1 when the response emitted EOS (0: cut at max_new_tokens)
+  rollout_logprobs (B, R)   log-prob of each sampled token at the sampling temperature
+
+Sampling (temperature, top-k, top-p) is applied by our own logits processor, and HF's own
+warpers are switched off: a checkpoint's ``generation_config.json`` (Qwen ships top_k=20,
+top_p=0.8, temperature=0.7) must never change what a config asked for silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from fitrl.data.batch import Batch
+from fitrl.ops.logprob import position_ids_from_mask
+
+
+@dataclass
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    max_new_tokens: int = 32
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SampleAndRecord(LogitsProcessor):
+    """Applies temperature / top-k / top-p and records the log-prob of each sampled token.
+
+    The token sampled at step t is only known at step t+1 (it is the last of ``input_ids``),
+    so we keep one (B, V) log-softmax pending and gather from it one step later; memory stays
+    one vocabulary row per sequence instead of all R steps' logits.
+    """
+
+    def __init__(self, sampling: Sampling):
+        self.sampling = sampling
+        self.pending: Optional[torch.Tensor] = None  # (B, V) fp32 log-probs of the last step
+        self.logprobs: list[torch.Tensor] = []  # one (B,) per generated token
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.pending is not None:
+            self._gather(input_ids[:, -1])
+        s = self.sampling
+        scores = scores.float()
+        if not s.greedy and s.temperature != 1.0:
+            scores = scores / s.temperature
+        self.pending = torch.log_softmax(scores, dim=-1)
+        if s.greedy:
+            return scores
+        if s.top_k > 0 and s.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, s.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if s.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+            cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+            # drop tokens once the mass *before* them already reaches top_p (always keep the first)
+            drop_sorted = (cum - torch.softmax(sorted_scores, dim=-1)) >= s.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            scores = scores.masked_fill(drop, float("-inf"))
+        return scores
+
+    def _gather(self, tokens: torch.Tensor) -> None:
+        self.logprobs.append(self.pending.gather(-1, tokens[:, None]).squeeze(-1))
+        self.pending = None
+
+    def finish(self, last_tokens: torch.Tensor, num_generated: int) -> torch.Tensor:
+        if self.pending is not None:
+            self._gather(last_tokens)
+        # generate may undo deferred steps at the end; keep one log-prob per returned token
+        return torch.stack(self.logprobs[:num_generated], dim=1)
+
+
+def first_eos_mask(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """(B, R) -> 1 up to and including the first EOS (works when pad == eos too)."""
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
+    eos_before = is_eos.long().cumsum(-1) - is_eos.long()  # EOS strictly before position t
+    return (eos_before == 0).long()
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+class HFRollout:
+    def __init__(self, model: torch.nn.Module, tokenizer, *, micro_batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch, sampling: Sampling) -> Batch:
+        """prompts: fields ``prompt_ids`` (list[list[int]]) and any per-prompt fields, which are
+        repeated ``n`` times so each sequence carries its prompt's answer, uid, ..."""
+        device = next(self.model.parameters()).device
+        seqs = prompts.repeat_interleave(sampling.n)
+        width = max(len(p) for p in seqs["prompt_ids"])
+        prompt_ids, prompt_mask = left_pad(seqs["prompt_ids"], self.pad_id, width)
+        responses, logprobs = [], []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(seqs), self.micro_batch_size):
+                sl = slice(start, start + self.micro_batch_size)
+                r, lp = self._generate_micro(prompt_ids[sl].to(device), prompt_mask[sl].to(device), sampling)
+                responses.append(r)
+                logprobs.append(lp)
+        finally:
+            self.model.train(was_training)
+        resp_len = max(r.shape[1] for r in responses)
+        responses = torch.cat([_pad_right(r, resp_len, self.pad_id) for r in responses])
+        logprobs = torch.cat([_pad_right(lp, resp_len, 0.0) for lp in logprobs])
+        response_mask = first_eos_mask(responses, self.eos_ids)
+        input_ids = torch.cat([prompt_ids.to(device), responses], dim=1)
+        attention_mask = torch.cat([prompt_mask.to(device), response_mask], dim=1)
+        out = Batch(
+            tensors={
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "position_ids": position_ids_from_mask(attention_mask),
+                "responses": responses,
+                "response_mask": response_mask,
+                "finished": torch.isin(responses, torch.tensor(self.eos_ids, device=device)).any(-1).long(),
+                "rollout_logprobs": logprobs * response_mask,
+            },
+            fields={k: v for k, v in seqs.fields.items()},
+            meta={**prompts.meta, "temperature": sampling.temperature or 1.0},
+        )
+        out.fields["response_text"] = self.decode(responses, response_mask)
+        return out
+
+    def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: Sampling):
+        recorder = SampleAndRecord(sampling)
+        config = GenerationConfig(
+            do_sample=not sampling.greedy,
+            temperature=1.0, top_k=None, top_p=None,  # sampling happens in `recorder`
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            bos_token_id=None,
+        )
+        seq = self.model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+        responses = seq[:, ids.shape[1]:]
+        logprobs = recorder.finish(seq[:, -1], responses.shape[1])
+        return responses, logprobs
+
+    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+        """Response text without the EOS and padding."""
+        texts = []
+        eos = set(self.eos_ids)
+        for row, m in zip(responses.tolist(), response_mask.tolist()):
+            toks = [t for t, keep in zip(row, m) if keep and t not in eos]
+            texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
+        return texts
+
+
+def _pad_right(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("the tokenizer and generation_config define no EOS token: generation could never stop")
+    return ids

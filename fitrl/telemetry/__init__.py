@@ -1,0 +1,1 @@
+"""Measuring memory and time: per-phase timers and memory readings."""

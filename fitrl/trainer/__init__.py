@@ -1,0 +1,1 @@
+"""The driver: the RL loop as dataflow, its logging and validation."""

@@ -1,0 +1,96 @@
+"""Building a run: resolve the run directory, build data, reward and roles, train, clean up."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from fitrl.config import FitrlConfig, save_config
+from fitrl.config.schema import derived_batch_numbers
+from fitrl.data.dataset import PromptDataset
+from fitrl.models.loading import check_model_dir, load_tokenizer
+from fitrl.rewards.registry import RewardScorer
+from fitrl.roles.workers import PolicyWorker, ReferenceWorker, resolve_device
+from fitrl.trainer.loop import RLTrainer
+from fitrl.workers.group import InProcessWorkerGroup, RoleHandle
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_run_dir(cfg: FitrlConfig) -> Path:
+    t = cfg.trainer
+    if t.run_dir:
+        path = Path(t.run_dir)
+    else:
+        path = Path(t.output_dir) / f"{t.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, PromptDataset | None]:
+    d = cfg.data
+    common = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, prompt_template=d.prompt_template,
+                  system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template,
+                  max_prompt_length=d.max_prompt_length)
+    train = None
+    if not cfg.trainer.val_only:
+        if not d.train_files:
+            from fitrl.config.schema import ConfigError
+
+            raise ConfigError("data.train_files is empty: give at least one jsonl/json/parquet file")
+        train = PromptDataset(d.train_files, tokenizer, name="train", **common)
+    val = PromptDataset(d.val_files, tokenizer, name="val", **common) if d.val_files else None
+    return train, val
+
+
+def _quiet_transformers() -> None:
+    """transformers' per-file progress bars would interleave with the step lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, float]]:
+    console = console or Console(soft_wrap=True)
+    _quiet_transformers()
+    seed_everything(cfg.trainer.seed)
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    check_model_dir(cfg.actor.model.path)
+    # Cheap checks before any model is loaded: a typo in the reward or data fails in seconds.
+    reward = RewardScorer(cfg.reward)
+    tokenizer = load_tokenizer(cfg.actor.model)
+    train_data, val_data = build_datasets(cfg, tokenizer)
+    run_dir = make_run_dir(cfg)
+    save_config(cfg, run_dir / "config.yaml")
+
+    policy = RoleHandle(InProcessWorkerGroup(PolicyWorker, cfg))
+    ref = RoleHandle(InProcessWorkerGroup(ReferenceWorker, cfg)) if cfg.algorithm.use_kl_loss else None
+
+    numbers = derived_batch_numbers(cfg, world_size=policy.world_size)
+    console.print(f"[bold]fitrl[/] run dir: {run_dir}")
+    console.print(f"model: {cfg.actor.model.path} ({policy.num_parameters() / 1e6:.2f}M params, "
+                  f"{cfg.actor.model.dtype}) on {resolve_device(cfg.trainer.device)}; reference: "
+                  f"{'yes' if ref else 'none (KL off)'}")
+    for ds in (train_data, val_data):
+        if ds is not None:
+            console.print(ds.summary(), highlight=False)
+    console.print("batch: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), highlight=False)
+
+    trainer = RLTrainer(cfg, policy=policy, ref=ref, train_data=train_data, val_data=val_data,
+                        reward=reward, run_dir=run_dir, console=console)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
+    return history

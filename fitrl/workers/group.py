@@ -1,0 +1,93 @@
+"""The worker-group interface the driver talks to.
+
+A worker class marks each public method with how a call is spread over its ranks:
+
+  @dispatch("dp")   the Batch argument is split evenly over ranks; the Batch results are
+                    concatenated in rank order, dict results (metrics) averaged.
+  @dispatch("all")  every rank gets the same arguments; rank 0's result is returned.
+
+The driver holds a :class:`RoleHandle` and calls ``policy.generate(batch, ...)`` the same way
+whatever the backend: in-process (one worker, the embedded default) or one process per rank.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+from fitrl.data.batch import Batch
+
+DISPATCH_ATTR = "_fitrl_dispatch"
+
+
+def dispatch(mode: str) -> Callable:
+    if mode not in ("dp", "all"):
+        raise ValueError(f"dispatch mode must be 'dp' or 'all', got {mode!r}")
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, DISPATCH_ATTR, mode)
+        return fn
+    return mark
+
+
+class WorkerGroup(ABC):
+    """``world_size`` workers of one class; ``call_all`` runs a method on every rank."""
+
+    world_size: int
+    worker_cls: type
+
+    @abstractmethod
+    def call_all(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
+        """Run ``method`` on each rank with its own positional args; results in rank order."""
+
+
+class InProcessWorkerGroup(WorkerGroup):
+    """One worker living in the driver's process (CPU or one GPU)."""
+
+    def __init__(self, worker_cls: type, *args, **kwargs):
+        self.worker_cls = worker_cls
+        self.world_size = 1
+        self.workers = [worker_cls(*args, rank=0, world_size=1, **kwargs)]
+
+    def call_all(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
+        return [getattr(w, method)(*args, **kwargs) for w, args in zip(self.workers, per_rank_args)]
+
+
+class RoleHandle:
+    """What the driver calls: ``handle.method(...)`` dispatched per the worker's marks."""
+
+    def __init__(self, group: WorkerGroup):
+        self._group = group
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._group.worker_cls, name, None)
+        mode = getattr(fn, DISPATCH_ATTR, None)
+        if mode is None:
+            raise AttributeError(f"{self._group.worker_cls.__name__}.{name} is not a dispatched worker method")
+        return lambda *args, **kwargs: self._call(name, mode, args, kwargs)
+
+    def _call(self, name: str, mode: str, args: tuple, kwargs: dict):
+        n = self._group.world_size
+        if mode == "all":
+            return self._group.call_all(name, [args] * n, kwargs)[0]
+        batch, rest = args[0], args[1:]
+        if not isinstance(batch, Batch):
+            raise TypeError(f"{name} is data-parallel: its first argument must be a Batch")
+        shards = batch.chunk(n) if n > 1 else [batch]
+        results = self._group.call_all(name, [(s, *rest) for s in shards], kwargs)
+        return gather(results)
+
+
+def gather(results: list[Any]) -> Any:
+    first = results[0]
+    if isinstance(first, Batch):
+        return Batch.concat(results)
+    if isinstance(first, dict):
+        return {k: sum(r[k] for r in results) / len(results) for k in first}
+    if first is None:
+        return None
+    raise TypeError(f"cannot gather results of type {type(first).__name__}")

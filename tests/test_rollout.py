@@ -1,0 +1,82 @@
+"""HF rollout: layout, EOS masking, and rollout log-probs equal to the trainer's recompute."""
+
+import pytest
+import torch
+
+from fitrl.config.schema import ModelConfig
+from fitrl.data.batch import Batch
+from fitrl.models.loading import load_causal_lm, load_tokenizer
+from fitrl.ops.logprob import response_logprobs, token_logprobs
+from fitrl.rollout.hf import HFRollout, Sampling, SampleAndRecord, first_eos_mask
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    cfg = ModelConfig(path=str(tiny_model_dir))
+    tok = load_tokenizer(cfg)
+    model = load_causal_lm(cfg, torch.device("cpu"))
+    return HFRollout(model, tok, micro_batch_size=5), tok
+
+
+def prompts(tok, texts):
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
+    return Batch(fields={"prompt_ids": ids, "answer": list(range(len(texts)))})
+
+
+def test_first_eos_mask():
+    r = torch.tensor([[5, 9, 7, 9], [9, 1, 1, 1], [1, 2, 3, 4]])
+    assert first_eos_mask(r, [9]).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_layout_and_fields(engine):
+    rollout, tok = engine
+    out = rollout.generate(prompts(tok, ["What is 1 + 2?", "Hi", "Compute 3 - 1 please."]),
+                           Sampling(temperature=1.0, n=4, max_new_tokens=6))
+    assert len(out) == 12 and out["answer"][:5] == [0, 0, 0, 0, 1]
+    B, L = out["input_ids"].shape
+    R = out["responses"].shape[1]
+    assert R <= 6 and torch.equal(out["input_ids"][:, -R:], out["responses"])
+    assert torch.equal(out["attention_mask"][:, -R:], out["response_mask"])
+    # prompts are left-padded: the column before the response is a real token everywhere
+    assert torch.all(out["attention_mask"][:, L - R - 1] == 1)
+    assert len(out["response_text"]) == 12
+    assert torch.all(out["rollout_logprobs"] <= 0)
+
+
+def test_rollout_logprobs_equal_recompute(engine):
+    rollout, tok = engine
+    torch.manual_seed(3)
+    out = rollout.generate(prompts(tok, ["What is 4 + 4?", "A longer prompt than the other one", "x"]),
+                           Sampling(temperature=0.7, n=3, max_new_tokens=8))
+    lp, _ = response_logprobs(rollout.model, out["input_ids"], out["attention_mask"], out["position_ids"],
+                              out["responses"].shape[1], temperature=0.7)
+    mask = out["response_mask"].bool()
+    assert torch.allclose(lp[mask], out["rollout_logprobs"][mask], atol=1e-4)
+
+
+def test_greedy_is_deterministic(engine):
+    rollout, tok = engine
+    p = prompts(tok, ["What is 2 + 2?", "Hello there"])
+    a = rollout.generate(p, Sampling(temperature=0.0, max_new_tokens=5))
+    b = rollout.generate(p, Sampling(temperature=0.0, max_new_tokens=5))
+    assert torch.equal(a["responses"], b["responses"])
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    k2 = SampleAndRecord(Sampling(top_k=2))(ids, scores.clone())
+    assert torch.isinf(k2[0, 2:]).all() and torch.isfinite(k2[0, :2]).all()
+    p = SampleAndRecord(Sampling(top_p=0.7))(ids, scores.clone())  # 0.5 + 0.3 reaches 0.7
+    assert torch.isfinite(p[0, :2]).all() and torch.isinf(p[0, 2:]).all()
+
+
+def test_chunked_logprobs_equal_unchunked():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 50)
+    labels = torch.randint(0, 50, (3, 7))
+    a, ea = token_logprobs(logits, labels, chunk_size=4, with_entropy=True, temperature=0.9)
+    ref = torch.log_softmax(logits / 0.9, -1)
+    assert torch.allclose(a, ref.gather(-1, labels[..., None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(ea, -(ref.exp() * ref).sum(-1), atol=1e-5)

@@ -1,0 +1,229 @@
+"""fitrl.models.tiny: locally built random-weight causal LMs load and behave like the real ones."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
+
+from fitrl.models.tiny import ARCHS, SIZES, build_corpus, describe, make_tiny_model  # noqa: E402
+
+# arch -> (end-of-turn token, pad token, bos token, assistant header rendered by add_generation_prompt)
+EXPECT = {
+    "qwen2": ("<|im_end|>", "<|endoftext|>", None, "<|im_start|>assistant\n"),
+    "llama": (
+        "<|eot_id|>",
+        "<|finetune_right_pad_id|>",
+        "<|begin_of_text|>",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    ),
+}
+CONVO = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 12 + 345? Answer with a number."},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(root / arch, arch=arch, size="tiny", seed=0) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dirs):
+    return {
+        arch: (AutoTokenizer.from_pretrained(p), AutoModelForCausalLM.from_pretrained(p))
+        for arch, p in tiny_dirs.items()
+    }
+
+
+def test_import_is_light():
+    code = "import sys, fitrl.models.tiny; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_loads_through_auto_classes(arch, tiny_dirs, loaded):
+    tok, model = loaded[arch]
+    eot, pad, bos, _ = EXPECT[arch]
+    cfg = model.config
+    assert cfg.model_type == arch
+    assert type(model).__name__ == ARCHS[arch].model_class
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
+    assert cfg.intermediate_size == 256 and cfg.max_position_embeddings == 2048
+    assert cfg.tie_word_embeddings is True
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert cfg.vocab_size == len(tok)
+    assert 400 <= len(tok) <= 600
+    assert tok.eos_token == eot and tok.pad_token == pad and tok.bos_token == bos
+    assert tok.pad_token_id != tok.eos_token_id
+    assert cfg.eos_token_id == tok.eos_token_id and cfg.pad_token_id == tok.pad_token_id
+    assert cfg.bos_token_id == (tok.bos_token_id if bos else None)
+    for t in ARCHS[arch].special_tokens:  # all specials are single, special tokens
+        ids = tok(t, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and ids[0] in tok.all_special_ids
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tokenizer_json_matches_auto_tokenizer(arch, tiny_dirs, loaded):
+    # AutoTokenizer may pick a model-specific class (Qwen2Tokenizer rebuilds its pre-tokenizer):
+    # it must still tokenise exactly like the tokenizer.json we trained.
+    tok, _ = loaded[arch]
+    raw = Tokenizer.from_file(str(tiny_dirs[arch] / "tokenizer.json"))
+    samples = build_corpus()[::7] + ["Hello  world!\n\n(answer): 3.14159\t-42 ok\n", "x<|im_end|>y"]
+    for s in samples:
+        assert tok(s, add_special_tokens=False)["input_ids"] == raw.encode(s, add_special_tokens=False).ids, s
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_chat_template(arch, loaded):
+    tok, _ = loaded[arch]
+    eot, _, bos, header = EXPECT[arch]
+    text = tok.apply_chat_template(CONVO, add_generation_prompt=True, tokenize=False)
+    assert isinstance(text, str)
+    assert text.endswith(header)
+    assert text.count(eot) == 2
+    assert "You are a helpful assistant." in text and "What is 12 + 345? Answer with a number." in text
+    if arch == "qwen2":
+        assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+    else:
+        assert text.startswith(
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\n"
+        )
+    no_prompt = tok.apply_chat_template(CONVO, add_generation_prompt=False, tokenize=False)
+    assert not no_prompt.endswith(header) and text.startswith(no_prompt)
+
+    # The way the rest of fitrl encodes prompts: render, then tokenise without added specials.
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    if bos is None:
+        assert tok.bos_token_id is None
+        assert tok("hi 1")["input_ids"] == tok("hi 1", add_special_tokens=False)["input_ids"]
+    else:
+        assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+        assert tok("hi 1")["input_ids"][0] == tok.bos_token_id  # plain encode adds BOS, like Llama-3
+
+    # tokenize=True gives a BatchEncoding in transformers 5; same ids as the two-step path.
+    enc = tok.apply_chat_template(CONVO, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert list(enc["input_ids"]) == ids
+
+    # Assistant turns are marked for loss masks.
+    convo = CONVO + [{"role": "assistant", "content": "357"}]
+    out = tok.apply_chat_template(convo, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    marked = [i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    assert tok.decode(marked) == "357" + eot
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_digits_are_single_tokens(arch, loaded):
+    tok, _ = loaded[arch]
+    text = "What is 12345 + 67890? 80235"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces = [tok.decode([i]) for i in ids]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("1234567890" + "80235")
+    assert tok.decode(ids) == text
+    # No learned token mixes a digit with anything else.
+    specials = set(tok.all_special_ids)
+    for i in range(len(tok)):
+        if i in specials:
+            continue
+        piece = tok.decode([i])
+        if any(c.isdigit() for c in piece):
+            assert len(piece) == 1, (i, piece)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_eos_is_end_of_turn_and_matches_generation_config(arch, tiny_dirs, loaded):
+    tok, model = loaded[arch]
+    eot, pad, bos, _ = EXPECT[arch]
+    gen = GenerationConfig.from_pretrained(tiny_dirs[arch])
+    assert gen.eos_token_id == tok.convert_tokens_to_ids(eot) == tok.eos_token_id == model.config.eos_token_id
+    assert gen.pad_token_id == tok.convert_tokens_to_ids(pad) == tok.pad_token_id
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    if bos:
+        assert gen.bos_token_id == tok.bos_token_id
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_generate_with_sampling(arch, loaded):
+    tok, model = loaded[arch]
+    tok.padding_side = "left"
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+        for c in ("What is 3 + 4?", "Compute 12 - 5. Answer with a number.")
+    ]
+    enc = tok(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=6)
+    prompt_len = enc["input_ids"].shape[1]
+    assert out.shape[0] == 2 and prompt_len < out.shape[1] <= prompt_len + 6
+    assert ((out >= 0) & (out < len(tok))).all()
+    assert isinstance(tok.decode(out[0, prompt_len:]), str)
+
+
+def test_deterministic(tmp_path, tiny_dirs):
+    a = tiny_dirs["qwen2"]  # built with seed 0
+    b = make_tiny_model(tmp_path / "b", arch="qwen2", size="tiny", seed=0)
+    c = make_tiny_model(tmp_path / "c", arch="qwen2", size="tiny", seed=1)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    # Another seed: other weights, same tokenizer.
+    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
+    wa, wc = load_file(str(a / "model.safetensors")), load_file(str(c / "model.safetensors"))
+    assert wa.keys() == wc.keys()
+    assert not torch.equal(wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"])
+    # Building does not disturb the caller's RNG.
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    make_tiny_model(tmp_path / "d", arch="llama", seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_unknown_arch_or_size(tmp_path):
+    with pytest.raises(ValueError) as e:
+        make_tiny_model(tmp_path / "x", arch="gpt9")
+    assert "qwen2" in str(e.value) and "llama" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        make_tiny_model(tmp_path / "y", size="huge")
+    assert "tiny" in str(e.value) and "small" in str(e.value)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_describe(tiny_dirs, loaded):
+    for arch, path in tiny_dirs.items():
+        info = describe(path)
+        _, model = loaded[arch]
+        assert info["arch"] == arch and info["size"] == "tiny"
+        assert info["params"] == sum(p.numel() for p in model.parameters())
+        assert info["vocab_size"] == model.config.vocab_size
+        assert (info["hidden_size"], info["num_layers"]) == (64, 2)
+
+
+def test_small_size(tmp_path):
+    assert set(SIZES) >= {"tiny", "small"}
+    path = make_tiny_model(tmp_path / "small", arch="llama", size="small", seed=0)
+    info = describe(path)
+    assert 25_000_000 <= info["params"] <= 35_000_000, info
+    assert (info["hidden_size"], info["num_layers"], info["num_heads"], info["num_kv_heads"]) == (512, 8, 8, 4)
+    assert info["intermediate_size"] == 1408 and info["tie_word_embeddings"] is False
+    cfg = AutoConfig.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert cfg.vocab_size == len(tok) > 2000
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert sum(p.numel() for p in model.parameters()) == info["params"]
+    ids = tok("What is 3 + 4?", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()

@@ -363,3 +363,17 @@ def test_config_import_is_light():
 
 def test_config_is_a_dataclass_tree():
     assert dataclasses.is_dataclass(load_config(None).actor.optim)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.val.top_p=0", "rollout.val.top_p must be in (0, 1]"),
+    ("rollout.val.n=0", "rollout.val.n must be >= 1"),
+    ("rollout.temperature=0", "use rollout.val.temperature=0 for greedy validation"),
+    ("actor.ppo_epochs=0", "actor.ppo_epochs must be >= 1"),
+    ("trainer.log_freq=0", "trainer.log_freq must be >= 1"),
+    ("actor.micro_batch_size=5", "set actor.micro_batch_size to a divisor of 64 (e.g. 4)"),
+])
+def test_range_checks_say_what_to_change(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)

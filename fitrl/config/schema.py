@@ -80,7 +80,7 @@ class ModelConfig:
     path: str = ""
     """Local Hugging Face model directory (config.json, weights, tokenizer). Nothing is downloaded."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype the weights are held in. fp32 on CPU; bf16 on GPU for the reference model."""
+    """Dtype the weights are held in (the actor's are its master weights, so keep float32 there)."""
     tokenizer_path: Optional[str] = None
     """Tokenizer directory when it differs from ``path``."""
     gradient_checkpointing: bool = False
@@ -114,6 +114,11 @@ class ActorConfig:
     shuffle_mini_batches: bool = False
     """Shuffle sequences before splitting into mini-batches."""
 
+    def __post_init__(self) -> None:
+        for name in ("ppo_epochs", "logprob_micro_batch_size", "logprob_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
+
 
 @dataclass
 class RefConfig:
@@ -134,6 +139,14 @@ class SamplingConfig:
     n: int = 1
     """Responses sampled per prompt."""
 
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.val.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.val.top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ConfigError(f"rollout.val.n must be >= 1, got {self.n}")
+
 
 @dataclass
 class RolloutConfig:
@@ -151,6 +164,8 @@ class RolloutConfig:
     """New tokens generated at most per response."""
     micro_batch_size: int = 64
     """Sequences per ``generate`` call (memory knob; results do not depend on it)."""
+    ignore_eos: bool = False
+    """Never stop at EOS: every response is ``max_response_length`` tokens (benchmarks, memory tests)."""
     val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, n=1))
     """Sampling for validation (greedy, one response per prompt, by default)."""
 
@@ -219,6 +234,11 @@ class TrainerConfig:
     progress_bar: bool = True
     """Show a rich progress bar over steps (only on a terminal)."""
 
+    def __post_init__(self) -> None:
+        for name, low in (("max_steps", 0), ("val_freq", 0), ("log_freq", 1), ("num_threads", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"trainer.{name} must be >= {low}, got {getattr(self, name)}")
+
 
 @dataclass
 class FitrlConfig:
@@ -261,9 +281,10 @@ def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
             f"{world_size} ranks: make actor.mini_batch_size * rollout.n a multiple of {world_size}"
         )
     if seqs_per_rank % micro:
+        ranks = f" / {world_size} ranks" if world_size > 1 else ""
         raise ConfigError(
-            f"each rank gets {seqs_per_rank} sequences per mini-batch (actor.mini_batch_size={mini} x "
-            f"rollout.n={n} / {world_size} ranks), not a multiple of actor.micro_batch_size={micro}: "
+            f"a mini-batch has {seqs_per_rank} sequences per rank (actor.mini_batch_size={mini} x "
+            f"rollout.n={n}{ranks}), not a multiple of actor.micro_batch_size={micro}: "
             f"set actor.micro_batch_size to a divisor of {seqs_per_rank} "
             f"(e.g. {_largest_divisor_at_most(seqs_per_rank, micro)})"
         )

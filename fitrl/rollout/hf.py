@@ -35,6 +35,7 @@ class Sampling:
     top_k: int = 0
     n: int = 1
     max_new_tokens: int = 32
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
     @property
     def greedy(self) -> bool:
@@ -49,8 +50,9 @@ class SampleAndRecord(LogitsProcessor):
     one vocabulary row per sequence instead of all R steps' logits.
     """
 
-    def __init__(self, sampling: Sampling):
+    def __init__(self, sampling: Sampling, eos_ids: list[int] = ()):
         self.sampling = sampling
+        self.eos_ids = list(eos_ids)
         self.pending: Optional[torch.Tensor] = None  # (B, V) fp32 log-probs of the last step
         self.logprobs: list[torch.Tensor] = []  # one (B,) per generated token
 
@@ -62,6 +64,9 @@ class SampleAndRecord(LogitsProcessor):
         if not s.greedy and s.temperature != 1.0:
             scores = scores / s.temperature
         self.pending = torch.log_softmax(scores, dim=-1)
+        if s.ignore_eos and self.eos_ids:
+            scores = scores.clone()
+            scores[:, self.eos_ids] = float("-inf")
         if s.greedy:
             return scores
         if s.top_k > 0 and s.top_k < scores.shape[-1]:
@@ -154,7 +159,7 @@ class HFRollout:
         return out
 
     def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: Sampling):
-        recorder = SampleAndRecord(sampling)
+        recorder = SampleAndRecord(sampling, self.eos_ids)
         config = GenerationConfig(
             do_sample=not sampling.greedy,
             temperature=1.0, top_k=None, top_p=None,  # sampling happens in `recorder`

@@ -73,7 +73,7 @@ class RLTrainer:
         self.sampler = (PromptSampler(len(train_data), cfg.data.rollout_batch_size, cfg.data.shuffle,
                                       cfg.trainer.seed) if train_data is not None else None)
         r = cfg.rollout
-        self.train_sampling = Sampling(r.temperature, r.top_p, r.top_k, r.n, r.max_response_length)
+        self.train_sampling = Sampling(r.temperature, r.top_p, r.top_k, r.n, r.max_response_length, r.ignore_eos)
         v = r.val
         self.val_sampling = Sampling(v.temperature, v.top_p, v.top_k, v.n, r.max_response_length)
         self.history: list[dict[str, float]] = []

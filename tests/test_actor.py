@@ -66,9 +66,9 @@ def test_lr_schedule():
     warm = OptimConfig(lr=1.0, warmup_steps=4)
     assert [lr_factor(s, warm, 10) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     cos = OptimConfig(lr=1.0, warmup_steps=0, lr_schedule="cosine", min_lr_ratio=0.1)
-    assert lr_factor(0, cos, 10) == pytest.approx(1.0)
-    assert lr_factor(5, cos, 10) == pytest.approx(0.55)
-    assert lr_factor(10, cos, 10) == pytest.approx(0.1)
+    assert lr_factor(0, cos, 11) == pytest.approx(1.0)
+    assert lr_factor(5, cos, 11) == pytest.approx(0.55)  # halfway: 0.1 + 0.9 * 0.5
+    assert lr_factor(10, cos, 11) == pytest.approx(0.1)  # the last of 11 steps reaches the floor
 
 
 def test_weighted_metrics_are_token_weighted():

@@ -377,3 +377,9 @@ def test_range_checks_say_what_to_change(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert message in str(err.value)
+
+
+def test_low_precision_actor_rejected_reference_allowed():
+    with pytest.raises(ConfigError, match="keep actor.model.dtype=float32"):
+        load_config(None, ["actor.model.dtype=bfloat16"])
+    assert load_config(None, ["ref.model.dtype=bfloat16"]).ref.model.dtype == "bfloat16"

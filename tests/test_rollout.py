@@ -80,3 +80,41 @@ def test_chunked_logprobs_equal_unchunked():
     ref = torch.log_softmax(logits / 0.9, -1)
     assert torch.allclose(a, ref.gather(-1, labels[..., None]).squeeze(-1), atol=1e-5)
     assert torch.allclose(ea, -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 16, 1000])
+def test_chunking_paths_agree_on_non_contiguous_logits(chunk_size):
+    torch.manual_seed(1)
+    full = torch.randn(5, 8, 30)
+    logits = full[:, :-1]  # (5, 7, 30), non-contiguous like response_logprobs' slice
+    labels = torch.randint(0, 30, (5, 7))
+    lp, ent = token_logprobs(logits, labels, chunk_size=chunk_size, with_entropy=True)
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(lp, ref.gather(-1, labels[..., None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+def test_checkpoint_generation_config_cannot_change_sampling(tiny_model_dir, tmp_path):
+    """Qwen checkpoints ship top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05; none
+    may leak into what the config asked for (it would bias the recorded log-probs)."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "qwen-like"
+    shutil.copytree(tiny_model_dir, model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    gen.update(top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05, do_sample=True)
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    cfg = ModelConfig(path=str(model_dir))
+    tok = load_tokenizer(cfg)
+    model = load_causal_lm(cfg, torch.device("cpu"))
+    rollout = HFRollout(model, tok)
+    seen = []
+    original = model._get_logits_processor
+    model._get_logits_processor = lambda *a, **k: seen.append(original(*a, **k)) or seen[-1]
+    out = rollout.generate(prompts(tok, ["What is 1 + 1?", "Hi"]), Sampling(temperature=1.0, n=8, max_new_tokens=6))
+    assert [type(p).__name__ for p in seen[0]] == ["SampleAndRecord"]
+    lp, _ = response_logprobs(model, out["input_ids"], out["attention_mask"], out["position_ids"],
+                              out["responses"].shape[1])
+    mask = out["response_mask"].bool()
+    assert torch.allclose(lp[mask], out["rollout_logprobs"][mask], atol=1e-4)

@@ -51,7 +51,8 @@ def ppo_clip_loss(
     ``clip_frac_low/high`` (tokens whose gradient the clip removed), ``ratio_mean``, ``approx_kl``
     (k1 between old and current policy).
     """
-    log_ratio = logp - old_logp
+    # clamp: an overflowing exp() times a zero advantage would be NaN, and masking cannot remove NaN
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)

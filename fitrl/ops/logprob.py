@@ -26,26 +26,58 @@ def token_logprobs(
     Entropy is computed without autograd unless ``entropy_grad`` (an entropy bonus in the
     loss): as a logged metric it would otherwise keep a softmax per chunk alive for backward.
     """
-    shape = labels.shape
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_labels = labels.reshape(-1)
+    if logits.dim() == 2:
+        logits, labels = logits[None], labels[None]
+        squeeze = True
+    else:
+        squeeze = False
+    if logits.dim() != 3:
+        raise ValueError(f"expected logits (B, T, V) or (T, V), got {tuple(logits.shape)}")
     logps, entropies = [], []
-    for start in range(0, flat_labels.shape[0], chunk_size):
-        chunk = flat_logits[start:start + chunk_size].float()
+    # Chunks are views (row blocks, or pieces of one row when a row is longer than a chunk), so
+    # a non-contiguous input such as ``logits[:, :-1]`` is never copied whole; only the fp32
+    # chunk is materialised.
+    for chunk, chunk_labels in _chunks(logits, labels, chunk_size):
+        chunk = chunk.float()
         if temperature != 1.0:
             chunk = chunk / temperature
         log_norm = torch.logsumexp(chunk, dim=-1)
-        picked = chunk.gather(-1, flat_labels[start:start + chunk_size, None]).squeeze(-1)
+        picked = chunk.gather(-1, chunk_labels[..., None]).squeeze(-1)
         logps.append(picked - log_norm)
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 probs = torch.softmax(chunk, dim=-1)
                 entropies.append(log_norm - (probs * chunk).sum(-1))
-    logp = torch.cat(logps).reshape(shape) if logps else flat_logits.new_zeros(shape, dtype=torch.float32)
-    entropy = None
-    if with_entropy:
-        entropy = torch.cat(entropies).reshape(shape) if entropies else torch.zeros_like(logp)
+    logp = _join(logps, labels.shape)
+    entropy = _join(entropies, labels.shape) if with_entropy else None
+    if squeeze:
+        logp = logp[0]
+        entropy = entropy[0] if entropy is not None else None
     return logp, entropy
+
+
+def _chunks(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+    """Yield (rows, T, V) blocks of about ``chunk_size`` tokens, or (1, t, V) pieces of long rows."""
+    B, T, _ = logits.shape
+    if T <= chunk_size:
+        rows = max(1, chunk_size // max(T, 1))
+        for b in range(0, B, rows):
+            yield logits[b:b + rows], labels[b:b + rows]
+    else:
+        for b in range(B):
+            for t in range(0, T, chunk_size):
+                yield logits[b:b + 1, t:t + chunk_size], labels[b:b + 1, t:t + chunk_size]
+
+
+def _join(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """Reassemble chunk results (in _chunks order) into (B, T)."""
+    B, T = shape
+    if not parts:
+        return torch.zeros(shape)
+    if parts[0].shape[1] == T:  # row blocks
+        return torch.cat(parts, dim=0)
+    per_row = (T + parts[0].shape[1] - 1) // parts[0].shape[1]
+    return torch.cat([torch.cat(parts[b * per_row:(b + 1) * per_row], dim=1) for b in range(B)], dim=0)
 
 
 def response_logprobs(

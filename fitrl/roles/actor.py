@@ -30,14 +30,15 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return 1.0
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    decay_steps = max(1, total_steps - cfg.warmup_steps - 1)  # the last step (total_steps - 1) reaches the floor
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class WeightedMetrics:
-    """Averages micro-batch metrics weighted by their token share, so the result is the
-    token mean over the whole batch rather than a mean of micro-batch means."""
+    """Averages micro-batch metrics weighted by their token share of their mini-batch: the
+    token mean within each mini-batch (not a mean of micro-batch means), averaged over the
+    mini-batches (each optimizer step counts once)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = defaultdict(float)
@@ -53,8 +54,11 @@ class WeightedMetrics:
 
 
 class Actor:
-    def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int):
+    def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int,
+                 seed: int = 0):
         self.model = model
+        self.seed = seed
+        self.num_updates = 0  # RL steps optimised so far (seeds the mini-batch shuffle)
         self.cfg = actor_cfg
         self.algo = algo_cfg
         self.optimizer = build_optimizer(model, actor_cfg.optim)
@@ -93,7 +97,7 @@ class Actor:
         self.model.train()
         metrics = WeightedMetrics()
         grad_norms, skipped = [], 0
-        generator = torch.Generator().manual_seed(len(batch))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.num_updates)
         for _ in range(self.cfg.ppo_epochs):
             order = (torch.randperm(len(batch), generator=generator) if self.cfg.shuffle_mini_batches
                      else torch.arange(len(batch)))
@@ -108,10 +112,12 @@ class Actor:
                     self.optimizer.zero_grad(set_to_none=True)
                 grad_norms.append(grad_norm)
         out = metrics.result()
-        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         out["actor/skipped_steps"] = float(skipped)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
+        self.num_updates += 1
         return out
 
     def accumulate_gradients(self, mini: Batch, temperature: float, metrics: WeightedMetrics) -> None:

@@ -35,7 +35,8 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed + rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_causal_lm(cfg.actor.model, self.device)
-        self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps)
+        self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
+                           seed=cfg.trainer.seed)
         self.rollout = HFRollout(self.model, self.tokenizer, micro_batch_size=cfg.rollout.micro_batch_size)
 
     @dispatch("dp")

@@ -12,8 +12,10 @@ response actually generated (<= max_response_length):
   rollout_logprobs (B, R)   log-prob of each sampled token at the sampling temperature
 
 Sampling (temperature, top-k, top-p) is applied by our own logits processor, and HF's own
-warpers are switched off: a checkpoint's ``generation_config.json`` (Qwen ships top_k=20,
-top_p=0.8, temperature=0.7) must never change what a config asked for silently.
+processors are switched off: a checkpoint's ``generation_config.json`` (Qwen ships top_k=20,
+top_p=0.8, temperature=0.7, repetition_penalty=1.05) must never change what a config asked
+for silently. The recorded log-prob is that of the tempered distribution *before* top-k/top-p
+truncation, which is what the trainer recomputes (as veRL does).
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class HFRollout:
         self.micro_batch_size = micro_batch_size
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        # generate() fills every unset field from model.generation_config and then from HF's
+        # global defaults (top_k=50): replace the checkpoint's and pass neutral values below.
+        model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
     @torch.no_grad()
     def generate(self, prompts: Batch, sampling: Sampling) -> Batch:
@@ -162,7 +167,9 @@ class HFRollout:
         recorder = SampleAndRecord(sampling, self.eos_ids)
         config = GenerationConfig(
             do_sample=not sampling.greedy,
-            temperature=1.0, top_k=None, top_p=None,  # sampling happens in `recorder`
+            # sampling happens in `recorder`; every HF processor is explicitly neutral
+            temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+            repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,

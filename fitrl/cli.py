@@ -125,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from fitrl.config.schema import ConfigError
+    from fitrl.trainer.errors import RunStopped
 
     try:
         return args.fn(args)
     except ConfigError as e:
         print(f"fitrl: config error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:
+        print(f"fitrl: run stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("fitrl: interrupted", file=sys.stderr)
         return 130

@@ -31,22 +31,27 @@ def setup(tiny_model_dir):
     return model, batch
 
 
-def grads_with_micro(model, batch, micro, use_kl):
+def grads_with_micro(model, batch, micro, use_kl, agg_mode="token-mean", policy_loss="ppo_clip"):
     model = copy.deepcopy(model)
-    algo = AlgorithmConfig(use_kl_loss=use_kl, kl_coef=0.1)
-    actor = Actor(model, ActorConfig(micro_batch_size=micro, entropy_coeff=0.01), algo, total_steps=1)
+    algo = AlgorithmConfig(use_kl_loss=use_kl, kl_coef=0.1, loss_agg_mode=agg_mode, policy_loss=policy_loss)
+    actor = Actor(model, ActorConfig(micro_batch_size=micro, entropy_coeff=0.01), algo, total_steps=1,
+                  max_response_length=6)
     actor.model.train()
     actor.accumulate_gradients(batch, temperature=1.0, metrics=WeightedMetrics())
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("use_kl", [False, True])
-def test_micro_batching_gives_the_same_gradient(setup, use_kl):
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("use_kl,policy_loss", [(False, "ppo_clip"), (True, "ppo_clip"), (False, "gspo"),
+                                                (False, "cispo")])
+def test_micro_batching_gives_the_same_gradient(setup, use_kl, agg_mode, policy_loss):
+    """1 micro-batch x 8 sequences, 2 x 4, 4 x 2 and 8 x 1 give the same gradient on a real model."""
     model, batch = setup
-    reference = grads_with_micro(model, batch, 8, use_kl)
+    reference = grads_with_micro(model, batch, 8, use_kl, agg_mode, policy_loss)
     assert any(g.abs().sum() > 0 for g in reference)
     for micro in (4, 2, 1):
-        for g, r in zip(grads_with_micro(model, batch, micro, use_kl), reference):
+        for g, r in zip(grads_with_micro(model, batch, micro, use_kl, agg_mode, policy_loss), reference):
             assert torch.allclose(g, r, atol=1e-6, rtol=1e-4), f"micro_batch_size={micro}"
 
 

@@ -1,98 +1,123 @@
-"""RL math on hand-written tensors: values you can check on paper."""
+"""RL math on hand-written tensors: registries, KL estimators and controllers, DAPO filtering and
+overlong shaping, and the doctests of every fitrl.algo module. Estimators and losses have their
+own files (test_algo_advantages.py, test_algo_losses.py)."""
 
+import doctest
+import importlib
 import math
 
 import pytest
 import torch
 
-from fitrl.algo.advantages import ADVANTAGE_ESTIMATORS, group_mean_std, grpo_advantages
-from fitrl.algo.kl import KL_ESTIMATORS
-from fitrl.algo.losses import POLICY_LOSSES, ppo_clip_loss, token_mean
+from fitrl.algo.advantages import ADVANTAGE_ESTIMATORS
+from fitrl.algo.filtering import group_is_informative
+from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
+from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+from fitrl.algo.shaping import overlong_penalty
 from fitrl.config.schema import ConfigError
 
-
-def test_group_mean_std_by_hand():
-    values = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0])
-    groups = torch.tensor([0, 0, 1, 1, 2])
-    mean, std, count = group_mean_std(values, groups)
-    assert mean.tolist() == [2.0, 2.0, 2.0, 2.0, 5.0]
-    # group 0: deviations +-1, unbiased var = (1+1)/1 = 2
-    assert std.tolist() == pytest.approx([math.sqrt(2), math.sqrt(2), 0.0, 0.0, 0.0])
-    assert count.tolist() == [2, 2, 2, 2, 1]
+ALGO_MODULES = ["registry", "advantages", "losses", "kl", "filtering", "shaping"]
 
 
-def test_grpo_advantages_by_hand():
-    # one group of three: scores 1, 0, 0 -> mean 1/3, unbiased std sqrt(1/3)
-    scores = torch.tensor([1.0, 0.0, 0.0])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    adv, returns = grpo_advantages(scores, mask, torch.tensor([0, 0, 0]), eps=0.0)
-    std = math.sqrt(1 / 3)
-    expected = [(1 - 1 / 3) / std, (-1 / 3) / std, (-1 / 3) / std]  # 1.1547, -0.5774, -0.5774
-    assert adv[:, 0].tolist() == pytest.approx(expected, rel=1e-5)
-    assert adv[0, 2] == 0 and adv[1, 1] == 0  # zero outside the response
-    assert torch.equal(adv, returns)
+@pytest.mark.parametrize("module", ALGO_MODULES)
+def test_doctests(module):
+    result = doctest.testmod(importlib.import_module(f"fitrl.algo.{module}"))
+    assert result.failed == 0
 
 
-def test_grpo_equal_scores_and_singletons_give_zero():
-    adv, _ = grpo_advantages(torch.tensor([1.0, 1.0, 0.7]), torch.ones(3, 2), torch.tensor([0, 0, 1]))
-    assert torch.all(adv == 0)
+def test_registries_list_every_variant():
+    assert ADVANTAGE_ESTIMATORS.names() == sorted(
+        ["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"])
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo_clip"]
+    assert LOSS_AGGREGATIONS.names() == sorted(
+        ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+    assert KL_ESTIMATORS.names() == ["abs", "k1", "k2", "k3", "low_var_kl", "mse"]
 
 
-def test_grpo_matches_loop_reference():
-    torch.manual_seed(0)
-    scores = torch.rand(24)
-    groups = torch.arange(6).repeat_interleave(4)[torch.randperm(24)]
-    adv, _ = grpo_advantages(scores, torch.ones(24, 1), groups, eps=1e-6)
-    for i in range(24):
-        members = scores[groups == groups[i]]
-        ref = (scores[i] - members.mean()) / (members.std() + 1e-6)
-        assert adv[i, 0].item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+def test_registry_typo_names_nearest():
+    with pytest.raises(ConfigError, match="did you mean 'grpo'"):
+        ADVANTAGE_ESTIMATORS.get("grpoo")
+    with pytest.raises(ConfigError, match="valid: cispo, gspo, ppo_clip"):
+        POLICY_LOSSES.get("nope")
+    with pytest.raises(ConfigError, match="algorithm.loss_agg_mode='token_mean'; did you mean 'token-mean'"):
+        LOSS_AGGREGATIONS.get("token_mean")
+
+
+# ---------------------------------------------------------------------------------------------- KL
 
 
 def test_kl_estimators_by_hand():
     logp = torch.tensor([math.log(0.5)])
     ref = torch.tensor([math.log(0.25)])
     # d = ref - logp = -ln 2
-    assert KL_ESTIMATORS.get("k1")(logp, ref).item() == pytest.approx(math.log(2))
-    assert KL_ESTIMATORS.get("k2")(logp, ref).item() == pytest.approx(0.5 * math.log(2) ** 2)
-    assert KL_ESTIMATORS.get("k3")(logp, ref).item() == pytest.approx(0.5 - 1 + math.log(2))
+    kl = {name: KL_ESTIMATORS.get(name)(logp, ref).item() for name in KL_ESTIMATORS.names()}
+    assert kl["k1"] == pytest.approx(math.log(2))  # -d
+    assert kl["k2"] == kl["mse"] == pytest.approx(0.5 * math.log(2) ** 2)  # d^2/2 = 0.2402
+    assert kl["k3"] == kl["low_var_kl"] == pytest.approx(0.5 - 1 + math.log(2))  # e^d - d - 1 = 0.1931
+    assert kl["abs"] == pytest.approx(math.log(2))  # |d|
+    # the other direction: d = +ln 2 -> k1 = -ln 2 (k1 can be negative), abs = ln 2, k3 = 2 - ln 2 - 1 = 0.3069
+    back = {name: KL_ESTIMATORS.get(name)(ref, logp).item() for name in ("k1", "abs", "k3")}
+    assert back == pytest.approx({"k1": -math.log(2), "abs": math.log(2), "k3": 1 - math.log(2)})
     same = torch.tensor([-1.3, -0.2])
-    for name in ("k1", "k2", "k3"):
-        assert torch.all(KL_ESTIMATORS.get(name)(same, same) == 0)
+    for name in KL_ESTIMATORS.names():
+        assert torch.all(KL_ESTIMATORS.get(name)(same, same) == 0), name
 
 
-def test_token_mean_with_global_denominator():
-    values = torch.tensor([[1.0, 3.0], [5.0, 7.0]])
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    assert token_mean(values, mask).item() == pytest.approx(3.0)  # (1+3+5)/3
-    assert token_mean(values, mask, denominator=9.0).item() == pytest.approx(1.0)
+def test_k3_is_finite_on_wild_disagreement():
+    out = KL_ESTIMATORS.get("k3")(torch.tensor([-100.0, 0.0]), torch.tensor([0.0, -100.0]))
+    assert torch.isfinite(out).all() and out.max() <= 10.0
 
 
-def test_ppo_clip_by_hand():
-    # ratios 1.5, 0.5, 1.1 with advantages +1, -1, -2 and clip 0.2
-    old = torch.zeros(1, 3)
-    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
-    adv = torch.tensor([[1.0, -1.0, -2.0]])
-    mask = torch.ones(1, 3)
-    loss, m = ppo_clip_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
-    # token 1: max(-1.5, -1.2) = -1.2 (clipped high); token 2: max(0.5, 0.8) = 0.8 (clipped low);
-    # token 3: max(2.2, 2.2) = 2.2 (inside the range)
-    assert loss.item() == pytest.approx((-1.2 + 0.8 + 2.2) / 3, rel=1e-5)
-    assert m["actor/clip_frac_high"].item() == pytest.approx(1 / 3)
-    assert m["actor/clip_frac_low"].item() == pytest.approx(1 / 3)
-    assert m["actor/ratio_mean"].item() == pytest.approx((1.5 + 0.5 + 1.1) / 3, rel=1e-5)
+def test_fixed_kl_controller():
+    c = FixedKLController(0.05)
+    c.update(current_kl=10.0, n_steps=1000)
+    assert c.value == 0.05
 
 
-def test_ppo_clip_gradient_is_zero_on_clipped_tokens():
-    logp = torch.log(torch.tensor([[1.5, 1.0]])).requires_grad_()
-    loss, _ = ppo_clip_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
-    loss.backward()
-    assert logp.grad[0, 0] == 0  # ratio 1.5 > 1.2 with A > 0: clipped
-    assert logp.grad[0, 1].item() == pytest.approx(-0.5)  # d(-r/2)/dlogp at r=1
+def test_adaptive_kl_controller_by_hand():
+    c = AdaptiveKLController(init_coef=0.1, target_kl=1.0, horizon=100)
+    c.update(current_kl=3.0, n_steps=50)  # error 3/1 - 1 = 2, clipped to 0.2: 0.1 * (1 + 0.2*50/100) = 0.11
+    assert c.value == pytest.approx(0.11)
+    c.update(current_kl=1.05, n_steps=100)  # error 0.05: 0.11 * 1.05 = 0.1155
+    assert c.value == pytest.approx(0.1155)
+    c.update(current_kl=0.0, n_steps=100)  # error -1, clipped to -0.2: 0.1155 * 0.8 = 0.0924
+    assert c.value == pytest.approx(0.0924)
+    c.update(current_kl=1.0, n_steps=100)  # on target: unchanged
+    assert c.value == pytest.approx(0.0924)
 
 
-def test_registry_typo_names_nearest():
-    with pytest.raises(ConfigError, match="did you mean 'grpo'"):
-        ADVANTAGE_ESTIMATORS.get("grpoo")
-    with pytest.raises(ConfigError, match="valid: ppo_clip"):
-        POLICY_LOSSES.get("nope")
+# -------------------------------------------------------------------------------- DAPO filtering
+
+
+def test_group_is_informative_by_hand():
+    values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.2, 0.2, 0.3])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 4, 4])
+    # group 0 all 1, group 1 mixed, group 2 all 0, group 3 a singleton, group 4 mixed
+    assert group_is_informative(values, groups).tolist() == [False, False, True, True, False, False, False,
+                                                             True, True, True]
+
+
+def test_group_is_informative_matches_loop():
+    torch.manual_seed(7)
+    groups = torch.arange(8).repeat_interleave(4)[torch.randperm(32)]
+    values = torch.randint(0, 2, (32,)).float()
+    got = group_is_informative(values, groups)
+    for i in range(32):
+        assert got[i].item() == (len(set(values[groups == groups[i]].tolist())) > 1)
+
+
+# ------------------------------------------------------------------------------- overlong shaping
+
+
+def test_overlong_penalty_by_hand():
+    # max 10, buffer 4, factor 0.5: free up to 6 tokens, then -0.5 * (len - 6)/4
+    lengths = torch.tensor([1, 6, 7, 8, 10])
+    got = overlong_penalty(lengths, max_response_length=10, buffer_length=4, penalty_factor=0.5)
+    assert got.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+
+
+def test_overlong_penalty_rejects_a_bad_buffer():
+    with pytest.raises(ValueError, match="buffer_length"):
+        overlong_penalty(torch.tensor([3]), max_response_length=4, buffer_length=0, penalty_factor=1.0)
+    with pytest.raises(ValueError, match="buffer_length"):
+        overlong_penalty(torch.tensor([3]), max_response_length=4, buffer_length=5, penalty_factor=1.0)

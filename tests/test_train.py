@@ -1,6 +1,5 @@
 """Integration: the real loop on tiny local models, and the CLI as a user meets it."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,22 +9,8 @@ import yaml
 
 from fitrl.cli import judge_rise
 from fitrl.config import load_config
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = str(ROOT / "examples" / "arith.yaml")
-DATA = ROOT / "examples" / "data"
-
-
-def config(model_dir, run_dir, *overrides):
-    return load_config(EXAMPLE, [
-        f"actor.model.path={model_dir}", f"trainer.run_dir={run_dir}",
-        f"data.train_files=[{DATA / 'arith_train.jsonl'}]", f"data.val_files=[{DATA / 'arith_val.jsonl'}]",
-        "trainer.progress_bar=false", *overrides])
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
+from helpers import DATA, EXAMPLE, ROOT, read_metrics
+from helpers import toy_config as config
 
 def test_grpo_steps_qwen2(tiny_model_dir, tmp_path):
     from fitrl.trainer.run import train

@@ -107,6 +107,8 @@ class ActorConfig:
     """PPO clip: the ratio is clipped below at ``1 - clip_ratio_low``."""
     clip_ratio_high: float = 0.2
     """PPO clip: the ratio is clipped above at ``1 + clip_ratio_high`` (raise it for DAPO clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """Dual clip: for negative advantages the per-token loss is capped at ``-A * clip_ratio_c`` (values <= 1 disable it)."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus in the loss (0 disables; entropy is still logged)."""
     logprob_chunk_size: int = 1024
@@ -124,6 +126,28 @@ class ActorConfig:
         for name in ("ppo_epochs", "logprob_micro_batch_size", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class CriticConfig:
+    model: Optional[ModelConfig] = None
+    """Value model (a token-classification head on this checkpoint); unset: the actor's model path. Built only for ``gae``."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer and schedule."""
+    mini_batch_size: int = 8
+    """Prompts per critic optimizer step."""
+    micro_batch_size: int = 8
+    """Sequences per critic forward/backward."""
+    values_micro_batch_size: int = 16
+    """Sequences per forward when computing values without gradients."""
+    ppo_epochs: int = 1
+    """Critic passes over the batch per RL step."""
+    cliprange_value: float = 0.5
+    """Clip range of the value update around the old values."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the per-token value loss."""
+    warmup_steps: int = 0
+    """RL steps at the start during which only the critic learns (the actor is not updated)."""
 
 
 @dataclass
@@ -192,15 +216,57 @@ class RolloutConfig:
 
 
 @dataclass
+class KLRewardConfig:
+    enable: bool = False
+    """Subtract ``coef * KL(policy || reference)`` from every response token's reward (PPO-style); builds a reference model."""
+    estimator: str = "k1"
+    """Per-token KL estimator used in the reward (``k1``, ``k2``, ``k3``, ``abs``, ``mse``)."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed`` keeps ``coef``; ``adaptive`` steers it towards ``target_kl`` (Ziegler et al. 2019)."""
+    coef: float = 0.001
+    """KL coefficient (the initial one for the adaptive controller)."""
+    target_kl: float = 0.1
+    """Adaptive controller: target mean KL per sequence."""
+    horizon: int = 10000
+    """Adaptive controller: sequences over which the coefficient adapts."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose samples all scored the same (no advantage signal) and draw more prompts."""
+    metric: str = "score"
+    """What must vary within a group: ``score`` (the total reward) or a reward component name (e.g. ``exact``)."""
+    max_num_gen_batches: int = 10
+    """Generation rounds per step at most (including the first); 0 means no bound."""
+    on_exhausted: Literal["continue", "stop"] = "continue"
+    """When the bound is hit with a partial batch: ``continue`` with what was kept, or ``stop`` the run with a message."""
+
+
+@dataclass
+class OverlongConfig:
+    enable: bool = False
+    """DAPO soft overlong punishment: responses in the last ``buffer_length`` tokens before ``rollout.max_response_length`` lose reward linearly."""
+    buffer_length: int = 4
+    """Length of the penalty ramp in tokens."""
+    penalty_factor: float = 1.0
+    """Penalty at exactly ``rollout.max_response_length`` tokens."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, from the registry in ``fitrl.algo.advantages`` (e.g. ``grpo``)."""
     norm_adv_by_std: bool = True
-    """GRPO: divide group-centred scores by the group's standard deviation."""
+    """GRPO: divide group-centred scores by the group's standard deviation (``drgrpo`` never does)."""
+    gamma: float = 1.0
+    """Discount for GAE and REINFORCE++ returns."""
+    lam: float = 1.0
+    """GAE lambda."""
     policy_loss: str = "ppo_clip"
     """Policy loss, from the registry in ``fitrl.algo.losses``."""
     loss_agg_mode: str = "token-mean"
-    """How per-token losses become one number (``token-mean``: sum over all response tokens of the mini-batch / their count)."""
+    """How per-token losses become one number: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` (Dr.GRPO); denominators are global over the mini-batch."""
     use_kl_loss: bool = False
     """Add ``kl_coef * KL(policy || reference)`` to the loss; builds a reference model."""
     kl_coef: float = 0.001
@@ -209,6 +275,12 @@ class AlgorithmConfig:
     """Per-token KL estimator: ``k1``, ``k2``, ``k3`` (low-variance, a.k.a. low_var_kl)."""
     recompute_old_logprob: bool = True
     """Recompute the behaviour log-probs with the actor before the update; off reuses the rollout's."""
+    kl_in_reward: KLRewardConfig = field(default_factory=KLRewardConfig)
+    """KL penalty in the reward (the alternative to ``use_kl_loss``)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling (online filtering of uninformative groups)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO overlong reward shaping."""
 
 
 @dataclass
@@ -262,6 +334,8 @@ class FitrlConfig:
     """The trained policy: model, optimizer, mini/micro batches."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The frozen reference policy (built only when KL is used)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (built only for estimators that need values, e.g. ``gae``)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation: engine, sampling, response length."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -271,6 +345,17 @@ class FitrlConfig:
 
     def __post_init__(self) -> None:
         check_batch_sizes(self, world_size=1)
+        if self.algorithm.use_kl_loss and self.algorithm.kl_in_reward.enable:
+            raise ConfigError("algorithm.use_kl_loss and algorithm.kl_in_reward.enable are both on: the KL would "
+                              "be counted twice; choose one")
+        if self.algorithm.overlong.enable and self.algorithm.overlong.buffer_length >= self.rollout.max_response_length:
+            raise ConfigError(f"algorithm.overlong.buffer_length={self.algorithm.overlong.buffer_length} must be "
+                              f"smaller than rollout.max_response_length={self.rollout.max_response_length}")
+
+    @property
+    def uses_reference(self) -> bool:
+        """A reference model is built only when some KL term needs it."""
+        return self.algorithm.use_kl_loss or self.algorithm.kl_in_reward.enable
 
 
 def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
@@ -300,6 +385,18 @@ def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
             f"set actor.micro_batch_size to a divisor of {seqs_per_rank} "
             f"(e.g. {_largest_divisor_at_most(seqs_per_rank, micro)})"
         )
+
+
+def check_critic_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
+    """Checked only when a critic is built (its defaults need not fit runs without one)."""
+    c, rbs, n = cfg.critic, cfg.data.rollout_batch_size, cfg.rollout.n
+    if rbs % c.mini_batch_size:
+        raise ConfigError(f"data.rollout_batch_size={rbs} is not a multiple of critic.mini_batch_size="
+                          f"{c.mini_batch_size}: set critic.mini_batch_size to a divisor of {rbs}")
+    seqs = c.mini_batch_size * n
+    if seqs % world_size or (seqs // world_size) % c.micro_batch_size:
+        raise ConfigError(f"a critic mini-batch has {seqs} sequences (critic.mini_batch_size x rollout.n) over "
+                          f"{world_size} rank(s): make it a multiple of critic.micro_batch_size={c.micro_batch_size}")
 
 
 def _largest_divisor_at_most(total: int, limit: int) -> int:

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from fitrl.algo.kl import KL_ESTIMATORS
-from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, aggregate
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
 from fitrl.data.batch import Batch
 from fitrl.ops.logprob import response_logprobs
@@ -33,6 +33,13 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     decay_steps = max(1, total_steps - cfg.warmup_steps - 1)  # the last step (total_steps - 1) reaches the floor
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def aggregate_like(global_value: torch.Tensor, denom: Denominators, local: Denominators, mode: str) -> torch.Tensor:
+    """Rescale a value aggregated with the mini-batch's denominators to this micro-batch's own."""
+    if mode == "token-mean":
+        return global_value.detach() * denom.tokens / local.tokens
+    return global_value.detach() * denom.sequences / local.sequences
 
 
 class WeightedMetrics:
@@ -55,8 +62,9 @@ class WeightedMetrics:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int,
-                 seed: int = 0):
+                 seed: int = 0, max_response_length: int = 1):
         self.model = model
+        self.max_response_length = max_response_length  # Dr.GRPO's constant normaliser
         self.seed = seed
         self.num_updates = 0  # RL steps optimised so far (seeds the mini-batch shuffle)
         self.cfg = actor_cfg
@@ -65,7 +73,7 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, actor_cfg.optim, total_steps))
         self.policy_loss = POLICY_LOSSES.get(algo_cfg.policy_loss)
-        self.aggregate = LOSS_AGGREGATIONS.get(algo_cfg.loss_agg_mode)
+        LOSS_AGGREGATIONS.get(algo_cfg.loss_agg_mode)  # fail at start-up on a typo
         self.kl_fn = KL_ESTIMATORS.get(algo_cfg.kl_estimator) if algo_cfg.use_kl_loss else None
 
     @torch.no_grad()
@@ -86,10 +94,12 @@ class Actor:
             chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
         )
 
-    def global_token_count(self, mask: torch.Tensor) -> torch.Tensor:
-        """Tokens in the mini-batch across all data-parallel ranks (one rank here; a
-        distributed engine all-reduces this sum)."""
-        return mask.sum().clamp(min=1)
+    def denominators(self, mini: Batch) -> Denominators:
+        """Token and sequence counts of the mini-batch across all data-parallel ranks (one rank
+        here; a distributed engine all-reduces these sums)."""
+        mask = mini["response_mask"]
+        return Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(max(len(mini), 1)),
+                            max_response_length=self.max_response_length)
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float) -> dict[str, float]:
         """One RL step of optimisation over ``batch`` (needs old_logprobs, advantages, and
@@ -122,33 +132,38 @@ class Actor:
 
     def accumulate_gradients(self, mini: Batch, temperature: float, metrics: WeightedMetrics) -> None:
         """Backward over ``mini`` in micro-batches; the grads equal those of the whole mini-batch loss."""
-        denominator = self.global_token_count(mini["response_mask"])
+        denom = self.denominators(mini)
         for micro in mini.split(self.cfg.micro_batch_size):
-            loss, m = self._micro_loss(micro, denominator, temperature)
+            loss, m = self._micro_loss(micro, denom, temperature)
             loss.backward()
-            metrics.add(m, float(micro["response_mask"].sum() / denominator))
+            metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)
 
-    def _micro_loss(self, micro: Batch, denominator: torch.Tensor, temperature: float):
+    def _micro_loss(self, micro: Batch, denom: Denominators, temperature: float):
         mask = micro["response_mask"].float()
+        mode = self.algo.loss_agg_mode
         # entropy is logged every step; it joins the graph only when it is in the loss
         logp, entropy = self._forward(micro, temperature, with_entropy=True,
                                       entropy_grad=self.cfg.entropy_coeff != 0)
         pg_loss, m = self.policy_loss(
-            logp, micro["old_logprobs"], micro["advantages"], mask,
+            logp, micro["old_logprobs"], micro["advantages"], mask, agg_mode=mode, denom=denom,
             clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
-            agg_mode=self.algo.loss_agg_mode, denominator=denominator,
+            clip_ratio_c=self.cfg.clip_ratio_c,
         )
-        share = mask.sum() / denominator  # turns a globally-scaled sum back into a local mean
+        m = {k: v for k, v in m.items()}
         loss = pg_loss
-        m["actor/pg_loss"] = pg_loss.detach() / share.clamp(min=1e-12)
-        entropy_term = self.aggregate(entropy, mask, denominator)
-        m["actor/entropy"] = entropy_term.detach() / share.clamp(min=1e-12)
+        # Loss terms are globally scaled pieces of the mini-batch loss; the logged values are
+        # rescaled to this micro-batch's own token mean so WeightedMetrics can average them.
+        local = Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(len(micro)),
+                             max_response_length=denom.max_response_length)
+        with torch.no_grad():
+            m["actor/pg_loss"] = aggregate_like(pg_loss, denom, local, mode)
+            m["actor/entropy"] = aggregate(entropy.detach(), mask, "token-mean", local)
         if self.cfg.entropy_coeff:
-            loss = loss - self.cfg.entropy_coeff * entropy_term
+            loss = loss - self.cfg.entropy_coeff * aggregate(entropy, mask, mode, denom)
         if self.kl_fn is not None:
-            kl_term = self.aggregate(self.kl_fn(logp, micro["ref_logprobs"]), mask, denominator)
-            loss = loss + self.algo.kl_coef * kl_term
-            m["actor/kl_loss"] = kl_term.detach() / share.clamp(min=1e-12)
+            kl = self.kl_fn(logp, micro["ref_logprobs"])
+            loss = loss + self.algo.kl_coef * aggregate(kl, mask, mode, denom)
+            m["actor/kl_loss"] = aggregate(kl.detach(), mask, "token-mean", local)
         return loss, m
 
     def _clip_grad(self) -> float:

@@ -36,7 +36,7 @@ class PolicyWorker:
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_causal_lm(cfg.actor.model, self.device)
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
-                           seed=cfg.trainer.seed)
+                           seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length)
         self.rollout = HFRollout(self.model, self.tokenizer, micro_batch_size=cfg.rollout.micro_batch_size)
 
     @dispatch("dp")
@@ -78,3 +78,24 @@ class ReferenceWorker:
                 chunk_size=self.cfg.actor.logprob_chunk_size)
             out.append(lp)
         return Batch({"ref_logprobs": torch.cat(out).cpu()})
+
+
+class CriticWorker:
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+        from fitrl.roles.critic import Critic, load_value_model
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.device = resolve_device(cfg.trainer.device)
+        torch.manual_seed(cfg.trainer.seed + 7919 + rank)  # the value head's init
+        self.model = load_value_model(cfg.critic.model or cfg.actor.model, self.device)
+        self.critic = Critic(self.model, cfg.critic, total_steps=cfg.trainer.max_steps,
+                             max_response_length=cfg.rollout.max_response_length)
+
+    @dispatch("dp")
+    def compute_values(self, batch: Batch) -> Batch:
+        return self.critic.compute_values(batch.to(self.device)).to("cpu")
+
+    @dispatch("dp")
+    def update(self, batch: Batch) -> dict[str, float]:
+        seqs = self.cfg.critic.mini_batch_size * self.cfg.rollout.n // self.world_size
+        return self.critic.update(batch.to(self.device), sequences_per_mini_batch=seqs)

@@ -1,12 +1,13 @@
 """The RL loop as visible dataflow (DESIGN §2). Each phase is one timed call on a role.
 
 The driver never assumes one process: roles are reached through :class:`RoleHandle`, data
-moves as :class:`Batch`, and everything the driver computes itself (rewards, advantages) is
-cheap per-sequence math.
+moves as :class:`Batch`, and what the driver computes itself (rewards, advantages) is cheap
+per-sequence math.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Optional
@@ -14,7 +15,8 @@ from typing import Optional
 import torch
 from rich.console import Console
 
-from fitrl.algo.advantages import ADVANTAGE_ESTIMATORS
+from fitrl.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, scores_to_token_rewards
+from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
 from fitrl.config.schema import FitrlConfig
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
@@ -22,24 +24,14 @@ from fitrl.rewards.registry import RewardScorer
 from fitrl.rollout.hf import Sampling
 from fitrl.telemetry.memory import gpu_memory, host_memory
 from fitrl.telemetry.timer import PhaseTimer
+from fitrl.trainer.collect import RolloutCollector, group_index, prompts_batch
 from fitrl.trainer.logging import MetricsWriter, format_step_line, make_progress
 from fitrl.workers.group import RoleHandle
 
 
-def prompts_batch(dataset: PromptDataset, indices: list[int], step: int) -> Batch:
-    rows = [dataset[i] for i in indices]
-    return Batch(fields={
-        "prompt_ids": [r["prompt_ids"] for r in rows],
-        "answer": [r["answer"] for r in rows],
-        "source": [r["source"] for r in rows],
-        # one uid per prompt draw: the n samples of a prompt form one GRPO group
-        "uid": [f"{step}-{j}" for j in range(len(rows))],
-    })
-
-
-def group_index(uids: list[str]) -> torch.Tensor:
-    ids: dict[str, int] = {}
-    return torch.tensor([ids.setdefault(u, len(ids)) for u in uids], dtype=torch.long)
+def estimator_inputs(name: str) -> set[str]:
+    """The keyword inputs an advantage estimator takes (``values`` means it needs a critic)."""
+    return set(inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters)
 
 
 def response_stats(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,21 +53,36 @@ def sequence_metrics(scores: torch.Tensor, components: dict[str, torch.Tensor], 
     return m
 
 
+def masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    valid = x[mask.bool()]
+    if valid.numel() == 0:
+        return {}
+    return {f"{name}/mean": valid.mean().item(), f"{name}/max": valid.max().item(), f"{name}/min": valid.min().item()}
+
+
 class RLTrainer:
     def __init__(self, cfg: FitrlConfig, *, policy: RoleHandle, ref: Optional[RoleHandle],
-                 train_data: Optional[PromptDataset], val_data: Optional[PromptDataset],
-                 reward: RewardScorer, run_dir: Path, console: Console):
-        self.cfg, self.policy, self.ref = cfg, policy, ref
+                 critic: Optional[RoleHandle], train_data: Optional[PromptDataset],
+                 val_data: Optional[PromptDataset], reward: RewardScorer, run_dir: Path, console: Console,
+                 pad_id: int):
+        self.cfg, self.policy, self.ref, self.critic = cfg, policy, ref, critic
         self.train_data, self.val_data, self.reward = train_data, val_data, reward
         self.run_dir, self.console = run_dir, console
         self.writer = MetricsWriter(run_dir / "metrics.jsonl")
-        self.advantage_fn = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.adv_estimator)
-        self.sampler = (PromptSampler(len(train_data), cfg.data.rollout_batch_size, cfg.data.shuffle,
-                                      cfg.trainer.seed) if train_data is not None else None)
-        r = cfg.rollout
+        algo, r = cfg.algorithm, cfg.rollout
         self.train_sampling = Sampling(r.temperature, r.top_p, r.top_k, r.n, r.max_response_length, r.ignore_eos)
         v = r.val
         self.val_sampling = Sampling(v.temperature, v.top_p, v.top_k, v.n, r.max_response_length)
+        self.collector = None
+        if train_data is not None:
+            sampler = PromptSampler(len(train_data), cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+            self.collector = RolloutCollector(
+                cfg, policy, reward, train_data, sampler, self.train_sampling,
+                needs_baseline="baseline_scores" in estimator_inputs(algo.adv_estimator), pad_id=pad_id)
+        kr = algo.kl_in_reward
+        self.kl_in_reward = KL_ESTIMATORS.get(kr.estimator) if kr.enable else None
+        self.kl_ctrl = (AdaptiveKLController(kr.coef, kr.target_kl, kr.horizon) if kr.controller == "adaptive"
+                        else FixedKLController(kr.coef))
         self.history: list[dict[str, float]] = []
 
     def fit(self) -> list[dict[str, float]]:
@@ -102,12 +109,7 @@ class RLTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer()
         algo = self.cfg.algorithm
-        with timer.phase("data"):
-            prompts = prompts_batch(self.train_data, self.sampler.next_indices(), step)
-        with timer.phase("rollout"):
-            batch = self.policy.generate(prompts, self.train_sampling)            # (B*n, P+R)
-        with timer.phase("reward"):
-            scores, components = self.reward.score(batch["response_text"], batch["answer"], batch["source"])
+        batch, stats = self.collector.collect(step, timer)                  # (B*n, P+R), scored
         with timer.phase("old_logprob"):
             if algo.recompute_old_logprob:
                 batch.update(self.policy.compute_logprob(batch))
@@ -116,29 +118,59 @@ class RLTrainer:
         if self.ref is not None:
             with timer.phase("ref"):
                 batch.update(self.ref.compute_ref_logprob(batch))
+        if self.critic is not None:
+            with timer.phase("values"):
+                batch.update(self.critic.compute_values(batch))
+        metrics: dict[str, float] = {}
         with timer.phase("advantage"):
             mask = batch["response_mask"].float()
-            advantages, returns = self.advantage_fn(
-                scores, mask, group_index(batch["uid"]), norm_by_std=algo.norm_adv_by_std)
-            batch.update(advantages=advantages, returns=returns)
-        with timer.phase("update"):
-            metrics = self.policy.update(batch)
-        lengths, truncated = response_stats(batch)
-        metrics.update(sequence_metrics(scores, components, lengths, truncated, prefix=""))
-        metrics.update(self._logprob_metrics(batch, mask))
+            token_rewards = scores_to_token_rewards(batch["scores"], mask)
+            if self.kl_in_reward is not None:
+                token_rewards, kl_metrics = self.apply_kl_penalty(batch, token_rewards, mask)
+                metrics.update(kl_metrics)
+            advantages, returns = compute_advantages(
+                algo.adv_estimator, token_rewards=token_rewards, response_mask=mask,
+                group_index=group_index(batch["uid"]), values=batch.tensors.get("values"),
+                baseline_scores=batch.tensors.get("baseline_scores"), gamma=algo.gamma, lam=algo.lam,
+                norm_adv_by_std=algo.norm_adv_by_std, eps=1e-6)
+            batch.update(token_rewards=token_rewards, advantages=advantages, returns=returns)
+        if self.critic is not None:
+            with timer.phase("critic_update"):
+                metrics.update(self.critic.update(batch))
+        if step > self.cfg.critic.warmup_steps or self.critic is None:
+            with timer.phase("update"):
+                metrics.update(self.policy.update(batch))
+        metrics.update(self.step_metrics(batch, mask, stats))
         metrics.update(timer.metrics())
         metrics.update(host_memory())
         metrics.update(gpu_memory())
-        metrics["data/epoch"] = float(self.sampler.epoch)
         return metrics
 
-    def _logprob_metrics(self, batch: Batch, mask: torch.Tensor) -> dict[str, float]:
-        m = {"advantage/mean": ((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1)).item()}
-        if "old_logprobs" in batch and self.cfg.algorithm.recompute_old_logprob:
+    def apply_kl_penalty(self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor):
+        """PPO-style KL in the reward: r_t -= beta * KL_t, beta from the (adaptive) controller."""
+        kl = self.kl_in_reward(batch["old_logprobs"], batch["ref_logprobs"]) * mask  # (B, R)
+        beta = self.kl_ctrl.value
+        seq_kl = kl.sum(-1).mean().item()
+        self.kl_ctrl.update(seq_kl, n_steps=len(batch))
+        return token_rewards - beta * kl, {"kl_in_reward/kl": seq_kl, "kl_in_reward/coef": beta}
+
+    def step_metrics(self, batch: Batch, mask: torch.Tensor, stats) -> dict[str, float]:
+        components = {k.split("/", 1)[1]: v for k, v in batch.tensors.items() if k.startswith("reward_component/")}
+        lengths, truncated = response_stats(batch)
+        m = sequence_metrics(batch["scores"], components, lengths, truncated, prefix="")
+        m.update(masked_stats("advantage", batch["advantages"], mask))
+        m.update(masked_stats("returns", batch["returns"], mask))
+        if "values" in batch:
+            m.update(masked_stats("critic/values", batch["values"], mask))
+        if self.cfg.algorithm.recompute_old_logprob:
             # rollout vs trainer log-probs of the same weights: large values mean the two
             # engines disagree (precision, padding, kernels) and the importance ratio is biased
             diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * mask
             m["rollout/logprob_diff_mean"] = (diff.sum() / mask.sum().clamp(min=1)).item()
+        m["sampling/rounds"] = float(stats.rounds)
+        m["sampling/groups_dropped"] = float(stats.groups_dropped)
+        m["sampling/groups_kept"] = float(len(batch) // self.train_sampling.n)
+        m["data/epoch"] = float(self.collector.sampler.epoch)
         return m
 
     def validate(self, step: int) -> dict[str, float]:
@@ -148,7 +180,7 @@ class RLTrainer:
         scores, comps, lengths, truncated = [], [], [], []
         indices = list(range(len(self.val_data)))
         for i in range(0, len(indices), self.cfg.data.val_batch_size):
-            prompts = prompts_batch(self.val_data, indices[i:i + self.cfg.data.val_batch_size], step)
+            prompts = prompts_batch(self.val_data, indices[i:i + self.cfg.data.val_batch_size], f"val{step}.{i}")
             out = self.policy.generate(prompts, self.val_sampling)
             s, c = self.reward.score(out["response_text"], out["answer"], out["source"])
             length, trunc = response_stats(out)

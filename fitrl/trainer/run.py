@@ -11,12 +11,12 @@ import torch
 from rich.console import Console
 
 from fitrl.config import FitrlConfig, save_config
-from fitrl.config.schema import derived_batch_numbers
+from fitrl.config.schema import check_critic_batch_sizes, derived_batch_numbers
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.loading import check_model_dir, load_tokenizer
 from fitrl.rewards.registry import RewardScorer
-from fitrl.roles.workers import PolicyWorker, ReferenceWorker, resolve_device
-from fitrl.trainer.loop import RLTrainer
+from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker, resolve_device
+from fitrl.trainer.loop import RLTrainer, estimator_inputs
 from fitrl.workers.group import InProcessWorkerGroup, RoleHandle
 
 
@@ -74,20 +74,25 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
     save_config(cfg, run_dir / "config.yaml")
 
     policy = RoleHandle(InProcessWorkerGroup(PolicyWorker, cfg))
-    ref = RoleHandle(InProcessWorkerGroup(ReferenceWorker, cfg)) if cfg.algorithm.use_kl_loss else None
+    ref = RoleHandle(InProcessWorkerGroup(ReferenceWorker, cfg)) if cfg.uses_reference else None
+    critic = None
+    if "values" in estimator_inputs(cfg.algorithm.adv_estimator):
+        check_critic_batch_sizes(cfg, world_size=1)
+        critic = RoleHandle(InProcessWorkerGroup(CriticWorker, cfg))
 
     numbers = derived_batch_numbers(cfg, world_size=policy.world_size)
     console.print(f"[bold]fitrl[/] run dir: {run_dir}")
     console.print(f"model: {cfg.actor.model.path} ({policy.num_parameters() / 1e6:.2f}M params, "
                   f"{cfg.actor.model.dtype}) on {resolve_device(cfg.trainer.device)}; reference: "
-                  f"{'yes' if ref else 'none (KL off)'}")
+                  f"{'yes' if ref else 'none (KL off)'}; critic: {'yes' if critic else 'none'}")
     for ds in (train_data, val_data):
         if ds is not None:
             console.print(ds.summary(), highlight=False)
     console.print("batch: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), highlight=False)
 
-    trainer = RLTrainer(cfg, policy=policy, ref=ref, train_data=train_data, val_data=val_data,
-                        reward=reward, run_dir=run_dir, console=console)
+    trainer = RLTrainer(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
+                        reward=reward, run_dir=run_dir, console=console,
+                        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     try:
         history = trainer.fit()
     finally:

@@ -1,0 +1,91 @@
+"""The value model for PPO with GAE: a token-classification head (one output) on the policy
+architecture, trained with the clipped value loss.
+
+Values are read at the same positions as the actor's log-probs: the value of the state
+*before* response token t is the output at the position that predicts token t.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fitrl.algo.losses import Denominators, value_loss
+from fitrl.config.schema import CriticConfig, ModelConfig
+from fitrl.data.batch import Batch
+from fitrl.models.loading import DTYPES, check_model_dir
+from fitrl.roles.actor import WeightedMetrics, build_optimizer, lr_factor
+
+
+def load_value_model(model: ModelConfig, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    check_model_dir(model.path, "critic.model.path")
+    # From a causal-LM checkpoint the backbone loads and the one-output ``score`` head starts
+    # random; dropout off so values are deterministic functions of the weights.
+    config = AutoConfig.from_pretrained(model.path, num_labels=1, local_files_only=True)
+    config.classifier_dropout = 0.0
+    vm = AutoModelForTokenClassification.from_pretrained(
+        model.path, config=config, dtype=DTYPES[model.dtype],
+        attn_implementation=model.attn_implementation, local_files_only=True)
+    vm.to(device)
+    if model.gradient_checkpointing:
+        vm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return vm
+
+
+def response_values(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
+    """(B, R) values at the positions that predict each response token."""
+    R = micro["responses"].shape[1]
+    out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                position_ids=micro["position_ids"], use_cache=False)
+    return out.logits[:, -R - 1:-1, 0].float()
+
+
+class Critic:
+    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, total_steps: int, max_response_length: int):
+        self.model, self.cfg = model, cfg
+        self.max_response_length = max_response_length
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg.optim, total_steps))
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        self.model.eval()
+        values = [response_values(self.model, m) * m["response_mask"]
+                  for m in batch.split(self.cfg.values_micro_batch_size)]
+        return Batch({"values": torch.cat(values)})
+
+    def update(self, batch: Batch, *, sequences_per_mini_batch: int) -> dict[str, float]:
+        """Clipped value regression of ``values`` towards ``returns`` (needs values, returns)."""
+        self.model.train()
+        metrics = WeightedMetrics()
+        grad_norms = []
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in batch.split(sequences_per_mini_batch):
+                mask = mini["response_mask"]
+                denom = Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(len(mini)),
+                                     max_response_length=self.max_response_length)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in mini.split(self.cfg.micro_batch_size):
+                    m_mask = micro["response_mask"].float()
+                    loss, m = value_loss(response_values(self.model, micro), micro["values"], micro["returns"],
+                                         m_mask, cliprange_value=self.cfg.cliprange_value,
+                                         agg_mode=self.cfg.loss_agg_mode, denom=denom)
+                    loss.backward()
+                    m = dict(m)
+                    m["critic/vf_loss"] = loss.detach() * denom.tokens / m_mask.sum().clamp(min=1)
+                    metrics.add(m, float(m_mask.sum()) / denom.tokens)
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+                norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                if math.isfinite(norm):
+                    self.optimizer.step()
+                    grad_norms.append(norm)
+        self.scheduler.step()
+        out = metrics.result()
+        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out

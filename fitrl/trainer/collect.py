@@ -1,0 +1,155 @@
+"""Turning prompts into a scored rollout batch: generation, reward, DAPO dynamic sampling,
+overlong shaping and the ReMax greedy baseline.
+
+Dynamic sampling draws prompts round after round, keeping only groups whose samples did not
+all score the same (their GRPO advantages would be zero), until the batch holds
+``data.rollout_batch_size`` groups or ``max_num_gen_batches`` rounds are spent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from fitrl.algo.filtering import group_is_informative
+from fitrl.algo.shaping import overlong_penalty
+from fitrl.config.schema import FitrlConfig
+from fitrl.data.batch import Batch
+from fitrl.data.dataset import PromptDataset, PromptSampler
+from fitrl.rewards.registry import RewardScorer
+from fitrl.rollout.hf import Sampling
+from fitrl.telemetry.timer import PhaseTimer
+from fitrl.trainer.errors import RunStopped
+from fitrl.workers.group import RoleHandle
+
+log = logging.getLogger("fitrl.trainer")
+
+# Tensors of a rollout that span prompt + response columns, and those that span the response only.
+FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
+RESPONSE_WIDTH = ("responses", "response_mask", "rollout_logprobs")
+
+
+def prompts_batch(dataset: PromptDataset, indices: list[int], tag: str) -> Batch:
+    rows = [dataset[i] for i in indices]
+    return Batch(fields={
+        "prompt_ids": [r["prompt_ids"] for r in rows],
+        "answer": [r["answer"] for r in rows],
+        "source": [r["source"] for r in rows],
+        "extra": [r["extra"] for r in rows],
+        # one uid per prompt draw: the n samples of a prompt form one group
+        "uid": [f"{tag}-{j}" for j in range(len(rows))],
+    })
+
+
+def group_index(uids: list[str]) -> torch.Tensor:
+    ids: dict[str, int] = {}
+    return torch.tensor([ids.setdefault(u, len(ids)) for u in uids], dtype=torch.long)
+
+
+def concat_rollouts(batches: list[Batch], pad_id: int) -> Batch:
+    """Concatenate rollouts from separate generate calls, whose prompt width P and response
+    width R differ: prompts are left-padded and responses right-padded to the widest."""
+    if len(batches) == 1:
+        return batches[0]
+    resp_w = max(b["responses"].shape[1] for b in batches)
+    prompt_w = max(b["input_ids"].shape[1] - b["responses"].shape[1] for b in batches)
+    out = []
+    for b in batches:
+        r = b["responses"].shape[1]
+        p = b["input_ids"].shape[1] - r
+        tensors = dict(b.tensors)
+        for k in FULL_WIDTH:
+            fill = pad_id if k == "input_ids" else 0
+            prompt, resp = tensors[k][:, :p], tensors[k][:, p:]
+            tensors[k] = torch.cat([torch.nn.functional.pad(prompt, (prompt_w - p, 0), value=fill),
+                                    torch.nn.functional.pad(resp, (0, resp_w - r), value=fill)], dim=1)
+        for k in RESPONSE_WIDTH:
+            fill = pad_id if k == "responses" else 0
+            tensors[k] = torch.nn.functional.pad(tensors[k], (0, resp_w - r), value=fill)
+        out.append(Batch(tensors, b.fields, b.meta))
+    return Batch.concat(out)
+
+
+@dataclass
+class CollectStats:
+    rounds: int = 0
+    groups_seen: int = 0
+    groups_dropped: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutCollector:
+    def __init__(self, cfg: FitrlConfig, policy: RoleHandle, reward: RewardScorer, data: PromptDataset,
+                 sampler: PromptSampler, sampling: Sampling, needs_baseline: bool, pad_id: int):
+        self.cfg, self.policy, self.reward = cfg, policy, reward
+        self.data, self.sampler, self.sampling = data, sampler, sampling
+        self.needs_baseline, self.pad_id = needs_baseline, pad_id
+
+    def collect(self, step: int, timer: PhaseTimer) -> tuple[Batch, CollectStats]:
+        fg = self.cfg.algorithm.filter_groups
+        target = self.cfg.data.rollout_batch_size
+        n = self.sampling.n
+        kept: list[Batch] = []
+        stats = CollectStats()
+        while True:
+            stats.rounds += 1
+            scored = self._one_round(step, stats.rounds, timer)
+            stats.groups_seen += target
+            if not fg.enable:
+                return scored, stats
+            values = scored["scores"] if fg.metric == "score" else self._component(scored, fg.metric)
+            keep = group_is_informative(values, group_index(scored["uid"]))
+            stats.groups_dropped += int((~keep).sum()) // n
+            if keep.any():
+                kept.append(scored.index(keep.nonzero().squeeze(-1)))
+            have = sum(len(b) for b in kept) // n
+            if have >= target:
+                return concat_rollouts(kept, self.pad_id).index(slice(0, target * n)), stats
+            if fg.max_num_gen_batches and stats.rounds >= fg.max_num_gen_batches:
+                why = (f"dynamic sampling kept {have} of {target} groups after {stats.rounds} rounds "
+                       f"(algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}): "
+                       f"{stats.groups_dropped} groups scored all the same on '{fg.metric}'")
+                if fg.on_exhausted == "stop" or have == 0:
+                    raise RunStopped(why + ("; nothing to train on" if have == 0 else "")
+                                     + ". Raise max_num_gen_batches, make the task's difficulty varied, or "
+                                       "set algorithm.filter_groups.on_exhausted=continue")
+                log.warning("%s; continuing with a partial batch", why)
+                return concat_rollouts(kept, self.pad_id), stats
+
+    def _one_round(self, step: int, round_: int, timer: PhaseTimer) -> Batch:
+        with timer.phase("data"):
+            prompts = prompts_batch(self.data, self.sampler.next_indices(), f"{step}.{round_}")
+        with timer.phase("rollout"):
+            batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
+        with timer.phase("reward"):
+            scores, components = self.reward.score(batch["response_text"], batch["answer"], batch["source"])
+            batch.update(scores=self._shape(batch, scores))
+            for k, v in components.items():
+                batch.update(**{f"reward_component/{k}": v})
+        if self.needs_baseline:
+            with timer.phase("baseline_rollout"):
+                greedy = self.policy.generate(prompts, Sampling(temperature=0.0, n=1,
+                                                                max_new_tokens=self.sampling.max_new_tokens))
+                base, _ = self.reward.score(greedy["response_text"], greedy["answer"], greedy["source"])
+                base = self._shape(greedy, base)
+                batch.update(baseline_scores=base.repeat_interleave(self.sampling.n))
+        return batch
+
+    def _shape(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
+        o = self.cfg.algorithm.overlong
+        if not o.enable:
+            return scores
+        lengths = batch["response_mask"].sum(-1).float()
+        return scores + overlong_penalty(lengths, max_response_length=self.cfg.rollout.max_response_length,
+                                         buffer_length=o.buffer_length, penalty_factor=o.penalty_factor)
+
+    @staticmethod
+    def _component(batch: Batch, name: str) -> torch.Tensor:
+        key = f"reward_component/{name}"
+        if key not in batch:
+            comps = [k.split("/", 1)[1] for k in batch.keys() if k.startswith("reward_component/")]
+            raise RunStopped(f"algorithm.filter_groups.metric={name!r} is not a component of the reward "
+                             f"(components: score, {', '.join(comps)})")
+        return batch[key]

@@ -101,3 +101,13 @@ def test_adaptive_kl_in_reward_and_overlong(tiny_model_dir, tmp_path):
     coefs = [m["kl_in_reward/coef"] for m in steps]
     # step 1: policy == reference, KL 0 < target: the controller lowers the coefficient
     assert coefs[1] < coefs[0]
+
+
+def test_dynamic_sampling_with_no_informative_group_continues_with_zero_gradient(tiny_model_dir, tmp_path):
+    f = tmp_path / "const.py"
+    f.write_text("def reward(response, answer):\n    return 0.5\n")
+    train(toy_config(tiny_model_dir, tmp_path / "run", *SMALL, "trainer.max_steps=1", f"reward.function={f}:reward",
+                     "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"))
+    (m,) = read_metrics(tmp_path / "run")
+    assert m["sampling/groups_kept"] == 0 and m["sampling/rounds"] == 2
+    assert m["advantage/max"] == 0 and m["advantage/min"] == 0

@@ -167,8 +167,10 @@ class HFRollout:
         recorder = SampleAndRecord(sampling, self.eos_ids)
         config = GenerationConfig(
             do_sample=not sampling.greedy,
-            # sampling happens in `recorder`; every HF processor is explicitly neutral
-            temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+            # Sampling happens in `recorder`; every HF processor is explicitly neutral. Warpers
+            # (top-k ...) act only when sampling; setting them for greedy decoding draws a warning.
+            **(dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
+                    eta_cutoff=0.0) if not sampling.greedy else {}),
             repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_ids,

@@ -77,6 +77,7 @@ class CollectStats:
     rounds: int = 0
     groups_seen: int = 0
     groups_dropped: int = 0
+    groups_kept: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -98,6 +99,7 @@ class RolloutCollector:
             scored = self._one_round(step, stats.rounds, timer)
             stats.groups_seen += target
             if not fg.enable:
+                stats.groups_kept = target
                 return scored, stats
             values = scored["scores"] if fg.metric == "score" else self._component(scored, fg.metric)
             keep = group_is_informative(values, group_index(scored["uid"]))
@@ -105,16 +107,21 @@ class RolloutCollector:
             if keep.any():
                 kept.append(scored.index(keep.nonzero().squeeze(-1)))
             have = sum(len(b) for b in kept) // n
+            stats.groups_kept = min(have, target)
             if have >= target:
                 return concat_rollouts(kept, self.pad_id).index(slice(0, target * n)), stats
             if fg.max_num_gen_batches and stats.rounds >= fg.max_num_gen_batches:
                 why = (f"dynamic sampling kept {have} of {target} groups after {stats.rounds} rounds "
                        f"(algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}): "
                        f"{stats.groups_dropped} groups scored all the same on '{fg.metric}'")
-                if fg.on_exhausted == "stop" or have == 0:
-                    raise RunStopped(why + ("; nothing to train on" if have == 0 else "")
-                                     + ". Raise max_num_gen_batches, make the task's difficulty varied, or "
-                                       "set algorithm.filter_groups.on_exhausted=continue")
+                if fg.on_exhausted == "stop":
+                    raise RunStopped(why + ". Raise max_num_gen_batches, make the task's difficulty varied, or "
+                                           "set algorithm.filter_groups.on_exhausted=continue")
+                if have == 0:
+                    # Nothing informative: train on the last round as it is. Its group-relative
+                    # advantages are all zero, so the policy-gradient term is a no-op this step.
+                    log.warning("%s; no informative group, this step's policy gradient is zero", why)
+                    return scored, stats
                 log.warning("%s; continuing with a partial batch", why)
                 return concat_rollouts(kept, self.pad_id), stats
 

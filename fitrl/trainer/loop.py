@@ -169,7 +169,7 @@ class RLTrainer:
             m["rollout/logprob_diff_mean"] = (diff.sum() / mask.sum().clamp(min=1)).item()
         m["sampling/rounds"] = float(stats.rounds)
         m["sampling/groups_dropped"] = float(stats.groups_dropped)
-        m["sampling/groups_kept"] = float(len(batch) // self.train_sampling.n)
+        m["sampling/groups_kept"] = float(stats.groups_kept)
         m["data/epoch"] = float(self.collector.sampler.epoch)
         return m
 

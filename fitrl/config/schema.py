@@ -90,6 +90,22 @@ class ModelConfig:
 
 
 @dataclass
+class FSDPConfig:
+    strategy: Literal["full", "hybrid"] = "full"
+    """``full``: shard over all ranks; ``hybrid``: shard within a node, replicate across nodes."""
+    init: Literal["rank0", "every_rank"] = "rank0"
+    """``rank0``: rank 0 reads the checkpoint and broadcasts into the shards (host memory ~ one copy per node); ``every_rank``: each rank reads it."""
+    mixed_precision: bool = False
+    """bf16 parameters for compute and all-gather, fp32 master weights and gradient reduction (FSDP2 MixedPrecisionPolicy)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: shards, gradients and optimizer step live in host memory, copied to the device per layer."""
+    offload_params: bool = False
+    """Move this role's parameter shards to host memory between its phases (e.g. during rollout) and back."""
+    offload_optimizer: bool = False
+    """Move optimizer states to host memory between updates."""
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model (``dtype`` must be float32: the actor's weights are its master weights)."""
@@ -115,6 +131,8 @@ class ActorConfig:
     """Response tokens per chunk when turning logits into log-probs: bounds the fp32 ``tokens x vocab`` temporary."""
     shuffle_mini_batches: bool = False
     """Shuffle sequences before splitting into mini-batches."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
 
     def __post_init__(self) -> None:
         if self.model.dtype != "float32":
@@ -148,6 +166,8 @@ class CriticConfig:
     """Aggregation of the per-token value loss."""
     warmup_steps: int = 0
     """RL steps at the start during which only the critic learns (the actor is not updated)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding, mixed precision and offload of the critic (used by the Ray backend)."""
 
 
 @dataclass
@@ -156,6 +176,8 @@ class RefConfig:
     """Reference model; when unset, a frozen copy of the actor's initial model (same path and dtype)."""
     logprob_micro_batch_size: int = 16
     """Sequences per forward when computing reference log-probs."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding and offload of the reference model (used by the Ray backend)."""
 
 
 @dataclass
@@ -289,6 +311,16 @@ class RewardConfig:
     """Reward: a registered name (``arith``) or ``path/to/file.py:function`` / ``package.module:function``."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the reward function (weights, options)."""
+    num_workers: int = 2
+    """Reward worker processes (each ~60-70 MB of host memory). 0 scores in the driver process, where nothing bounds a call's time."""
+    timeout: float = 10.0
+    """Wall-clock seconds one reward call may take (one response; the whole batch when ``batched``); past it the worker is killed and replaced and the call scores ``fallback_score``."""
+    fallback_score: float = 0.0
+    """Score of a call that timed out or raised; counted in ``reward/timeouts`` / ``reward/errors`` and its input logged once."""
+    max_error_fraction: float = 0.5
+    """Stop the run when more than this fraction of one batch's responses raise (a broken function, not a hard sample); 1.0 never stops. Timeouts do not count."""
+    batched: bool = False
+    """The function takes lists: ``fn(responses, answers, **kwargs)`` returns one result per response (one call per batch)."""
 
 
 @dataclass
@@ -299,6 +331,14 @@ class TrainerConfig:
     """Seed for data order, sampling and initialisation."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where roles run: ``auto`` picks cuda when available."""
+    backend: Literal["inprocess", "ray"] = "inprocess"
+    """``inprocess``: one worker in the driver process (CPU or one GPU); ``ray``: one Ray actor per rank with FSDP2."""
+    nnodes: int = 1
+    """Nodes of the Ray cluster to use (``ray`` backend)."""
+    devices_per_node: int = 1
+    """Ranks per node (GPUs per node, or worker processes per node on CPU); world size = nnodes x devices_per_node."""
+    ray_address: Optional[str] = None
+    """Address of a running Ray cluster (``auto`` or ``HOST:6379``); unset starts a local one."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0 keeps torch's default)."""
     output_dir: str = "runs"
@@ -319,7 +359,8 @@ class TrainerConfig:
     """Show a rich progress bar over steps (only on a terminal)."""
 
     def __post_init__(self) -> None:
-        for name, low in (("max_steps", 0), ("val_freq", 0), ("log_freq", 1), ("num_threads", 0)):
+        for name, low in (("max_steps", 0), ("val_freq", 0), ("log_freq", 1), ("num_threads", 0), ("nnodes", 1),
+                          ("devices_per_node", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"trainer.{name} must be >= {low}, got {getattr(self, name)}")
 
@@ -343,8 +384,23 @@ class FitrlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, seed, device, run directory, validation and logging."""
 
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks of every trained role."""
+        t = self.trainer
+        return t.nnodes * t.devices_per_node if t.backend == "ray" else 1
+
     def __post_init__(self) -> None:
-        check_batch_sizes(self, world_size=1)
+        check_batch_sizes(self, world_size=self.world_size)
+        if self.trainer.backend == "inprocess":
+            for role in ("actor", "ref", "critic"):
+                f = getattr(self, role).fsdp
+                if f.mixed_precision or f.cpu_offload or f.strategy == "hybrid":
+                    raise ConfigError(f"{role}.fsdp options need FSDP2, which runs under trainer.backend=ray "
+                                      "(use trainer.devices_per_node=1 for a single rank)")
+        if self.data.rollout_batch_size % self.world_size:
+            raise ConfigError(f"data.rollout_batch_size={self.data.rollout_batch_size} prompts do not split over "
+                              f"{self.world_size} ranks: make it a multiple of {self.world_size}")
         if self.algorithm.use_kl_loss and self.algorithm.kl_in_reward.enable:
             raise ConfigError("algorithm.use_kl_loss and algorithm.kl_in_reward.enable are both on: the KL would "
                               "be counted twice; choose one")

@@ -37,17 +37,8 @@ def load_tokenizer(model: ModelConfig):
 
 
 def load_causal_lm(model: ModelConfig, device: torch.device, *, what: str = "actor.model.path") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    """A causal LM on ``device`` without sharding (see :mod:`fitrl.models.parallelize` for FSDP2)."""
+    from fitrl.config.schema import FSDPConfig
+    from fitrl.models.parallelize import build_model
 
-    check_model_dir(model.path, what)
-    lm = AutoModelForCausalLM.from_pretrained(
-        model.path,
-        dtype=DTYPES[model.dtype],
-        attn_implementation=model.attn_implementation,
-        local_files_only=True,
-    )
-    lm.to(device)
-    if model.gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lm.config.use_cache = False
-    return lm
+    return build_model("causal_lm", model, FSDPConfig(), device, what=what)

@@ -1,93 +1,199 @@
-"""Finding the reward function a config names, and calling it over a batch.
+"""The reward scorer: the configured function over a batch, bounded in time and loud when off.
 
-``reward.function`` is a registered name (``arith``), ``path/to/file.py:function`` or
-``package.module:function``; it is resolved and its signature checked at start-up, so a typo
-fails before any model is loaded. A function that raises is reported with the sample that
-made it raise: a crash, never a silent 0.
+``reward.function`` is resolved and its signature checked at start-up (a typo fails before any
+model loads). Calls run in a pool of worker processes (:mod:`fitrl.rewards.pool`), each under
+``reward.timeout`` seconds of wall clock. A call that times out or raises is scored
+``reward.fallback_score``, counted (``reward/timeouts``, ``reward/errors``) and its input logged
+once; when more than ``reward.max_error_fraction`` of a batch raises, the function is broken, not
+unlucky, and the run stops with the first failing sample. A wrong return type or length stops
+the run naming the function. Empty or degenerate responses that earn a positive reward are
+measured every call (``reward/degenerate_positive``) and warned about once: format hacking.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
-from pathlib import Path
-from typing import Any, Callable
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Optional
 
 import torch
 
 from fitrl.config.schema import ConfigError, RewardConfig
-from fitrl.rewards.arith import arith_reward
+from fitrl.rewards.answers import is_degenerate
+from fitrl.rewards.functions import (BUILTIN_REWARDS, RewardError, RewardFunction, read_batch, read_result,
+                                     resolve_reward_fn)
+from fitrl.rewards.pool import Outcome, RewardPool
 
-BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {"arith": arith_reward}
+__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardScorer", "ScorerOptions", "resolve_reward_fn"]
+
+logger = logging.getLogger("fitrl.rewards")
+MAX_LOGGED_FAILURES = 20
+"""Distinct failing inputs logged per kind (timeout, error) per scorer; later ones are only counted."""
 
 
-class RewardError(RuntimeError):
-    """A reward function failed or returned something unusable."""
+@dataclass
+class ScorerOptions:
+    """How the reward function is run. Read from ``RewardConfig`` with these names and defaults."""
 
+    num_workers: int = 2
+    """Reward worker processes (each ~60 MB of host memory). 0 scores in the driver process,
+    where nothing bounds a call's time: for debugging, or rewards that cannot hang."""
+    timeout: float = 10.0
+    """Wall-clock seconds one reward call may take (one response; the whole batch when
+    ``batched``); past it the worker is killed and replaced and the call scores ``fallback_score``."""
+    fallback_score: float = 0.0
+    """Score of a call that timed out or raised; counted in ``reward/timeouts`` / ``reward/errors``."""
+    max_error_fraction: float = 0.5
+    """Stop the run when more than this fraction of one batch's responses raise (a broken function,
+    not a hard sample); 1.0 never stops. Timeouts do not count."""
+    batched: bool = False
+    """The function takes lists, ``fn(responses, answers, **kwargs)``, and returns one result per response."""
 
-def resolve_reward_fn(spec: str) -> Callable[..., Any]:
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise ConfigError(f"reward.function={spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
-                          "nor 'path/to/file.py:function' / 'package.module:function'")
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(f"reward.function: file not found: {where}")
-        module_spec = importlib.util.spec_from_file_location(f"fitrl_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(f"reward.function: cannot import module {where!r}: {e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"reward.function: {where} has no function {name!r}")
-    return fn
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+        if not self.timeout > 0:
+            raise ConfigError(f"reward.timeout must be > 0 seconds, got {self.timeout}")
+        if not 0.0 <= self.max_error_fraction <= 1.0:
+            raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
+        if not math.isfinite(self.fallback_score):
+            raise ConfigError(f"reward.fallback_score must be a finite number, got {self.fallback_score}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ScorerOptions":
+        return cls(**{f.name: getattr(cfg, f.name, f.default) for f in fields(cls)})
 
 
 class RewardScorer:
-    """Calls a per-sample reward ``fn(response, answer, **kwargs) -> float | dict`` over a batch."""
+    """Scores a batch with the function ``cfg.function``; ``close()`` stops its worker processes."""
 
     def __init__(self, cfg: RewardConfig):
-        self.fn = resolve_reward_fn(cfg.function)
+        self.options = ScorerOptions.from_config(cfg)
         self.name = cfg.function
-        self.kwargs = dict(cfg.kwargs)
-        try:
-            inspect.signature(self.fn).bind("response", "answer", **self.kwargs)
-        except TypeError as e:
-            raise ConfigError(f"reward.function {self.name} cannot be called as fn(response, answer, "
-                              f"**reward.kwargs={self.kwargs}): {e}") from e
+        self.fn = RewardFunction.load(cfg.function, dict(cfg.kwargs), batched=self.options.batched)
+        self.pool: Optional[RewardPool] = None
+        if self.options.num_workers:
+            self.pool = RewardPool(self.fn.spec, self.fn.kwargs, batched=self.options.batched,
+                                   num_workers=self.options.num_workers, timeout=self.options.timeout)
+        self.last_metrics: dict[str, float] = {}
+        self._logged: dict[str, set] = {"timeout": set(), "error": set()}
+        self._warned_degenerate = False
 
-    def score(self, responses: list[str], answers: list[Any], sources: list[str] | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Returns scores (B,) and each component (B,)."""
-        totals, components = [], {}
-        for i, (resp, ans) in enumerate(zip(responses, answers)):
-            try:
-                out = self.fn(resp, ans, **self.kwargs)
-            except Exception as e:
-                where = f" (prompt {sources[i]})" if sources else ""
-                raise RewardError(f"reward function {self.name} raised {type(e).__name__}: {e} on response "
-                                  f"{resp[:200]!r} with answer {ans!r}{where}") from e
-            total, parts = self._normalise(out)
-            totals.append(total)
-            for k, v in parts.items():
-                components.setdefault(k, [0.0] * len(responses))[i] = v
+    def score(self, responses: list[str], answers: list[Any], sources: Optional[list[str]] = None, *,
+              extras: Optional[list[dict]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Returns scores (B,) and each component (B,); sets ``last_metrics``."""
+        n = len(responses)
+        for what, col in (("answers", answers), ("sources", sources), ("extras", extras)):
+            if col is not None and len(col) != n:
+                raise ValueError(f"score(): {n} responses but {len(col)} {what}")
+        if n == 0:
+            self.last_metrics = {}
+            return torch.zeros(0), {}
+        extras = extras if extras is not None else [{} for _ in range(n)]
+        if self.options.batched:
+            calls = [((list(responses), list(answers)), {"extras": list(extras)} if self.fn.takes_extra else {})]
+        else:
+            calls = [((r, a), {"extra": e} if self.fn.takes_extra else {})
+                     for r, a, e in zip(responses, answers, extras)]
+        restarts_before = self.pool.restarts if self.pool else 0
+        outcomes = self.pool.run(calls) if self.pool else [_call_here(self.fn, args, kw) for args, kw in calls]
+        if self.options.batched:
+            outcomes = self._unbatch(outcomes[0], n)
+
+        totals = [self.options.fallback_score] * n
+        components: dict[str, list[float]] = {}
+        failed = {"timeout": [], "error": []}
+        for i, out in enumerate(outcomes):
+            if out.status == "ok":
+                try:
+                    totals[i], parts = read_result(out.value, self.name)
+                except ValueError as e:                     # NaN / inf: this sample, not the function
+                    out = outcomes[i] = Outcome("error", detail=f"ValueError: {e}")
+                else:
+                    for k, v in parts.items():
+                        components.setdefault(k, [0.0] * n)[i] = v
+                    continue
+            failed[out.status].append(i)
+            if i == 0 or out is not outcomes[0]:           # a failed batched call is one failure: log it once
+                self._log_failure(out, i, responses, answers, sources)
+        errors = len(failed["error"])
+        if errors > self.options.max_error_fraction * n:
+            i = failed["error"][0]
+            raise RewardError(f"reward function {self.name} raised {_first_line(outcomes[i].detail)} on "
+                              f"{_sample(i, responses, answers, sources)}; {errors} of {n} responses raised, more "
+                              f"than reward.max_error_fraction={self.options.max_error_fraction}")
+        self._measure(totals, responses, failed, restarts_before)
         return (torch.tensor(totals, dtype=torch.float32),
                 {k: torch.tensor(v, dtype=torch.float32) for k, v in components.items()})
 
-    def _normalise(self, out: Any) -> tuple[float, dict[str, float]]:
-        if isinstance(out, bool) or not isinstance(out, (int, float, dict)):
-            raise RewardError(f"reward function {self.name} returned {type(out).__name__}; "
-                              "expected a number or a dict with a 'score' key")
-        if isinstance(out, dict):
-            if "score" not in out:
-                raise RewardError(f"reward function {self.name} returned a dict without 'score': {sorted(out)}")
-            return float(out["score"]), {k: float(v) for k, v in out.items() if k != "score"}
-        return float(out), {}
+    def _unbatch(self, out: Outcome, n: int) -> list[Outcome]:
+        if out.status != "ok":
+            return [out] * n
+        return [Outcome("ok", v) for v in read_batch(out.value, n, self.name)]
+
+    def _log_failure(self, out: Outcome, i: int, responses: list[str], answers: list[Any],
+                     sources: Optional[list[str]]) -> None:
+        seen = self._logged[out.status]
+        key = (responses[i], repr(answers[i]))
+        if key in seen or len(seen) > MAX_LOGGED_FAILURES:
+            return
+        seen.add(key)
+        what = "timed out" if out.status == "timeout" else "raised"
+        if len(seen) > MAX_LOGGED_FAILURES:
+            logger.warning("reward function %s %s on %d distinct inputs; further ones are counted in reward/%ss, "
+                           "not logged", self.name, what, MAX_LOGGED_FAILURES, out.status)
+            return
+        on = _sample(i, responses, answers, sources)
+        if self.options.batched:
+            on = f"a batch of {len(responses)} responses (the first: {on})"
+        logger.warning("reward function %s %s on %s; scored reward.fallback_score=%g: %s", self.name, what, on,
+                       self.options.fallback_score, out.detail.rstrip())
+
+    def _measure(self, totals: list[float], responses: list[str], failed: dict[str, list[int]],
+                 restarts_before: int) -> None:
+        n = max(len(responses), 1)
+        degenerate = [i for i, r in enumerate(responses) if is_degenerate(r)]
+        paid = [i for i in degenerate if totals[i] > 0]
+        self.last_metrics = {
+            "reward/timeouts": float(len(failed["timeout"])),
+            "reward/errors": float(len(failed["error"])),
+            "reward/degenerate": len(degenerate) / n,
+            "reward/degenerate_positive": len(paid) / n,
+            "reward/worker_restarts": float(self.pool.restarts - restarts_before if self.pool else 0),
+        }
+        if paid and not self._warned_degenerate:
+            self._warned_degenerate = True
+            i = paid[0]
+            logger.warning("reward function %s gave a positive score to %d of %d empty or degenerate responses "
+                           "(no letter or digit outside markup), e.g. %r scored %g: it pays for format alone, "
+                           "which the policy will learn (format hacking); see reward/degenerate_positive",
+                           self.name, len(paid), len(degenerate), responses[i][:200], totals[i])
+
+    def close(self) -> None:
+        """Stops the worker processes (also done when the scorer is garbage-collected)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _call_here(fn: RewardFunction, args: tuple, kw: dict[str, Any]) -> Outcome:
+    """In-process call (``num_workers=0``): errors are caught like in a worker; time is not bounded."""
+    try:
+        return Outcome("ok", fn(*args, **kw))
+    except Exception as e:  # noqa: BLE001 -- counted, logged, and fatal past max_error_fraction
+        return Outcome("error", detail=f"{type(e).__name__}: {e}")
+
+
+def _sample(i: int, responses: list[str], answers: list[Any], sources: Optional[list[str]]) -> str:
+    where = f" (prompt {sources[i]})" if sources else ""
+    return f"response {responses[i][:200]!r} with answer {answers[i]!r}{where}"
+
+
+def _first_line(detail: str) -> str:
+    return detail.split("\n", 1)[0]

@@ -16,6 +16,7 @@ from fitrl.algo.kl import KL_ESTIMATORS
 from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, aggregate
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
 from fitrl.data.batch import Batch
+from fitrl.models.parallelize import all_reduce_sum
 from fitrl.ops.logprob import response_logprobs
 
 
@@ -95,10 +96,12 @@ class Actor:
         )
 
     def denominators(self, mini: Batch) -> Denominators:
-        """Token and sequence counts of the mini-batch across all data-parallel ranks (one rank
-        here; a distributed engine all-reduces these sums)."""
-        mask = mini["response_mask"]
-        return Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(max(len(mini), 1)),
+        """Token and sequence counts of the mini-batch summed over all data-parallel ranks: each
+        rank's loss is then its exact share of the global loss, and summed gradients are exact."""
+        device = mini["response_mask"].device
+        tokens = all_reduce_sum(float(mini["response_mask"].sum()), device)
+        sequences = all_reduce_sum(float(len(mini)), device)
+        return Denominators(tokens=max(tokens, 1.0), sequences=max(sequences, 1.0),
                             max_response_length=self.max_response_length)
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float) -> dict[str, float]:
@@ -167,6 +170,14 @@ class Actor:
         return loss, m
 
     def _clip_grad(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return clip_gradients(self.model, self.cfg.optim.grad_clip)
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (0 disables clipping); returns the norm before clipping.
+    With FSDP2 the gradients are DTensor shards and the norm comes back as a DTensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -12,27 +12,10 @@ import math
 import torch
 
 from fitrl.algo.losses import Denominators, value_loss
-from fitrl.config.schema import CriticConfig, ModelConfig
+from fitrl.config.schema import CriticConfig
 from fitrl.data.batch import Batch
-from fitrl.models.loading import DTYPES, check_model_dir
-from fitrl.roles.actor import WeightedMetrics, build_optimizer, lr_factor
-
-
-def load_value_model(model: ModelConfig, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
-    check_model_dir(model.path, "critic.model.path")
-    # From a causal-LM checkpoint the backbone loads and the one-output ``score`` head starts
-    # random; dropout off so values are deterministic functions of the weights.
-    config = AutoConfig.from_pretrained(model.path, num_labels=1, local_files_only=True)
-    config.classifier_dropout = 0.0
-    vm = AutoModelForTokenClassification.from_pretrained(
-        model.path, config=config, dtype=DTYPES[model.dtype],
-        attn_implementation=model.attn_implementation, local_files_only=True)
-    vm.to(device)
-    if model.gradient_checkpointing:
-        vm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return vm
+from fitrl.models.parallelize import all_reduce_sum
+from fitrl.roles.actor import WeightedMetrics, build_optimizer, clip_gradients, lr_factor
 
 
 def response_values(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
@@ -65,8 +48,9 @@ class Critic:
         grad_norms = []
         for _ in range(self.cfg.ppo_epochs):
             for mini in batch.split(sequences_per_mini_batch):
-                mask = mini["response_mask"]
-                denom = Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(len(mini)),
+                device = mini["response_mask"].device
+                denom = Denominators(tokens=max(all_reduce_sum(float(mini["response_mask"].sum()), device), 1.0),
+                                     sequences=all_reduce_sum(float(len(mini)), device),
                                      max_response_length=self.max_response_length)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.split(self.cfg.micro_batch_size):
@@ -78,9 +62,7 @@ class Critic:
                     m = dict(m)
                     m["critic/vf_loss"] = loss.detach() * denom.tokens / m_mask.sum().clamp(min=1)
                     metrics.add(m, float(m_mask.sum()) / denom.tokens)
-                params = [p for p in self.model.parameters() if p.grad is not None]
-                max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-                norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                norm = clip_gradients(self.model, self.cfg.optim.grad_clip)
                 if math.isfinite(norm):
                     self.optimizer.step()
                     grad_norms.append(norm)

@@ -2,16 +2,21 @@
 
 ``PolicyWorker`` = a policy model + an :class:`Actor` (training) + an :class:`HFRollout`
 (generation) sharing the same module, so generation always sees the latest weights without a
-copy. ``ReferenceWorker`` = a frozen model computing log-probs. No role flags.
+copy. ``ReferenceWorker`` = a frozen model computing log-probs. ``CriticWorker`` = a value
+model + a :class:`Critic`. No role flags. Under the Ray backend each rank's model is an
+FSDP2-sharded module (:mod:`fitrl.models.parallelize`); the code here is the same.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-from fitrl.config.schema import FitrlConfig
+from fitrl.config.schema import ConfigError, FitrlConfig, FSDPConfig
 from fitrl.data.batch import Batch
-from fitrl.models.loading import load_causal_lm, load_tokenizer
+from fitrl.models.loading import load_tokenizer
+from fitrl.models.parallelize import build_model, full_state_dict, move_model, move_optimizer_state
 from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
 from fitrl.rollout.hf import HFRollout, Sampling
@@ -22,10 +27,38 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from fitrl.config.schema import ConfigError
-
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
     return torch.device(name)
+
+
+class OffloadBetweenPhases:
+    """Keeps a role's parameters (and optimizer states) in host memory between its phases when
+    ``fsdp.offload_params`` / ``offload_optimizer`` ask for it; a no-op on a CPU device."""
+
+    def __init__(self, model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
+                 optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.fsdp, self.device, self.optimizer = model, fsdp, device, optimizer
+        self.active = device.type != "cpu" and not fsdp.cpu_offload
+        self.release()
+
+    @contextmanager
+    def phase(self, needs_optimizer: bool = False):
+        if self.active and self.fsdp.offload_params:
+            move_model(self.model, self.device)
+        if self.active and needs_optimizer and self.fsdp.offload_optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, self.device)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self.active and self.fsdp.offload_params:
+            move_model(self.model, "cpu")
+        if self.active and self.fsdp.offload_optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, "cpu")
+        if self.active:
+            torch.cuda.empty_cache()  # give the freed blocks back for the next role's phase
 
 
 class PolicyWorker:
@@ -34,28 +67,40 @@ class PolicyWorker:
         self.device = resolve_device(cfg.trainer.device)
         torch.manual_seed(cfg.trainer.seed + rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
-        self.model = load_causal_lm(cfg.actor.model, self.device)
+        self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device,
+                                 nnodes=cfg.trainer.nnodes)
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length)
         self.rollout = HFRollout(self.model, self.tokenizer, micro_batch_size=cfg.rollout.micro_batch_size)
+        self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer)
 
     @dispatch("dp")
     def generate(self, prompts: Batch, sampling: Sampling) -> Batch:
-        return self.rollout.generate(prompts, sampling).to("cpu")
+        with self.offload.phase():
+            return self.rollout.generate(prompts, sampling).to("cpu")
 
     @dispatch("dp")
     def compute_logprob(self, batch: Batch) -> Batch:
-        return self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature).to("cpu")
+        with self.offload.phase():
+            return self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature).to("cpu")
 
     @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
         seqs = self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world_size
-        return self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
-                                 temperature=self.cfg.rollout.temperature)
+        with self.offload.phase(needs_optimizer=True):
+            return self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
+                                     temperature=self.cfg.rollout.temperature)
 
     @dispatch("all")
     def num_parameters(self) -> int:
+        # under FSDP2 parameters are DTensors whose numel() is the full (unsharded) size
         return sum(p.numel() for p in self.model.parameters())
+
+    @dispatch("all")
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on the host; a collective under FSDP2."""
+        with self.offload.phase():
+            return full_state_dict(self.model)
 
 
 class ReferenceWorker:
@@ -63,39 +108,46 @@ class ReferenceWorker:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
         model_cfg = cfg.ref.model or cfg.actor.model
-        self.model = load_causal_lm(model_cfg, self.device, what="ref.model.path")
+        self.model = build_model("causal_lm", model_cfg, cfg.ref.fsdp, self.device, what="ref.model.path",
+                                 nnodes=cfg.trainer.nnodes)
         self.model.eval().requires_grad_(False)
+        self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device)
 
     @dispatch("dp")
     @torch.no_grad()
     def compute_ref_logprob(self, batch: Batch) -> Batch:
         batch = batch.to(self.device)
         out = []
-        for micro in batch.split(self.cfg.ref.logprob_micro_batch_size):
-            lp, _ = response_logprobs(
-                self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
-                micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
-                chunk_size=self.cfg.actor.logprob_chunk_size)
-            out.append(lp)
+        with self.offload.phase():
+            for micro in batch.split(self.cfg.ref.logprob_micro_batch_size):
+                lp, _ = response_logprobs(
+                    self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+                    micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
+                    chunk_size=self.cfg.actor.logprob_chunk_size)
+                out.append(lp)
         return Batch({"ref_logprobs": torch.cat(out).cpu()})
 
 
 class CriticWorker:
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
-        from fitrl.roles.critic import Critic, load_value_model
+        from fitrl.roles.critic import Critic
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
-        torch.manual_seed(cfg.trainer.seed + 7919 + rank)  # the value head's init
-        self.model = load_value_model(cfg.critic.model or cfg.actor.model, self.device)
+        torch.manual_seed(cfg.trainer.seed + 7919)  # the value head's init (rank 0's is broadcast)
+        self.model = build_model("value", cfg.critic.model or cfg.actor.model, cfg.critic.fsdp, self.device,
+                                 what="critic.model.path", nnodes=cfg.trainer.nnodes)
         self.critic = Critic(self.model, cfg.critic, total_steps=cfg.trainer.max_steps,
                              max_response_length=cfg.rollout.max_response_length)
+        self.offload = OffloadBetweenPhases(self.model, cfg.critic.fsdp, self.device, self.critic.optimizer)
 
     @dispatch("dp")
     def compute_values(self, batch: Batch) -> Batch:
-        return self.critic.compute_values(batch.to(self.device)).to("cpu")
+        with self.offload.phase():
+            return self.critic.compute_values(batch.to(self.device)).to("cpu")
 
     @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
         seqs = self.cfg.critic.mini_batch_size * self.cfg.rollout.n // self.world_size
-        return self.critic.update(batch.to(self.device), sequences_per_mini_batch=seqs)
+        with self.offload.phase(needs_optimizer=True):
+            return self.critic.update(batch.to(self.device), sequences_per_mini_batch=seqs)

@@ -27,6 +27,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from fitrl.data.batch import Batch
+from fitrl.models.parallelize import gathered_for_generation
 from fitrl.ops.logprob import position_ids_from_mask
 
 
@@ -134,11 +135,12 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(seqs), self.micro_batch_size):
-                sl = slice(start, start + self.micro_batch_size)
-                r, lp = self._generate_micro(prompt_ids[sl].to(device), prompt_mask[sl].to(device), sampling)
-                responses.append(r)
-                logprobs.append(lp)
+            with gathered_for_generation(self.model):  # FSDP2: full weights once, not per token
+                for start in range(0, len(seqs), self.micro_batch_size):
+                    sl = slice(start, start + self.micro_batch_size)
+                    r, lp = self._generate_micro(prompt_ids[sl].to(device), prompt_mask[sl].to(device), sampling)
+                    responses.append(r)
+                    logprobs.append(lp)
         finally:
             self.model.train(was_training)
         resp_len = max(r.shape[1] for r in responses)
@@ -158,7 +160,7 @@ class HFRollout:
                 "rollout_logprobs": logprobs * response_mask,
             },
             fields={k: v for k, v in seqs.fields.items()},
-            meta={**prompts.meta, "temperature": sampling.temperature or 1.0},
+            meta={**prompts.meta, "layout": "rollout", "pad_id": self.pad_id},
         )
         out.fields["response_text"] = self.decode(responses, response_mask)
         return out

@@ -20,16 +20,12 @@ from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
 from fitrl.rewards.registry import RewardScorer
 from fitrl.rollout.hf import Sampling
+from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.errors import RunStopped
 from fitrl.workers.group import RoleHandle
 
 log = logging.getLogger("fitrl.trainer")
-
-# Tensors of a rollout that span prompt + response columns, and those that span the response only.
-FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
-RESPONSE_WIDTH = ("responses", "response_mask", "rollout_logprobs")
-
 
 def prompts_batch(dataset: PromptDataset, indices: list[int], tag: str) -> Batch:
     rows = [dataset[i] for i in indices]
@@ -46,30 +42,6 @@ def prompts_batch(dataset: PromptDataset, indices: list[int], tag: str) -> Batch
 def group_index(uids: list[str]) -> torch.Tensor:
     ids: dict[str, int] = {}
     return torch.tensor([ids.setdefault(u, len(ids)) for u in uids], dtype=torch.long)
-
-
-def concat_rollouts(batches: list[Batch], pad_id: int) -> Batch:
-    """Concatenate rollouts from separate generate calls, whose prompt width P and response
-    width R differ: prompts are left-padded and responses right-padded to the widest."""
-    if len(batches) == 1:
-        return batches[0]
-    resp_w = max(b["responses"].shape[1] for b in batches)
-    prompt_w = max(b["input_ids"].shape[1] - b["responses"].shape[1] for b in batches)
-    out = []
-    for b in batches:
-        r = b["responses"].shape[1]
-        p = b["input_ids"].shape[1] - r
-        tensors = dict(b.tensors)
-        for k in FULL_WIDTH:
-            fill = pad_id if k == "input_ids" else 0
-            prompt, resp = tensors[k][:, :p], tensors[k][:, p:]
-            tensors[k] = torch.cat([torch.nn.functional.pad(prompt, (prompt_w - p, 0), value=fill),
-                                    torch.nn.functional.pad(resp, (0, resp_w - r), value=fill)], dim=1)
-        for k in RESPONSE_WIDTH:
-            fill = pad_id if k == "responses" else 0
-            tensors[k] = torch.nn.functional.pad(tensors[k], (0, resp_w - r), value=fill)
-        out.append(Batch(tensors, b.fields, b.meta))
-    return Batch.concat(out)
 
 
 @dataclass
@@ -96,7 +68,7 @@ class RolloutCollector:
         stats = CollectStats()
         while True:
             stats.rounds += 1
-            scored = self._one_round(step, stats.rounds, timer)
+            scored = self._one_round(step, stats.rounds, timer, stats)
             stats.groups_seen += target
             if not fg.enable:
                 stats.groups_kept = target
@@ -125,13 +97,21 @@ class RolloutCollector:
                 log.warning("%s; continuing with a partial batch", why)
                 return concat_rollouts(kept, self.pad_id), stats
 
-    def _one_round(self, step: int, round_: int, timer: PhaseTimer) -> Batch:
+    def _add_reward_metrics(self, stats: CollectStats, prefix: str = "") -> None:
+        """Timeouts, errors and degenerate answers, summed over the step's scoring calls."""
+        for k, v in self.reward.last_metrics.items():
+            key = k.replace("reward/", f"reward/{prefix}", 1)
+            stats.metrics[key] = stats.metrics.get(key, 0.0) + v
+
+    def _one_round(self, step: int, round_: int, timer: PhaseTimer, stats: CollectStats) -> Batch:
         with timer.phase("data"):
             prompts = prompts_batch(self.data, self.sampler.next_indices(), f"{step}.{round_}")
         with timer.phase("rollout"):
             batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
         with timer.phase("reward"):
-            scores, components = self.reward.score(batch["response_text"], batch["answer"], batch["source"])
+            scores, components = self.reward.score(batch["response_text"], batch["answer"], batch["source"],
+                                                   extras=batch["extra"])
+            self._add_reward_metrics(stats)
             batch.update(scores=self._shape(batch, scores))
             for k, v in components.items():
                 batch.update(**{f"reward_component/{k}": v})
@@ -139,7 +119,9 @@ class RolloutCollector:
             with timer.phase("baseline_rollout"):
                 greedy = self.policy.generate(prompts, Sampling(temperature=0.0, n=1,
                                                                 max_new_tokens=self.sampling.max_new_tokens))
-                base, _ = self.reward.score(greedy["response_text"], greedy["answer"], greedy["source"])
+                base, _ = self.reward.score(greedy["response_text"], greedy["answer"], greedy["source"],
+                                            extras=greedy["extra"])
+                self._add_reward_metrics(stats, prefix="baseline_")
                 base = self._shape(greedy, base)
                 batch.update(baseline_scores=base.repeat_interleave(self.sampling.n))
         return batch

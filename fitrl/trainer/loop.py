@@ -167,6 +167,7 @@ class RLTrainer:
             # engines disagree (precision, padding, kernels) and the importance ratio is biased
             diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * mask
             m["rollout/logprob_diff_mean"] = (diff.sum() / mask.sum().clamp(min=1)).item()
+        m.update(stats.metrics)  # reward timeouts / errors / degenerate answers
         m["sampling/rounds"] = float(stats.rounds)
         m["sampling/groups_dropped"] = float(stats.groups_dropped)
         m["sampling/groups_kept"] = float(stats.groups_kept)
@@ -178,15 +179,19 @@ class RLTrainer:
             return {}
         start = time.perf_counter()
         scores, comps, lengths, truncated = [], [], [], []
+        health: dict[str, float] = {}
         indices = list(range(len(self.val_data)))
         for i in range(0, len(indices), self.cfg.data.val_batch_size):
             prompts = prompts_batch(self.val_data, indices[i:i + self.cfg.data.val_batch_size], f"val{step}.{i}")
             out = self.policy.generate(prompts, self.val_sampling)
-            s, c = self.reward.score(out["response_text"], out["answer"], out["source"])
+            s, c = self.reward.score(out["response_text"], out["answer"], out["source"], extras=out["extra"])
+            for k, v in self.reward.last_metrics.items():
+                health[k] = health.get(k, 0.0) + v
             length, trunc = response_stats(out)
             scores.append(s); comps.append(c); lengths.append(length); truncated.append(trunc)
         m = sequence_metrics(torch.cat(scores), {k: torch.cat([c[k] for c in comps]) for k in comps[0]},
                              torch.cat(lengths), torch.cat(truncated), prefix="val/")
+        m.update({f"val/{k}": v for k, v in health.items()})
         m["val/time"] = time.perf_counter() - start
         self.writer.write({"step": step, **m})
         parts = ", ".join(f"{k[11:]} {v:.3f}" for k, v in m.items()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,21 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack) -> RoleHandle:
+    """One role's workers on the configured backend; torn down when ``stack`` closes."""
+    t = cfg.trainer
+    if t.backend == "inprocess":
+        return RoleHandle(InProcessWorkerGroup(worker_cls, cfg))
+    from fitrl.workers.ray_group import RayWorkerGroup, ensure_ray
+
+    ensure_ray(address=t.ray_address)
+    group = RayWorkerGroup(worker_cls, cfg, world_size=cfg.world_size, nnodes=t.nnodes,
+                           devices_per_node=t.devices_per_node, use_gpu=resolve_device(t.device).type == "cuda",
+                           name=name)
+    stack.callback(group.shutdown)
+    return RoleHandle(group)
+
+
 def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, float]]:
     console = console or Console(soft_wrap=True)
     _quiet_transformers()
@@ -66,36 +82,36 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     check_model_dir(cfg.actor.model.path)
-    # Cheap checks before any model is loaded: a typo in the reward or data fails in seconds.
-    reward = RewardScorer(cfg.reward)
-    tokenizer = load_tokenizer(cfg.actor.model)
-    train_data, val_data = build_datasets(cfg, tokenizer)
-    run_dir = make_run_dir(cfg)
-    save_config(cfg, run_dir / "config.yaml")
+    with ExitStack() as stack:
+        # Cheap checks before any model is loaded: a typo in the reward or data fails in seconds.
+        reward = stack.enter_context(RewardScorer(cfg.reward))
+        tokenizer = load_tokenizer(cfg.actor.model)
+        train_data, val_data = build_datasets(cfg, tokenizer)
+        run_dir = make_run_dir(cfg)
+        save_config(cfg, run_dir / "config.yaml")
 
-    policy = RoleHandle(InProcessWorkerGroup(PolicyWorker, cfg))
-    ref = RoleHandle(InProcessWorkerGroup(ReferenceWorker, cfg)) if cfg.uses_reference else None
-    critic = None
-    if "values" in estimator_inputs(cfg.algorithm.adv_estimator):
-        check_critic_batch_sizes(cfg, world_size=1)
-        critic = RoleHandle(InProcessWorkerGroup(CriticWorker, cfg))
+        policy = make_group(PolicyWorker, cfg, "policy", stack)
+        ref = make_group(ReferenceWorker, cfg, "ref", stack) if cfg.uses_reference else None
+        critic = None
+        if "values" in estimator_inputs(cfg.algorithm.adv_estimator):
+            check_critic_batch_sizes(cfg, world_size=cfg.world_size)
+            critic = make_group(CriticWorker, cfg, "critic", stack)
 
-    numbers = derived_batch_numbers(cfg, world_size=policy.world_size)
-    console.print(f"[bold]fitrl[/] run dir: {run_dir}")
-    console.print(f"model: {cfg.actor.model.path} ({policy.num_parameters() / 1e6:.2f}M params, "
-                  f"{cfg.actor.model.dtype}) on {resolve_device(cfg.trainer.device)}; reference: "
-                  f"{'yes' if ref else 'none (KL off)'}; critic: {'yes' if critic else 'none'}")
-    for ds in (train_data, val_data):
-        if ds is not None:
-            console.print(ds.summary(), highlight=False)
-    console.print("batch: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), highlight=False)
+        numbers = derived_batch_numbers(cfg, world_size=policy.world_size)
+        console.print(f"[bold]fitrl[/] run dir: {run_dir}")
+        console.print(f"model: {cfg.actor.model.path} ({policy.num_parameters() / 1e6:.2f}M params, "
+                      f"{cfg.actor.model.dtype}) on {resolve_device(cfg.trainer.device)} x {cfg.world_size} "
+                      f"({cfg.trainer.backend}); reference: {'yes' if ref else 'none (KL off)'}; "
+                      f"critic: {'yes' if critic else 'none'}")
+        for ds in (train_data, val_data):
+            if ds is not None:
+                console.print(ds.summary(), highlight=False)
+        console.print("batch: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), highlight=False)
 
-    trainer = RLTrainer(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
-                        reward=reward, run_dir=run_dir, console=console,
-                        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    try:
+        trainer = RLTrainer(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
+                            reward=reward, run_dir=run_dir, console=console,
+                            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        stack.callback(trainer.close)
         history = trainer.fit()
-    finally:
-        trainer.close()
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return history

@@ -85,6 +85,10 @@ class RoleHandle:
 def gather(results: list[Any]) -> Any:
     first = results[0]
     if isinstance(first, Batch):
+        if first.meta.get("layout") == "rollout":  # ranks generated to different widths
+            from fitrl.rollout.layout import concat_rollouts
+
+            return concat_rollouts(results, pad_id=first.meta.get("pad_id", 0))
         return Batch.concat(results)
     if isinstance(first, dict):
         return {k: sum(r[k] for r in results) / len(results) for k in first}

@@ -1,0 +1,39 @@
+"""The column layout of a rollout batch, and joining rollouts made by separate generate calls.
+
+``input_ids``/``attention_mask``/``position_ids`` are (B, P+R): a left-padded prompt of width P
+then a right-padded response of width R; ``responses``/``response_mask``/``rollout_logprobs``
+are (B, R). Each generate call (each DAPO round, each data-parallel rank) picks its own P and R.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fitrl.data.batch import Batch
+
+FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
+RESPONSE_WIDTH = ("responses", "response_mask", "rollout_logprobs")
+
+
+def concat_rollouts(batches: list[Batch], pad_id: int = 0) -> Batch:
+    """Concatenate rollouts from separate generate calls, whose prompt width P and response
+    width R differ: prompts are left-padded and responses right-padded to the widest."""
+    if len(batches) == 1:
+        return batches[0]
+    resp_w = max(b["responses"].shape[1] for b in batches)
+    prompt_w = max(b["input_ids"].shape[1] - b["responses"].shape[1] for b in batches)
+    out = []
+    for b in batches:
+        r = b["responses"].shape[1]
+        p = b["input_ids"].shape[1] - r
+        tensors = dict(b.tensors)
+        for k in FULL_WIDTH:
+            fill = pad_id if k == "input_ids" else 0
+            prompt, resp = tensors[k][:, :p], tensors[k][:, p:]
+            tensors[k] = torch.cat([torch.nn.functional.pad(prompt, (prompt_w - p, 0), value=fill),
+                                    torch.nn.functional.pad(resp, (0, resp_w - r), value=fill)], dim=1)
+        for k in RESPONSE_WIDTH:
+            fill = pad_id if k == "responses" else 0
+            tensors[k] = torch.nn.functional.pad(tensors[k], (0, resp_w - r), value=fill)
+        out.append(Batch(tensors, b.fields, b.meta))
+    return Batch.concat(out)

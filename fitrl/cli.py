@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from fitrl.config.schema import ConfigError
     from fitrl.trainer.errors import RunStopped
+    from fitrl.workers.distributed import WorkerFailed
 
     try:
         return args.fn(args)
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RunStopped as e:
         print(f"fitrl: run stopped: {e}", file=sys.stderr)
+        return 1
+    except WorkerFailed as e:
+        print(f"fitrl: worker failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("fitrl: interrupted", file=sys.stderr)

@@ -146,6 +146,8 @@ def shard(m: nn.Module, fsdp: FSDPConfig, device: torch.device, *, nnodes: int =
     fully_shard(m, mesh=mesh, mp_policy=mp, offload_policy=offload)
     for module in fsdp_modules(m):
         module.set_gradient_divide_factor(1.0)
+        # plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def fsdp_modules(m: nn.Module) -> list[nn.Module]:

@@ -194,8 +194,7 @@ class RLTrainer:
         m.update({f"val/{k}": v for k, v in health.items()})
         m["val/time"] = time.perf_counter() - start
         self.writer.write({"step": step, **m})
-        parts = ", ".join(f"{k[11:]} {v:.3f}" for k, v in m.items()
-                          if k.startswith("val/reward/") and k[11:] not in ("mean", "std", "max"))
+        parts = ", ".join(f"{k} {m[f'val/reward/{k}']:.3f}" for k in comps[0])
         self.console.print(f"validation @ step {step}: reward {m['val/reward/mean']:.3f} over "
                            f"{len(self.val_data)} prompts ({parts})", highlight=False)
         return m

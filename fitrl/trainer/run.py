@@ -60,8 +60,13 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack) -> RoleHandle:
-    """One role's workers on the configured backend; torn down when ``stack`` closes."""
+def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack,
+               colocate_with: RoleHandle | None = None) -> RoleHandle:
+    """One role's workers on the configured backend; torn down when ``stack`` closes.
+
+    Under Ray, the reference and critic ranks share the policy's slots rank by rank (same node,
+    same GPU): the roles take turns, and the planner counts their memory per phase.
+    """
     t = cfg.trainer
     if t.backend == "inprocess":
         return RoleHandle(InProcessWorkerGroup(worker_cls, cfg))
@@ -70,7 +75,7 @@ def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack) 
     ensure_ray(address=t.ray_address)
     group = RayWorkerGroup(worker_cls, cfg, world_size=cfg.world_size, nnodes=t.nnodes,
                            devices_per_node=t.devices_per_node, use_gpu=resolve_device(t.device).type == "cuda",
-                           name=name)
+                           name=name, colocate_with=colocate_with.group if colocate_with else None)
     stack.callback(group.shutdown)
     return RoleHandle(group)
 
@@ -91,11 +96,11 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
         save_config(cfg, run_dir / "config.yaml")
 
         policy = make_group(PolicyWorker, cfg, "policy", stack)
-        ref = make_group(ReferenceWorker, cfg, "ref", stack) if cfg.uses_reference else None
+        ref = make_group(ReferenceWorker, cfg, "ref", stack, colocate_with=policy) if cfg.uses_reference else None
         critic = None
         if "values" in estimator_inputs(cfg.algorithm.adv_estimator):
             check_critic_batch_sizes(cfg, world_size=cfg.world_size)
-            critic = make_group(CriticWorker, cfg, "critic", stack)
+            critic = make_group(CriticWorker, cfg, "critic", stack, colocate_with=policy)
 
         numbers = derived_batch_numbers(cfg, world_size=policy.world_size)
         console.print(f"[bold]fitrl[/] run dir: {run_dir}")

@@ -63,6 +63,10 @@ class RoleHandle:
     def world_size(self) -> int:
         return self._group.world_size
 
+    @property
+    def group(self) -> WorkerGroup:
+        return self._group
+
     def __getattr__(self, name: str):
         fn = getattr(self._group.worker_cls, name, None)
         mode = getattr(fn, DISPATCH_ATTR, None)

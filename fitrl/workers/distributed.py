@@ -1,0 +1,119 @@
+"""Process-group set-up shared by the worker backends, and the error a dead worker raises.
+
+Import-light on purpose (no torch, no ray at import time): the CLI catches
+:class:`WorkerFailed` without paying for either.
+
+Every rank of a role joins one ``torch.distributed`` process group before its worker is built,
+so the worker (FSDP2, collectives) finds the usual environment::
+
+    RANK, WORLD_SIZE          global rank and size
+    LOCAL_RANK, LOCAL_WORLD_SIZE   rank and size on this node (ranks are numbered node by node)
+    MASTER_ADDR, MASTER_PORT  rank 0's node and a port free there (TCPStore rendezvous)
+
+Backend: gloo on CPU, NCCL on GPU (the device is set from the local rank before the group
+exists, so NCCL binds the right GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process died (crash, memory kill, lost node): the group cannot go on.
+
+    ``str()`` names the role, the rank, its node, the method being run (the phase) and the cause
+    as the cluster reported it; the fields carry the same for programs.
+    """
+
+    def __init__(self, role: str, rank: int, node_ip: str, phase: str, cause: str, detail: str = "",
+                 *, kind: str = "crashed", other_ranks: Optional[dict[int, str]] = None):
+        self.role, self.rank, self.node_ip, self.phase = role, rank, node_ip, phase
+        self.cause, self.detail, self.kind = cause, detail, kind
+        self.other_ranks = dict(other_ranks or {})
+        msg = f"{role} rank {rank} on node {node_ip} died during {phase!r}: {cause}"
+        if self.other_ranks:
+            msg += "; also " + ", ".join(f"rank {r}: {c}" for r, c in sorted(self.other_ranks.items()))
+        if detail:
+            msg += "\n" + "\n".join("    " + line for line in detail.strip().splitlines())
+        super().__init__(msg)
+
+    def __reduce__(self):  # picklable across processes despite the keyword-only fields
+        return (_rebuild_worker_failed, (self.role, self.rank, self.node_ip, self.phase, self.cause,
+                                         self.detail, self.kind, self.other_ranks))
+
+
+def _rebuild_worker_failed(role, rank, node_ip, phase, cause, detail, kind, other_ranks) -> WorkerFailed:
+    return WorkerFailed(role, rank, node_ip, phase, cause, detail, kind=kind, other_ranks=other_ranks)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where one rank sits in its process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        if not 0 <= self.local_rank < self.local_world_size <= self.world_size:
+            raise ValueError(f"local rank {self.local_rank} / local world size {self.local_world_size} "
+                             f"inconsistent with world size {self.world_size}")
+
+    @classmethod
+    def single(cls) -> "DistEnv":
+        """World size 1 on this machine (an in-process worker that wants a process group)."""
+        return cls(0, 1, 0, 1, "127.0.0.1", free_port())
+
+    def environ(self) -> dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (the OS picks it; it is released before use, so a
+    small window remains in which another process could take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def default_backend(use_gpu: bool) -> str:
+    return "nccl" if use_gpu else "gloo"
+
+
+def init_distributed(env: DistEnv, backend: str, *, device_index: Optional[int] = None,
+                     timeout_s: Optional[float] = None) -> None:
+    """Export ``env`` to ``os.environ`` and join the default process group (blocks until every
+    rank has joined). With NCCL, ``device_index`` (default: the local rank modulo the visible
+    devices) becomes the current CUDA device first, and is bound to the group."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process")
+    os.environ.update(env.environ())
+    kwargs = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if "nccl" in backend:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend {backend!r} needs a CUDA device but none is visible in this process "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        if device_index is None:
+            device_index = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(device_index)
+        kwargs["device_id"] = torch.device("cuda", device_index)
+    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
+                            world_size=env.world_size, **kwargs)

@@ -1,0 +1,498 @@
+"""The Ray backend of the worker-group interface: one Ray actor per rank, one process group per role.
+
+    ensure_ray()                                   # local cluster, dashboard off (or join one)
+    with RayWorkerGroup(PolicyWorker, cfg, world_size=2, name="policy") as group:
+        policy = RoleHandle(group)                 # the driver code is the same as in-process
+        out = policy.generate(prompts, sampling)   # split over ranks, gathered in rank order
+
+What happens when a group is built:
+
+1. **Placement.** A placement group reserves one bundle per rank (``num_cpus_per_worker`` CPUs,
+   plus one GPU with ``use_gpu``): with ``nnodes=1`` one group of ``world_size`` bundles,
+   ``PACK``; with ``nnodes>1`` one ``STRICT_PACK`` group of ``devices_per_node`` bundles per
+   node. Ranks are numbered node by node (all of rank 0's node first), so ``LOCAL_RANK`` and
+   ``LOCAL_WORLD_SIZE`` describe the real layout, and a hybrid-shard mesh
+   ``(nnodes, devices_per_node)`` shards within a node and replicates across nodes.
+   A cluster too small for the request fails after ``placement_timeout_s`` with what was asked
+   and what the cluster has, not a silent wait.
+2. **Rendezvous.** The driver picks ``MASTER_ADDR`` = rank 0's node IP and a port free on that
+   node (probed there by a zero-CPU task when it is not the driver's node).
+3. **Actors.** Each rank's actor exports ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+   ``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, sets the torch thread count to its CPU
+   share, calls ``torch.distributed.init_process_group`` (gloo on CPU, NCCL on GPU with the
+   actor's GPU made current) and only then constructs ``worker_cls(*args, rank=, world_size=,
+   **kwargs)``, so a worker's ``__init__`` may already use collectives (FSDP2, rank-0 loading).
+
+Actors request no CPU and a token GPU share themselves: the bundles hold the reservation.
+That is what lets another role share the same bundles: ``RayWorkerGroup(ReferenceWorker, cfg,
+world_size=2, colocate_with=policy_group, name="ref")`` puts ref rank *i* in policy rank *i*'s
+bundle (same node, same GPU), with its own process group; the bundles are released when the
+last group sharing them shuts down.
+
+Failures: a Python exception on a rank is re-raised on the driver with its original type, the
+message prefixed ``"<role> rank <r> (node <ip>) in '<method>': "`` and the remote traceback
+chained. A dead actor (crash, ``os._exit``, segfault, Ray's memory monitor, a lost node) raises
+:class:`WorkerFailed` naming role, rank, node, method and cause - ``"killed by the memory
+monitor (host OOM)"`` vs ``"crashed (...)"`` - as soon as Ray notices, and the group is shut
+down (the other ranks would otherwise wait in a collective for ever). When one rank raises
+while others are still running ``failure_grace_s`` later (typically blocked in a collective
+that the failed rank never joined), the group is shut down for the same reason.
+
+Multi-node
+----------
+Every node needs the same environment: this repository installed in a virtualenv at the same
+path, and the model and data paths readable (shared storage or copies at the same path)::
+
+    # head node (its IP: HEAD)
+    ray start --head --port=6379 --num-gpus=8
+    # every other node; Ray's token authentication is on by default: copy the head's
+    # ~/.ray/auth_token to the same path on each node first (see Ray's token-auth docs)
+    ray start --address=HEAD:6379 --num-gpus=8
+    # on the head node: join the running cluster (trainer.ray_address=auto, or export
+    # RAY_ADDRESS=HEAD:6379) instead of starting a private local one
+    fitrl train CONFIG trainer.backend=ray trainer.nnodes=2 trainer.devices_per_node=8 \
+        trainer.ray_address=auto
+
+``ray status`` shows the nodes and free resources; ``ray stop`` on each node ends the cluster.
+NCCL picks the network by itself; set ``NCCL_SOCKET_IFNAME`` (and for gloo
+``GLOO_SOCKET_IFNAME``) in the environment of ``ray start`` when nodes have several interfaces.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fitrl.workers.distributed import DistEnv, WorkerFailed, default_backend, free_port, init_distributed
+from fitrl.workers.group import WorkerGroup
+
+__all__ = ["RayWorkerGroup", "WorkerFailed", "ensure_ray", "rank_layout", "describe_death"]
+
+log = logging.getLogger(__name__)
+
+# Each actor asks for this much of its bundle's GPU: enough for Ray to hand it the bundle's GPU
+# (CUDA_VISIBLE_DEVICES), small enough for several roles to share one bundle.
+GPU_SHARE = 0.01
+
+
+def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
+               runtime_env: Optional[dict] = None) -> None:
+    """Connect Ray once per process.
+
+    ``address`` (or ``RAY_ADDRESS``) joins a running cluster: ``"auto"`` for the one started by
+    ``ray start`` on this machine, ``"HOST:6379"`` for another. Without either, a private local
+    cluster starts (``num_cpus`` logical CPUs, default: all; dashboard off). A second call is a
+    no-op, whatever its arguments.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from air-gapped nodes
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    common = dict(logging_level=logging.WARNING, runtime_env=runtime_env)
+    if address and address != "local":
+        if num_cpus is not None:
+            raise ValueError(f"num_cpus={num_cpus} applies to a local cluster; the cluster at {address!r} "
+                             "has its resources set by `ray start`")
+        ray.init(address=address, **common)
+    else:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one rank runs: bundle ``bundle`` of placement group ``pg`` on node ``node_id``."""
+
+    pg: int
+    bundle: int
+    node_id: str
+    local_rank: int
+    local_world_size: int
+
+
+def rank_layout(bundle_nodes: list[list[str]]) -> list[RankSlot]:
+    """Ranks numbered node by node: ``bundle_nodes[pg][bundle]`` is the node of each bundle.
+
+    Nodes are taken in order of first appearance (the node of the first bundle holds rank 0);
+    within a node, bundles keep their order.
+
+    >>> [(s.pg, s.bundle, s.local_rank, s.local_world_size) for s in rank_layout([["a", "b", "a"]])]
+    [(0, 0, 0, 2), (0, 2, 1, 2), (0, 1, 0, 1)]
+    """
+    by_node: dict[str, list[tuple[int, int]]] = {}
+    for p, nodes in enumerate(bundle_nodes):
+        for b, node in enumerate(nodes):
+            by_node.setdefault(node, []).append((p, b))
+    return [RankSlot(p, b, node, i, len(slots)) for node, slots in by_node.items() for i, (p, b) in enumerate(slots)]
+
+
+# Ray's wording for a worker killed by its memory monitor (the "OOM killer" in a crash message is
+# only one of the possible causes it lists, so it must not match).
+_OOM_RE = re.compile(r"NODE_OUT_OF_MEMORY|running low on memory|killed due to memory pressure", re.I)
+_EXIT_RE = re.compile(r"Worker exit type: (\S+) Worker exit detail: (.*?)(?: Some common causes|\n|$)")
+_MEM_RE = re.compile(r"was ([\d.]+\s*\w*B used / [\d.]+\s*\w*B limit)")
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def is_death(exc: BaseException) -> bool:
+    """Did this error from ``ray.get`` mean the actor's process is gone?"""
+    import ray.exceptions as rex
+
+    return isinstance(exc, (rex.RayActorError, rex.OutOfMemoryError, rex.WorkerCrashedError,
+                            rex.NodeDiedError, rex.LocalRayletDiedError))
+
+
+def describe_death(exc: BaseException, node_ip: str = "?") -> tuple[str, str]:
+    """``(kind, cause)`` for an actor death reported by Ray; kind is ``oom``, ``node_died``,
+    ``killed``, ``unavailable`` or ``crashed``."""
+    import ray.exceptions as rex
+
+    text = _ANSI_RE.sub("", str(exc))
+    if isinstance(exc, rex.OutOfMemoryError) or _OOM_RE.search(text):
+        mem = _MEM_RE.search(text)
+        return "oom", "killed by the memory monitor (host OOM)" + (f": node memory {mem.group(1)}" if mem else "")
+    if isinstance(exc, (rex.NodeDiedError, rex.LocalRayletDiedError)) or getattr(exc, "preempted", False) \
+            or re.search(r"NODE_DIED|node (?:\S+ )?(?:has )?died", text, re.I):
+        return "node_died", "its node died or was preempted"
+    if "ray.kill" in text:
+        return "killed", "killed by ray.kill"
+    if isinstance(exc, rex.ActorUnavailableError):
+        return "unavailable", "unreachable (network trouble or an overloaded node)"
+    m = _EXIT_RE.search(text)
+    how = f" ({m.group(1)}: {m.group(2).strip()})" if m else ""
+    return "crashed", (f"crashed{how} - the process ended without a Python exception: a segfault, os._exit, "
+                       f"or the kernel OOM killer (check `dmesg` on {node_ip})")
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised on a rank, chained under the re-raised one."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+def _with_prefix(exc: BaseException, prefix: str) -> BaseException:
+    """A copy of ``exc`` (same type) whose message starts with ``prefix``."""
+    try:
+        new = copy.copy(exc)
+        if isinstance(new, OSError) and new.strerror:  # str() reads errno/strerror, not args
+            new.strerror = prefix + new.strerror
+        elif exc.args and isinstance(exc.args[0], str):
+            new.args = (prefix + exc.args[0], *exc.args[1:])
+        else:
+            new = type(exc)(prefix + str(exc))
+        if prefix in str(new):
+            return new
+    except Exception:  # a type that will not copy or rebuild: keep its text, lose its type
+        pass
+    return RuntimeError(f"{prefix}{type(exc).__name__}: {exc}")
+
+
+class _RankActor:
+    """What runs in each Ray actor: join the process group, then build and serve the worker."""
+
+    def __init__(self, role: str, env: DistEnv, backend: str, num_threads: int, dist_timeout_s: Optional[float],
+                 worker_cls: type, args: tuple, kwargs: dict):
+        import ray
+        import torch
+
+        self.role, self.rank = role, env.rank
+        self.node_ip = ray.util.get_node_ip_address()
+        self.worker = None
+        self.init_error: Optional[BaseException] = None
+        # The failure is kept, not raised: a raising __init__ kills the actor, and its type would
+        # reach the driver only as text. ready() re-raises it as a normal method error.
+        try:
+            os.environ["OMP_NUM_THREADS"] = str(num_threads)
+            torch.set_num_threads(num_threads)
+            device_index = None
+            if "nccl" in backend:
+                # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is then device 0;
+                # with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every GPU stays visible.
+                ids = ray.get_gpu_ids()
+                device_index = int(ids[0]) if ids and torch.cuda.device_count() > 1 else 0
+            init_distributed(env, backend, device_index=device_index, timeout_s=dist_timeout_s)
+            self.worker = worker_cls(*args, rank=env.rank, world_size=env.world_size, **kwargs)
+        except Exception as e:
+            self.init_error = e
+
+    def __repr__(self) -> str:  # Ray prints this in logs and errors
+        return f"{self.role}[rank {self.rank}]"
+
+    def ready(self) -> dict:
+        if self.init_error is not None:
+            raise self.init_error
+        import torch
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return {"node_ip": self.node_ip, "pid": os.getpid(), "device": device}
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_REMOTE: dict[str, Any] = {}
+
+
+def _remote(name: str):
+    """Ray-decorated objects, made on first use so that importing this module needs no ray."""
+    if not _REMOTE:
+        import ray
+
+        _REMOTE["actor"] = ray.remote(max_restarts=0, max_task_retries=0)(_RankActor)
+        _REMOTE["port"] = ray.remote(num_cpus=0, max_retries=0)(free_port)
+    return _REMOTE[name]
+
+
+class _Placement:
+    """Bundles reserved for ``world_size`` ranks, shared by colocated groups (refcounted)."""
+
+    def __init__(self, world_size: int, nnodes: int, devices_per_node: int, bundle: dict, timeout_s: float,
+                 role: str):
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+        self.world_size, self.bundle, self.users = world_size, dict(bundle), 0
+        have = ray.cluster_resources()
+        short = {k: v * world_size for k, v in bundle.items() if have.get(k, 0) < v * world_size}
+        if short:  # nodes may still be joining, so wait anyway, but say why it may take long
+            log.warning("%s needs %s but the cluster has %s in all; waiting up to %.0f s for more nodes",
+                        role, short, {k: have.get(k, 0) for k in short}, timeout_s)
+        if nnodes == 1:
+            self.pgs = [placement_group([bundle] * world_size, strategy="PACK", name=f"fitrl-{role}")]
+        else:
+            self.pgs = [placement_group([bundle] * devices_per_node, strategy="STRICT_PACK",
+                                        name=f"fitrl-{role}-node{i}") for i in range(nnodes)]
+        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=timeout_s)
+        if len(ready) < len(self.pgs):
+            for pg in self.pgs:
+                remove_placement_group(pg)
+            total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            raise RuntimeError(
+                f"could not place {role}: {nnodes} node(s) x {devices_per_node} bundle(s) of {bundle} "
+                f"were not free within {timeout_s:.0f} s (cluster: {len(ray.nodes())} node(s), {total} in all, "
+                f"{free} free). Start more nodes, lower trainer.devices_per_node / the CPUs per worker, or "
+                f"share another role's bundles with colocate_with=")
+        nodes = []
+        for pg in self.pgs:
+            table = placement_group_table(pg)["bundles_to_node_id"]
+            nodes.append([table[b] for b in range(len(pg.bundle_specs))])
+        self.slots = rank_layout(nodes)
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        self.node_ips = [ips.get(s.node_id, "?") for s in self.slots]
+        if nnodes > 1 and len({s.node_id for s in self.slots}) < nnodes:
+            log.warning("%s: %d per-node placement groups landed on only %d node(s); ranks still work, but "
+                        "LOCAL_WORLD_SIZE differs from devices_per_node", role, nnodes,
+                        len({s.node_id for s in self.slots}))
+        self._remove = remove_placement_group
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0 and self.pgs:
+            for pg in self.pgs:
+                try:
+                    self._remove(pg)
+                except Exception as e:  # the cluster may already be gone
+                    log.debug("removing placement group failed: %s", e)
+            self.pgs = []
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``world_size`` Ray actors, each holding one rank of ``worker_cls`` in one process group.
+
+    Args:
+        worker_cls: built on each rank as ``worker_cls(*args, rank=r, world_size=n, **kwargs)``.
+        world_size: number of ranks; ``nnodes * devices_per_node``.
+        nnodes: nodes to spread over (one STRICT_PACK placement group per node when > 1).
+        devices_per_node: ranks per node; default ``world_size // nnodes``.
+        num_cpus_per_worker: CPUs reserved per rank; also the rank's torch thread count.
+        use_gpu: one GPU per rank and NCCL; otherwise gloo on CPU.
+        name: the role, used in messages, actor reprs (Ray logs) and placement-group names.
+        colocate_with: another ``RayWorkerGroup`` whose bundles this group shares, rank by rank.
+        backend: override the process-group backend (e.g. ``"cpu:gloo,cuda:nccl"``).
+        placement_timeout_s: how long to wait for the cluster to free the bundles.
+        failure_grace_s: after one rank raises, how long the others may take to finish before
+            the group is judged stuck and shut down.
+        dist_timeout_s: ``init_process_group`` timeout (also the collective timeout);
+            default: torch's.
+    """
+
+    def __init__(self, worker_cls: type, *args, world_size: int, nnodes: int = 1,
+                 devices_per_node: Optional[int] = None, num_cpus_per_worker: float = 1, use_gpu: bool = False,
+                 name: str = "policy", colocate_with: Optional["RayWorkerGroup"] = None,
+                 backend: Optional[str] = None, placement_timeout_s: float = 300.0,
+                 failure_grace_s: float = 10.0, dist_timeout_s: Optional[float] = None, **kwargs):
+        import ray
+        from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
+                                                    PlacementGroupSchedulingStrategy)
+
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not connected: call fitrl.workers.ray_group.ensure_ray() first")
+        devices_per_node = devices_per_node or world_size // max(nnodes, 1)
+        if nnodes < 1 or devices_per_node < 1 or nnodes * devices_per_node != world_size:
+            raise ValueError(f"{name}: world_size={world_size} must equal nnodes ({nnodes}) x devices_per_node "
+                             f"({devices_per_node})")
+        self.worker_cls, self.world_size, self.name = worker_cls, world_size, name
+        self.nnodes, self.devices_per_node, self.use_gpu = nnodes, devices_per_node, use_gpu
+        self.failure_grace_s = failure_grace_s
+        self._actors: list = []
+        self._failed: Optional[str] = None
+        self._placement: Optional[_Placement] = None
+
+        if colocate_with is not None:
+            other = colocate_with._placement
+            if other is None or not other.pgs:
+                raise RuntimeError(f"{name}: cannot colocate with {colocate_with.name}, which is shut down")
+            if colocate_with.world_size != world_size or colocate_with.use_gpu != use_gpu:
+                raise ValueError(f"{name}: colocating needs the same world size and device kind as "
+                                 f"{colocate_with.name} ({colocate_with.world_size} ranks, use_gpu="
+                                 f"{colocate_with.use_gpu}); got {world_size}, use_gpu={use_gpu}")
+            placement = other
+        else:
+            bundle = {"CPU": num_cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+            placement = _Placement(world_size, nnodes, devices_per_node, bundle, placement_timeout_s, name)
+        placement.users += 1
+        self._placement = placement
+        self.node_ips: list[str] = list(placement.node_ips)
+
+        try:
+            # Rendezvous at rank 0's node, on a port free there.
+            node0 = placement.slots[0].node_id
+            if node0 == ray.get_runtime_context().get_node_id():
+                port = free_port()
+            else:
+                port = ray.get(_remote("port").options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node0, soft=False)).remote())
+            self.master_addr, self.master_port = self.node_ips[0], port
+            backend = backend or default_backend(use_gpu)
+            threads = max(1, int(placement.bundle.get("CPU", 1)))
+            for rank, slot in enumerate(placement.slots):
+                env = DistEnv(rank, world_size, slot.local_rank, slot.local_world_size, self.master_addr, port)
+                strategy = PlacementGroupSchedulingStrategy(placement.pgs[slot.pg],
+                                                            placement_group_bundle_index=slot.bundle)
+                actor = _remote("actor").options(num_cpus=0, num_gpus=GPU_SHARE if use_gpu else 0,
+                                                 scheduling_strategy=strategy)
+                self._actors.append(actor.remote(name, env, backend, threads, dist_timeout_s,
+                                                 worker_cls, args, kwargs))
+            self.rank_info: list[dict] = self._collect([a.ready.remote() for a in self._actors], "__init__")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def call_all(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
+        import ray
+
+        if self._failed:
+            raise RuntimeError(f"{self.name} group is shut down ({self._failed}); build a new one")
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"{method}: {len(per_rank_args)} argument tuples for {self.world_size} ranks")
+        args = per_rank_args
+        if self.world_size > 1 and all(a is per_rank_args[0] for a in per_rank_args):
+            args = [ray.put(per_rank_args[0])] * self.world_size  # one copy in the object store, not n
+        return self._collect([a.call.remote(method, x, kwargs) for a, x in zip(self._actors, args)], method)
+
+    def _collect(self, refs: list, method: str) -> list[Any]:
+        """Results in rank order; on the first failure, the cause (see the module docstring)."""
+        import ray
+
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        errors: dict[int, BaseException] = {}
+        deadline = None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not done:
+                break
+            for ref in done:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as e:
+                    errors[rank] = e
+                    if is_death(e):  # no point waiting: gather what else failed with it, then stop
+                        deadline = time.monotonic() + min(1.0, self.failure_grace_s)
+                    elif deadline is None:
+                        deadline = time.monotonic() + self.failure_grace_s
+        if not errors:
+            return results
+        raise self._failure(errors, sorted(pending.values()), method)
+
+    def _failure(self, errors: dict[int, BaseException], stuck: list[int], method: str) -> BaseException:
+        import ray.exceptions as rex
+
+        deaths = {r: e for r, e in errors.items() if is_death(e)}
+        if deaths:
+            causes = {r: describe_death(e, self.node_ips[r]) for r, e in deaths.items()}
+            # A memory kill explains the rest (peers see broken connections); else the lowest rank.
+            rank = next((r for r in sorted(causes) if causes[r][0] == "oom"), min(causes))
+            kind, cause = causes[rank]
+            others = {r: c for r, (_, c) in causes.items() if r != rank}
+            others.update({r: f"{type(getattr(e, 'cause', e)).__name__} (after the death)"
+                           for r, e in errors.items() if r not in deaths})
+            err = WorkerFailed(self.name, rank, self.node_ips[rank], method, cause,
+                               _ANSI_RE.sub("", str(deaths[rank])), kind=kind, other_ranks=others)
+            self._failed = f"{self.name} rank {rank} {cause}"
+            self.shutdown()
+            return err
+        rank = min(errors)
+        e = errors[rank]
+        cause = e.cause if isinstance(e, rex.RayTaskError) else e
+        prefix = f"{self.name} rank {rank} (node {self.node_ips[rank]}) in {method!r}: "
+        if stuck:
+            prefix += (f"[ranks {stuck} were still running {self.failure_grace_s:.0f} s later, likely waiting in a "
+                       f"collective; the group was shut down] ")
+            self._failed = f"rank {rank} raised in {method!r} while ranks {stuck} hung"
+            self.shutdown()
+        new = _with_prefix(cause, prefix)
+        if isinstance(e, rex.RayTaskError):
+            new.__cause__ = RemoteTraceback(_ANSI_RE.sub("", str(e)))  # the remote frames
+        return new
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Destroy the process group where ranks still answer, kill the actors, release the bundles.
+        Idempotent."""
+        import ray
+
+        actors, self._actors = self._actors, []
+        if actors and ray.is_initialized():
+            if not self._failed:
+                closing = [a.close.remote() for a in actors]
+                ray.wait(closing, num_returns=len(closing), timeout=5)  # behind a running call: kill
+            for a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception as e:
+                    log.debug("ray.kill failed: %s", e)
+        self._failed = self._failed or "shut down"
+        if self._placement is not None:
+            placement, self._placement = self._placement, None
+            if ray.is_initialized():
+                placement.release()
+
+    def __enter__(self) -> "RayWorkerGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"RayWorkerGroup({self.worker_cls.__name__}, name={self.name!r}, world_size={self.world_size}, "
+                f"nodes={sorted(set(self.node_ips))})")

@@ -20,6 +20,7 @@ FSDP's default division by the world size is switched off (``set_gradient_divide
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -59,12 +60,25 @@ def _value_model_builders(model: ModelConfig):
     kwargs = dict(dtype=DTYPES[model.dtype], attn_implementation=model.attn_implementation)
 
     def from_pretrained() -> nn.Module:
-        return AutoModelForTokenClassification.from_pretrained(model.path, config=config, local_files_only=True,
-                                                               **kwargs)
+        # the new ``score`` head is expected to be missing from a causal-LM checkpoint: do not
+        # print transformers' "newly initialized" report for it
+        report = logging.getLogger("transformers.modeling_utils")
+        drop = _DropLoadReport()
+        report.addFilter(drop)
+        try:
+            return AutoModelForTokenClassification.from_pretrained(model.path, config=config, local_files_only=True,
+                                                                   **kwargs)
+        finally:
+            report.removeFilter(drop)
 
     def from_config() -> nn.Module:
         return AutoModelForTokenClassification.from_config(config, **kwargs)
     return from_pretrained, from_config
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
 
 
 BUILDERS: dict[str, Callable] = {"causal_lm": _causal_lm_builders, "value": _value_model_builders}

@@ -1,8 +1,14 @@
-"""Log-probabilities and entropy of sampled tokens from logits, computed in chunks.
+"""Log-probabilities and entropy of sampled tokens, computed in chunks of tokens.
 
-The full fp32 ``log_softmax`` over ``tokens x vocab`` is often the true memory peak
-(DESIGN §4: T=16k at a 152k vocabulary is ~9 GiB per copy); working ``chunk_size`` rows
-at a time bounds the fp32 temporary to ``chunk_size x vocab x 4`` bytes.
+Logits are often the true memory peak (DESIGN §4). One fp32 ``tokens x vocab`` copy at
+T=4,096 and V=152,064 is 2.3 GiB; a naive ``log_softmax`` + gather + entropy holds about four
+(logits, log-probs, probs, their product: 9.3 GiB measured) and with backward about five
+(11.6 GiB). ``response_logprobs`` never builds the full logits: the lm_head receives the
+(B, R+1, H) last hidden states and each chunk of ``chunk_size`` tokens goes through its weight,
+the temperature, logsumexp, gather and entropy in fp32 for that chunk only. The peak is two
+``chunk x vocab`` fp32 copies whatever T: 1.2 GiB at chunk 1,024 (7.9x below naive at T=4,096),
+and in backward the same plus the lm_head's weight gradient (1.7 GiB at hidden 896, 6.8x below).
+Figures from ``bench/logprob_memory.py`` on CPU.
 """
 
 from __future__ import annotations
@@ -10,6 +16,163 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.nn import functional as F
+
+
+def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
+    """logits (N, V) fp32, already divided by the temperature -> logp (N,), entropy (N,) or None,
+    logsumexp (N,).
+
+    Without a graph, two (N, V) copies at most: the logits and one temporary (logsumexp's, then
+    softmax's, multiplied in place).
+    """
+    log_norm = torch.logsumexp(logits, dim=-1)  # (N,)
+    logp = logits.gather(-1, labels[:, None]).squeeze(-1) - log_norm
+    if not with_entropy:
+        return logp, None, log_norm
+    # A logged metric needs no graph; as an entropy bonus it keeps the chunk's softmax for backward.
+    if entropy_grad and torch.is_grad_enabled():
+        probs = torch.softmax(logits, dim=-1)  # (N, V)
+        return logp, log_norm - (probs * logits).sum(-1), log_norm  # H = logsumexp(z) - sum(p * z)
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)  # (N, V)
+        return logp, log_norm - probs.mul_(logits).sum(-1), log_norm
+
+
+def _chunk_logits(hidden, weight, bias, temperature):
+    """(n, H) -> (n, V) fp32 logits / temperature: the lm_head matmul in the model's dtype, as HF's forward."""
+    logits = F.linear(hidden, weight, bias).float()
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """logp and entropy of N tokens from hidden states, chunk by chunk, forward and backward.
+
+    Only the (N, H) hidden states and (N,) statistics are saved. Autograd through a chunk wrapped
+    in ``torch.utils.checkpoint`` saves as little, but its backward holds ~5 (chunk, V) fp32
+    tensors (logits, softmax, the gradients of softmax, logsumexp, gather and the entropy
+    product): 3.5 GiB at chunk 1,024, only 3.3x below naive. Here backward recomputes the
+    chunk's logits and forms dL/dlogits in place, with z = logits / temperature, p = softmax(z),
+    y the label:
+        dlogp/dz = onehot(y) - p        dH/dz = -p * (log p + H)
+        dL/dz = g_logp * onehot(y) - p * (g_logp + g_H * (log p + H))
+    two (chunk, V) fp32 tensors at most (1.2 GiB).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy, entropy_grad):
+        logps, entropies, norms = [], [], []
+        for i in range(0, max(hidden.shape[0], 1), chunk_size):  # one empty chunk when N = 0
+            logits = _chunk_logits(hidden[i:i + chunk_size], weight, bias, temperature)
+            logp, entropy, log_norm = _stats(logits, labels[i:i + chunk_size], with_entropy, False)
+            logps.append(logp)
+            entropies.append(entropy if with_entropy else logp.new_empty(0))
+            norms.append(log_norm)
+            del logits  # before the next chunk's are built
+        logp, entropy = torch.cat(logps), torch.cat(entropies)
+        ctx.save_for_backward(hidden, weight, bias, labels, torch.cat(norms), entropy)
+        ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, bias, labels, log_norm, entropy = ctx.saved_tensors
+        t, c = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # Accumulated over chunks in the weight's dtype, as autograd would sum per-chunk gradients.
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        for i in range(0, hidden.shape[0], c):
+            h, gl = hidden[i:i + c], g_logp[i:i + c, None]
+            logp = _chunk_logits(h, weight, bias, t).sub_(log_norm[i:i + c, None])  # (n, V) log p
+            grad = logp.exp()  # (n, V) p
+            if ctx.entropy_grad:  # p * (g_logp + g_H * (log p + H))
+                grad.mul_(logp.add_(entropy[i:i + c, None]).mul_(g_entropy[i:i + c, None]).add_(gl))
+            else:
+                grad.mul_(gl)
+            del logp
+            grad.neg_().scatter_add_(-1, labels[i:i + c, None], gl)  # dL/dz (n, V)
+            if t != 1.0:
+                grad.div_(t)  # dL/dlogits
+            if need_b:
+                grad_b += grad.sum(0)
+            grad = grad.to(weight.dtype)
+            if need_h:
+                grad_h[i:i + c] = grad @ weight
+            if need_w:
+                grad_w.addmm_(grad.T, h)
+            del grad  # else the last chunk's gradient lives on while the next chunk's logits are built
+        return grad_h, grad_w, grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """hidden (..., H), labels (...) long, lm_head weight (V, H) and bias (V,) -> logp (...) fp32
+    and entropy (...) fp32 or None, as ``token_logprobs(F.linear(hidden, weight, bias), labels)``
+    but with at most ``chunk_size x V`` logits alive, in forward and in backward."""
+    shape = labels.shape
+    logp, entropy = _ChunkedHeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                               labels.reshape(-1), temperature, chunk_size, with_entropy,
+                                               entropy_grad)
+    return logp.view(shape), entropy.view(shape) if with_entropy else None
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of the last ``response_length`` tokens of each row under ``model``.
+
+    input_ids (B, P+R): left-padded prompt then right-padded response. Returns (B, R) tensors.
+    No (B, R, V) logits are ever materialised: for the length of this call the lm_head's forward
+    is ``head_logprobs``, so the whole computation runs inside the model's own forward. FSDP2
+    then gathers the head's weight for it whichever unit owns it and whether or not the root
+    reshards after forward (as it does after ``set_reshard_after_forward(True)``), and its
+    pre-backward hook, attached to the forward's output, gathers it again before backward.
+    (Running ``model.model`` and then the head outside the forward fails on a root-sharded
+    model: "got mixed torch.Tensor and DTensor".)
+    """
+    for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
+        if getattr(model.config, name, None) not in (None, 1.0):
+            raise NotImplementedError(f"{type(model).__name__} has {name}; chunked log-probs assume a linear lm_head")
+    labels = input_ids[:, -response_length:]  # (B, R)
+    head = model.get_output_embeddings()  # tied or not, the module HF's forward calls
+
+    def chunked_head(hidden: torch.Tensor) -> torch.Tensor:  # (B, R+1, H) -> (B, R, 2)
+        logp, entropy = head_logprobs(hidden[:, :-1], labels, head.weight, head.bias,  # t predicts t+1
+                                      temperature=temperature, chunk_size=chunk_size,
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return torch.stack([logp, entropy if with_entropy else torch.zeros_like(logp)], dim=-1)
+
+    head.forward = chunked_head  # an instance attribute shadows nn.Linear.forward
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False, logits_to_keep=response_length + 1).logits  # (B, R, 2)
+    finally:
+        del head.forward
+    entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
+    return out[..., 0], entropy if with_entropy else None
 
 
 def token_logprobs(
@@ -23,8 +186,8 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits (..., V) any float dtype, labels (...) long -> logp (...) fp32 and entropy (...) fp32 or None.
 
-    Entropy is computed without autograd unless ``entropy_grad`` (an entropy bonus in the
-    loss): as a logged metric it would otherwise keep a softmax per chunk alive for backward.
+    For callers that already hold logits; only the fp32 copy is chunked. Entropy is computed
+    without autograd unless ``entropy_grad`` (an entropy bonus in the loss).
     """
     if logits.dim() == 2:
         logits, labels = logits[None], labels[None]
@@ -38,16 +201,13 @@ def token_logprobs(
     # a non-contiguous input such as ``logits[:, :-1]`` is never copied whole; only the fp32
     # chunk is materialised.
     for chunk, chunk_labels in _chunks(logits, labels, chunk_size):
+        rows, t = chunk_labels.shape
         chunk = chunk.float()
         if temperature != 1.0:
             chunk = chunk / temperature
-        log_norm = torch.logsumexp(chunk, dim=-1)
-        picked = chunk.gather(-1, chunk_labels[..., None]).squeeze(-1)
-        logps.append(picked - log_norm)
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                probs = torch.softmax(chunk, dim=-1)
-                entropies.append(log_norm - (probs * chunk).sum(-1))
+        logp, entropy, _ = _stats(chunk.reshape(rows * t, -1), chunk_labels.reshape(-1), with_entropy, entropy_grad)
+        logps.append(logp.view(rows, t))
+        entropies.append(entropy.view(rows, t) if with_entropy else None)
     logp = _join(logps, labels.shape)
     entropy = _join(entropies, labels.shape) if with_entropy else None
     if squeeze:
@@ -78,37 +238,6 @@ def _join(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
         return torch.cat(parts, dim=0)
     per_row = (T + parts[0].shape[1] - 1) // parts[0].shape[1]
     return torch.cat([torch.cat(parts[b * per_row:(b + 1) * per_row], dim=1) for b in range(B)], dim=0)
-
-
-def response_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    response_length: int,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs of the last ``response_length`` tokens of each row under ``model``.
-
-    input_ids (B, P+R): left-padded prompt then right-padded response. Only the R+1 last
-    positions' logits are materialised (``logits_to_keep``): prompt logits are never needed.
-    Returns (B, R) tensors.
-    """
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=response_length + 1,
-    )
-    logits = out.logits[:, :-1]  # (B, R, V): position t predicts token t+1
-    labels = input_ids[:, -response_length:]  # (B, R)
-    return token_logprobs(logits, labels, temperature=temperature, chunk_size=chunk_size,
-                          with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,11 @@ N CPU ranks (gloo) build the small model under FSDP2. ``rank0``: rank 0 reads th
 and broadcasts into the shards, the others build on the meta device; ``every_rank``: each rank
 reads the whole checkpoint, then shards it. Reported: load time (slowest rank) and the peak,
 over the load, of the summed RSS of all rank processes above their summed RSS just before
-loading (torch and transformers already imported), sampled every 10 ms.
+loading (after a warm-up build of the tiny model of the same architecture), sampled every 10 ms;
+and each rank's own high-water mark (VmHWM, reset just before loading).
 
     .venv/bin/python bench/rank0_init.py                 # 2 and 4 ranks, small model
+    .venv/bin/python bench/rank0_init.py --size medium   # 0.2B parameters
     .venv/bin/python bench/rank0_init.py --ranks 2 --size tiny
 """
 
@@ -25,7 +27,8 @@ import torch.multiprocessing as mp
 GIB = 1024**3
 
 
-def rank_main(rank: int, world: int, port: int, model_dir: str, init: str, ready, go, done, times) -> None:
+def rank_main(rank: int, world: int, port: int, model_dir: str, warmup_dir: str, init: str, ready, go, done,
+              times) -> None:
     import torch
     import torch.distributed as dist
 
@@ -34,24 +37,45 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, init: str, ready
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from fitrl.config.schema import FSDPConfig, ModelConfig
     from fitrl.models.parallelize import build_model
-    import transformers  # noqa: F401  (imported before the baseline is taken)
 
+    # Warm up with the tiny model of the same architecture, so the lazy imports and the
+    # collective buffers are in the baseline and the measurement is the model's memory alone.
+    build_model("causal_lm", ModelConfig(path=warmup_dir), FSDPConfig(init=init), torch.device("cpu"))
+    import gc
+
+    gc.collect()
     ready.wait()
     go.wait()
+    base = _status_kib("VmRSS")
+    _reset_high_water_mark()
     start = time.perf_counter()
     model = build_model("causal_lm", ModelConfig(path=model_dir), FSDPConfig(init=init), torch.device("cpu"))
     dist.barrier()
-    times[rank] = time.perf_counter() - start
+    times[rank] = (time.perf_counter() - start, (_status_kib("VmHWM") - base) / 1024**2)
     done.wait()
     del model
     dist.destroy_process_group()
 
 
-def measure(world: int, model_dir: str, init: str, port: int) -> dict:
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_high_water_mark() -> None:
+    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure(world: int, model_dir: str, warmup_dir: str, init: str, port: int) -> dict:
     ctx = mp.get_context("spawn")
     ready, go, done = ctx.Barrier(world + 1), ctx.Barrier(world + 1), ctx.Barrier(world + 1)
     times = ctx.Manager().dict()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, model_dir, init, ready, go, done, times))
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, model_dir, warmup_dir, init, ready, go, done, times))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -78,8 +102,9 @@ def measure(world: int, model_dir: str, init: str, port: int) -> dict:
     done.wait()
     for p in procs:
         p.join()
-    return {"ranks": world, "init": init, "seconds": max(times.values()), "peak_gib": (peak[0] - baseline) / GIB,
-            "baseline_gib": baseline / GIB}
+    per_rank = [times[r][1] for r in range(world)]
+    return {"ranks": world, "init": init, "seconds": max(t for t, _ in times.values()),
+            "peak_gib": (peak[0] - baseline) / GIB, "rank_peaks": per_rank, "sum_rank_peaks": sum(per_rank)}
 
 
 def main() -> None:
@@ -91,6 +116,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(Path(tmp) / "m", arch="qwen2", size=args.size))
+        warmup_dir = str(make_tiny_model(Path(tmp) / "warm", arch="qwen2", size="tiny"))
         info = describe(model_dir)
         size_gib = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / GIB
         rows = []
@@ -98,11 +124,15 @@ def main() -> None:
         for world in args.ranks:
             for init in ("rank0", "every_rank"):
                 port += 1
-                rows.append(measure(world, model_dir, init, port))
+                rows.append(measure(world, model_dir, warmup_dir, init, port))
     print(f"qwen2 {args.size}: {info['params'] / 1e6:.1f}M params, checkpoint {size_gib:.3f} GiB (fp32)")
-    print(f"{'ranks':>5} | {'init':>10} | {'load s':>7} | {'host GiB over baseline (all ranks)':>35}")
+    print("host memory above each rank's RSS before loading, GiB: per-rank high-water marks (VmHWM) and their sum,"
+          " and the sampled peak of the summed RSS of all ranks")
+    print(f"{'ranks':>5} | {'init':>10} | {'load s':>7} | {'per-rank peaks':>28} | {'sum':>6} | {'sampled total':>13}")
     for r in rows:
-        print(f"{r['ranks']:>5} | {r['init']:>10} | {r['seconds']:>7.2f} | {r['peak_gib']:>35.3f}")
+        peaks = " ".join(f"{p:.2f}" for p in r["rank_peaks"])
+        print(f"{r['ranks']:>5} | {r['init']:>10} | {r['seconds']:>7.2f} | {peaks:>28} | {r['sum_rank_peaks']:>6.2f} | "
+              f"{r['peak_gib']:>13.2f}")
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="write a random-initialised HF model + locally trained tokenizer")
     p.add_argument("out_dir")
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
-    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny_model)
 

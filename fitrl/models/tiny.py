@@ -62,6 +62,17 @@ SIZES: dict[str, dict[str, Any]] = {
         vocab_size=8192,
         tie_word_embeddings=False,
     ),
+    # ~0.2B parameters (0.8 GiB in fp32): big enough that loading, not process overhead,
+    # dominates host memory in the rank-0 initialisation benchmark
+    "medium": dict(
+        hidden_size=1024,
+        num_hidden_layers=14,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+    ),
 }
 
 MAX_POSITION_EMBEDDINGS = 2048

@@ -31,11 +31,11 @@ def setup(tiny_model_dir):
     return model, batch
 
 
-def grads_with_micro(model, batch, micro, use_kl, agg_mode="token-mean", policy_loss="ppo_clip"):
+def grads_with_micro(model, batch, micro, use_kl, agg_mode="token-mean", policy_loss="ppo_clip", budget=0):
     model = copy.deepcopy(model)
     algo = AlgorithmConfig(use_kl_loss=use_kl, kl_coef=0.1, loss_agg_mode=agg_mode, policy_loss=policy_loss)
-    actor = Actor(model, ActorConfig(micro_batch_size=micro, entropy_coeff=0.01), algo, total_steps=1,
-                  max_response_length=6)
+    actor = Actor(model, ActorConfig(micro_batch_size=micro, entropy_coeff=0.01, micro_batch_token_budget=budget),
+                  algo, total_steps=1, max_response_length=6)
     actor.model.train()
     actor.accumulate_gradients(batch, temperature=1.0, metrics=WeightedMetrics())
     return [p.grad.clone() for p in model.parameters()]
@@ -81,3 +81,21 @@ def test_weighted_metrics_are_token_weighted():
     w.add({"a": 1.0}, 0.75)
     w.add({"a": 3.0}, 0.25)
     assert w.result() == {"a": 1.5}
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_give_the_same_gradient(setup, agg_mode):
+    model, batch = setup
+    reference = grads_with_micro(model, batch, 8, True, agg_mode)
+    total = int(batch["attention_mask"].sum())
+    for budget in (total // 3, total // 5, 1):  # about 3, 5 and 8 (one sequence each) micro-batches
+        for g, r in zip(grads_with_micro(model, batch, 8, True, agg_mode, budget=budget), reference):
+            assert torch.allclose(g, r, atol=1e-6, rtol=1e-4), f"budget={budget}"
+
+
+def test_token_budget_logprobs_come_back_in_batch_order(setup):
+    model, batch = setup
+    fixed = Actor(model, ActorConfig(), AlgorithmConfig(), total_steps=1).compute_logprob(batch, 1.0)
+    budget = Actor(model, ActorConfig(micro_batch_token_budget=40), AlgorithmConfig(),
+                   total_steps=1).compute_logprob(batch, 1.0)
+    assert torch.allclose(fixed["old_logprobs"], budget["old_logprobs"], atol=1e-5)

@@ -53,6 +53,7 @@ def reference(tiny_model_dir, tmp_path_factory):
     ("cpu-offload", ["actor.fsdp.cpu_offload=true", "actor.fsdp.offload_params=true",
                      "actor.fsdp.offload_optimizer=true"], 1e-6),
     ("mixed-precision", ["actor.fsdp.mixed_precision=true"], 2e-4),  # bf16 compute: Adam steps of 1e-4 may flip
+    ("token-budget", ["actor.micro_batch_token_budget=60"], 1e-6),  # ranks agree on the micro-batch count
 ])
 def test_two_fsdp_ranks_match_one_process(ray_cluster, tiny_model_dir, tmp_path, reference, variant, overrides, tol):
     from fitrl.workers.ray_group import RayWorkerGroup

@@ -118,3 +118,18 @@ def test_checkpoint_generation_config_cannot_change_sampling(tiny_model_dir, tmp
                               out["responses"].shape[1])
     mask = out["response_mask"].bool()
     assert torch.allclose(lp[mask], out["rollout_logprobs"][mask], atol=1e-4)
+
+
+def test_all_padding_columns_do_not_change_logprobs(engine):
+    """Extra left padding and extra right response padding are trimmed before the forward."""
+    rollout, tok = engine
+    out = rollout.generate(prompts(tok, ["What is 4 + 4?", "Hi"]), Sampling(n=2, max_new_tokens=5))
+    R = out["responses"].shape[1]
+    lp, _ = response_logprobs(rollout.model, out["input_ids"], out["attention_mask"], out["position_ids"], R)
+    pad = rollout.pad_id
+    ids = torch.nn.functional.pad(torch.nn.functional.pad(out["input_ids"], (3, 0), value=pad), (0, 4), value=pad)
+    mask = torch.nn.functional.pad(out["attention_mask"], (3, 4))
+    pos = torch.nn.functional.pad(out["position_ids"], (3, 4))
+    lp_padded, _ = response_logprobs(rollout.model, ids, mask, pos, R + 4)
+    assert lp_padded.shape == (4, R + 4)
+    assert torch.allclose(lp_padded[:, :R], lp, atol=1e-5) and torch.all(lp_padded[:, R:] == 0)

@@ -202,6 +202,15 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def all_reduce_max(value: int, device: torch.device) -> int:
+    """The largest of a Python int over all ranks (identity without a process group)."""
+    if not distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def move_model(m: nn.Module, device: torch.device | str) -> None:
     """Move parameters (sharded or not) and their gradients between host and device."""
     m.to(device)

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
+from fitrl.rollout.layout import trim_padding
+
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
     """logits (N, V) fp32, already divided by the temperature -> logp (N,), entropy (N,) or None,
@@ -156,7 +158,11 @@ def response_logprobs(
     for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
         if getattr(model.config, name, None) not in (None, 1.0):
             raise NotImplementedError(f"{type(model).__name__} has {name}; chunked log-probs assume a linear lm_head")
-    labels = input_ids[:, -response_length:]  # (B, R)
+    full_length = response_length
+    # columns that are padding in every row cost compute and activation memory for nothing
+    input_ids, attention_mask, position_ids, response_length = trim_padding(
+        input_ids, attention_mask, position_ids, response_length)
+    labels = input_ids[:, -response_length:]  # (B, R')
     head = model.get_output_embeddings()  # tied or not, the module HF's forward calls
 
     def chunked_head(hidden: torch.Tensor) -> torch.Tensor:  # (B, R+1, H) -> (B, R, 2)
@@ -171,6 +177,7 @@ def response_logprobs(
                     use_cache=False, logits_to_keep=response_length + 1).logits  # (B, R, 2)
     finally:
         del head.forward
+    out = torch.nn.functional.pad(out, (0, 0, 0, full_length - response_length))  # back to (B, R, 2)
     entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
     return out[..., 0], entropy if with_entropy else None
 

@@ -16,7 +16,8 @@ from fitrl.algo.kl import KL_ESTIMATORS
 from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, aggregate
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
 from fitrl.data.batch import Batch
-from fitrl.models.parallelize import all_reduce_sum
+from fitrl.data.balance import micro_batches_by_tokens
+from fitrl.models.parallelize import all_reduce_max, all_reduce_sum
 from fitrl.ops.logprob import response_logprobs
 
 
@@ -81,12 +82,22 @@ class Actor:
     def compute_logprob(self, batch: Batch, temperature: float) -> Batch:
         """(B, R) log-probs and entropies of the responses under the current weights."""
         self.model.eval()
-        logps, ents = [], []
-        for micro in batch.split(self.cfg.logprob_micro_batch_size):
-            lp, ent = self._forward(micro, temperature, with_entropy=True)
-            logps.append(lp)
-            ents.append(ent)
-        return Batch({"old_logprobs": torch.cat(logps), "entropy": torch.cat(ents)})
+        shape = batch["responses"].shape
+        logp = torch.zeros(shape, dtype=torch.float32, device=batch["responses"].device)
+        entropy = torch.zeros_like(logp)
+        for ix in self.partition(batch, self.cfg.logprob_micro_batch_size):
+            logp[ix], entropy[ix] = self._forward(batch.index(ix), temperature, with_entropy=True)
+        return Batch({"old_logprobs": logp, "entropy": entropy})
+
+    def partition(self, batch: Batch, size: int) -> list[list[int]]:
+        """Micro-batch indices: consecutive runs of ``size``, or, with a token budget, groups
+        balanced by length and as many on every rank (under FSDP2 each forward is a collective)."""
+        budget = self.cfg.micro_batch_token_budget
+        if not budget:
+            return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        count = all_reduce_max(math.ceil(sum(lengths) / budget), batch["attention_mask"].device)
+        return micro_batches_by_tokens(lengths, budget, min_count=count)
 
     def _forward(self, micro: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = False):
         return response_logprobs(
@@ -136,7 +147,8 @@ class Actor:
     def accumulate_gradients(self, mini: Batch, temperature: float, metrics: WeightedMetrics) -> None:
         """Backward over ``mini`` in micro-batches; the grads equal those of the whole mini-batch loss."""
         denom = self.denominators(mini)
-        for micro in mini.split(self.cfg.micro_batch_size):
+        for ix in self.partition(mini, self.cfg.micro_batch_size):
+            micro = mini.index(ix)
             loss, m = self._micro_loss(micro, denom, temperature)
             loss.backward()
             metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)

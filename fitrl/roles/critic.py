@@ -15,15 +15,17 @@ from fitrl.algo.losses import Denominators, value_loss
 from fitrl.config.schema import CriticConfig
 from fitrl.data.batch import Batch
 from fitrl.models.parallelize import all_reduce_sum
+from fitrl.rollout.layout import trim_padding
 from fitrl.roles.actor import WeightedMetrics, build_optimizer, clip_gradients, lr_factor
 
 
 def response_values(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
     """(B, R) values at the positions that predict each response token."""
     R = micro["responses"].shape[1]
-    out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                position_ids=micro["position_ids"], use_cache=False)
-    return out.logits[:, -R - 1:-1, 0].float()
+    ids, mask, pos, keep = trim_padding(micro["input_ids"], micro["attention_mask"], micro["position_ids"], R)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    values = out.logits[:, -keep - 1:-1, 0].float()  # (B, R')
+    return torch.nn.functional.pad(values, (0, R - keep))
 
 
 class Critic:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
+from fitrl.data.balance import equal_count_shards
 from fitrl.data.batch import Batch
 
 DISPATCH_ATTR = "_fitrl_dispatch"
@@ -81,9 +82,16 @@ class RoleHandle:
         batch, rest = args[0], args[1:]
         if not isinstance(batch, Batch):
             raise TypeError(f"{name} is data-parallel: its first argument must be a Batch")
+        order = None
+        if n > 1 and "attention_mask" in batch:
+            # equal sequence counts per rank, similar token totals: the slowest rank sets the pace
+            order = equal_count_shards(batch["attention_mask"].sum(-1).tolist(), n)
+            batch = batch.index(order)
         shards = batch.chunk(n) if n > 1 else [batch]
-        results = self._group.call_all(name, [(s, *rest) for s in shards], kwargs)
-        return gather(results)
+        result = gather(self._group.call_all(name, [(s, *rest) for s in shards], kwargs))
+        if order is not None and isinstance(result, Batch):
+            result = result.index(sorted(range(len(order)), key=order.__getitem__))  # caller's order
+        return result
 
 
 def gather(results: list[Any]) -> Any:

@@ -81,3 +81,29 @@ def test_toy_task_trains_with_two_ray_workers(ray_cluster, tiny_model_dir, tmp_p
     verdict = judge_rise([h["reward/mean"] for h in history])
     assert verdict["rose"], verdict["message"]
     assert all("time/ref" in h for h in history)  # the reference group ran, colocated with the policy
+
+
+def test_hybrid_shard_two_nodes_of_two_ranks(tiny_model_dir, tmp_path, reference):
+    """Hybrid sharding: a (replicate=2, shard=2) mesh over 4 ranks, as 2 nodes x 2 devices would
+    get; gradients are summed over both mesh dimensions."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from fitrl.workers.distributed import free_port
+    from fsdp_spawn import update_on_rank
+
+    batch, ref_metrics, ref_state = reference
+    cfg = toy_config(tiny_model_dir, tmp_path, *BATCH, "trainer.backend=ray", "trainer.nnodes=2",
+                     "trainer.devices_per_node=2", "actor.fsdp.strategy=hybrid")
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=update_on_rank, args=(r, 4, port, cfg, batch, queue)) for r in range(4)]
+    for p in procs:
+        p.start()
+    metrics, state = pickle.loads(queue.get(timeout=300))
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-5)
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in ref_state) <= 1e-6

@@ -7,11 +7,11 @@ and configuration errors answer in well under a second.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-DEMO_CONFIG = "examples/arith.yaml"
-DEMO_MODEL = ".cache/models/tiny-qwen2"
+DEMO_CONFIG = "examples/arith.yaml"  # its paths are relative to the repository root
 
 
 def _load(config: str | None, overrides: list[str]):
@@ -31,8 +31,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Make the tiny model if missing, train GRPO on the toy task, judge the reward curve."""
     root = Path(__file__).resolve().parent.parent
-    config = str(root / DEMO_CONFIG) if not Path(DEMO_CONFIG).is_file() else DEMO_CONFIG
-    cfg = _load(config, args.overrides)
+    if not Path(DEMO_CONFIG).is_file() and (root / DEMO_CONFIG).is_file():
+        os.chdir(root)  # the demo's data and model paths are relative to the repository root
+    cfg = _load(DEMO_CONFIG, args.overrides)
     from rich.console import Console
 
     from fitrl.models.tiny import make_tiny_model

@@ -47,7 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     history = train(cfg, console)
     verdict = judge_rise([h["reward/mean"] for h in history])
     console.print(verdict["message"], highlight=False)
-    return 0 if verdict["rose"] or not history else 1
+    return 1 if verdict.get("judged") and not verdict["rose"] else 0
 
 
 def judge_rise(rewards: list[float], window: int = 10) -> dict:
@@ -57,12 +57,13 @@ def judge_rise(rewards: list[float], window: int = 10) -> dict:
     import statistics
 
     if len(rewards) < 2 * window:
-        return {"rose": False, "message": f"only {len(rewards)} steps: need {2 * window} to judge the reward curve"}
+        return {"rose": False, "judged": False,
+                "message": f"only {len(rewards)} steps: need {2 * window} to judge the reward curve"}
     first, last = rewards[:window], rewards[-window:]
     diff = statistics.fmean(last) - statistics.fmean(first)
     se = ((statistics.variance(first) + statistics.variance(last)) / window) ** 0.5
     rose = diff > 2 * se
-    return {"rose": rose, "diff": diff, "se": se, "message":
+    return {"rose": rose, "judged": True, "diff": diff, "se": se, "message":
             f"reward: first {window} steps {statistics.fmean(first):.3f}, last {window} steps "
             f"{statistics.fmean(last):.3f} (+{diff:.3f}, 2 std-errors = {2 * se:.3f}): "
             + ("rose beyond noise" if rose else "did NOT rise beyond noise")}

@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny_model)
 
+    from fitrl.checkpoint.export import add_export_command
+
+    add_export_command(sub)
+
     p = sub.add_parser("config", help="print the resolved config, or every key with its documentation (--doc)")
     p.add_argument("config", nargs="?", help="YAML config (omit for the defaults)")
     p.add_argument("overrides", nargs="*")

@@ -96,7 +96,7 @@ def test_cli_yaml_typo_names_file_and_nearest(tmp_path):
 def test_cli_help_lists_subcommands():
     proc = run_cli("--help")
     assert proc.returncode == 0
-    for sub in ("train", "demo", "make-tiny-model", "config"):
+    for sub in ("train", "demo", "make-tiny-model", "export", "config"):
         assert sub in proc.stdout
 
 

@@ -368,6 +368,36 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save_freq: int = 0
+    """Save a checkpoint every this many RL steps (0: none during training; see ``save_final``)."""
+    save_final: bool = True
+    """Save a checkpoint when training ends (after the final validation)."""
+    save_limit: int = 0
+    """Keep only the newest this many checkpoints of the run (0 keeps all); the best by ``keep_best`` is kept as well."""
+    keep_best: Optional[str] = None
+    """A validation metric, e.g. ``val/reward/mean``: the checkpoint with the best value is kept beyond ``save_limit``. Only checkpoints saved at a validation step have a value, so ``trainer.val_freq`` must divide ``save_freq``."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether a larger (``max``) or smaller (``min``) ``keep_best`` value is better."""
+    model_only: bool = False
+    """Save the weights only (no optimizer, scheduler, data position or RNG states): a third of the size, for ``fitrl export``; such a checkpoint cannot be resumed."""
+    resume: str = "auto"
+    """``auto``: continue from the newest complete checkpoint in ``trainer.run_dir`` (only when ``trainer.run_dir`` is set: a timestamped run directory is new on every launch, so re-running a command never picks up an older run by accident); ``never``: start from step 0; or a path: a ``step_N`` checkpoint, or a run directory (its newest complete checkpoint)."""
+    strict_config: bool = True
+    """Refuse to resume when a setting that changes the training trajectory (lr, batch sizes, data, seed, ...) differs from the checkpoint's ``config.yaml``; false prints the differences and continues."""
+
+    def __post_init__(self) -> None:
+        for name in ("save_freq", "save_limit"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"checkpoint.{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_best is not None and not self.keep_best.startswith("val/"):
+            raise ConfigError(f"checkpoint.keep_best={self.keep_best!r} must name a validation metric, "
+                              "e.g. val/reward/mean")
+        if not self.resume:
+            raise ConfigError("checkpoint.resume is empty: use auto, never, or a checkpoint path")
+
+
+@dataclass
 class FitrlConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts: files, columns, templates, lengths, the rollout batch size."""
@@ -385,6 +415,8 @@ class FitrlConfig:
     """The rule reward."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, seed, device, run directory, validation and logging."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving, keeping and resuming checkpoints (under ``<run dir>/checkpoints``)."""
 
     @property
     def world_size(self) -> int:
@@ -409,6 +441,14 @@ class FitrlConfig:
         if self.algorithm.overlong.enable and self.algorithm.overlong.buffer_length >= self.rollout.max_response_length:
             raise ConfigError(f"algorithm.overlong.buffer_length={self.algorithm.overlong.buffer_length} must be "
                               f"smaller than rollout.max_response_length={self.rollout.max_response_length}")
+        c, t = self.checkpoint, self.trainer
+        if c.keep_best is not None:
+            if not self.data.val_files:
+                raise ConfigError(f"checkpoint.keep_best={c.keep_best} needs validation: set data.val_files")
+            if c.save_freq and (not t.val_freq or c.save_freq % t.val_freq):
+                raise ConfigError(f"checkpoint.keep_best ranks checkpoints by a validation metric, but "
+                                  f"trainer.val_freq={t.val_freq} does not divide checkpoint.save_freq={c.save_freq}: "
+                                  f"set trainer.val_freq={c.save_freq}")
 
     @property
     def uses_reference(self) -> bool:

@@ -78,6 +78,14 @@ class Actor:
         LOSS_AGGREGATIONS.get(algo_cfg.loss_agg_mode)  # fail at start-up on a typo
         self.kl_fn = KL_ESTIMATORS.get(algo_cfg.kl_estimator) if algo_cfg.use_kl_loss else None
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs besides the weights and AdamW moments (saved by DCP)."""
+        return {"scheduler": self.scheduler.state_dict(), "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.num_updates = int(state["num_updates"])
+
     @torch.no_grad()
     def compute_logprob(self, batch: Batch, temperature: float) -> Batch:
         """(B, R) log-probs and entropies of the responses under the current weights."""

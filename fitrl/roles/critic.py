@@ -36,6 +36,12 @@ class Critic:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.optim, total_steps))
 
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from fitrl.checkpoint.sharded import load_role, save_role
 from fitrl.config.schema import ConfigError, FitrlConfig, FSDPConfig
 from fitrl.data.batch import Batch
 from fitrl.models.loading import load_tokenizer
@@ -102,6 +103,20 @@ class PolicyWorker:
         with self.offload.phase():
             return full_state_dict(self.model)
 
+    # Checkpoints are written from wherever the shards live (device, or host when offloaded
+    # between phases): no move to the device, no gather. A collective under FSDP2.
+    @dispatch("all")
+    def save_checkpoint(self, path: str, model_only: bool = False) -> None:
+        save_role(path, self.model, None if model_only else self.actor.optimizer,
+                  None if model_only else self.actor.state_dict(), rank=self.rank)
+
+    @dispatch("all")
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        extra = load_role(path, self.model, None if weights_only else self.actor.optimizer, rank=self.rank,
+                          what=f"actor.model.path={self.cfg.actor.model.path}")
+        if extra is not None and not weights_only:
+            self.actor.load_state_dict(extra)
+
 
 class ReferenceWorker:
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
@@ -151,3 +166,16 @@ class CriticWorker:
         seqs = self.cfg.critic.mini_batch_size * self.cfg.rollout.n // self.world_size
         with self.offload.phase(needs_optimizer=True):
             return self.critic.update(batch.to(self.device), sequences_per_mini_batch=seqs)
+
+    @dispatch("all")
+    def save_checkpoint(self, path: str, model_only: bool = False) -> None:
+        save_role(path, self.model, None if model_only else self.critic.optimizer,
+                  None if model_only else self.critic.state_dict(), rank=self.rank)
+
+    @dispatch("all")
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        model = self.cfg.critic.model or self.cfg.actor.model
+        extra = load_role(path, self.model, None if weights_only else self.critic.optimizer, rank=self.rank,
+                          what=f"critic.model.path={model.path}")
+        if extra is not None and not weights_only:
+            self.critic.load_state_dict(extra)

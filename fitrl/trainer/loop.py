@@ -17,6 +17,8 @@ from rich.console import Console
 
 from fitrl.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, scores_to_token_rewards
 from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
+from fitrl.checkpoint.layout import Checkpoint
+from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config.schema import FitrlConfig
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
@@ -64,7 +66,8 @@ class RLTrainer:
     def __init__(self, cfg: FitrlConfig, *, policy: RoleHandle, ref: Optional[RoleHandle],
                  critic: Optional[RoleHandle], train_data: Optional[PromptDataset],
                  val_data: Optional[PromptDataset], reward: RewardScorer, run_dir: Path, console: Console,
-                 pad_id: int):
+                 pad_id: int, checkpoints: Optional[CheckpointManager] = None,
+                 history: Optional[list[dict[str, float]]] = None):
         self.cfg, self.policy, self.ref, self.critic = cfg, policy, ref, critic
         self.train_data, self.val_data, self.reward = train_data, val_data, reward
         self.run_dir, self.console = run_dir, console
@@ -83,28 +86,62 @@ class RLTrainer:
         self.kl_in_reward = KL_ESTIMATORS.get(kr.estimator) if kr.enable else None
         self.kl_ctrl = (AdaptiveKLController(kr.coef, kr.target_kl, kr.horizon) if kr.controller == "adaptive"
                         else FixedKLController(kr.coef))
-        self.history: list[dict[str, float]] = []
+        self.checkpoints = checkpoints
+        self.start_step = 0  # the step a resumed run continues after
+        self.history: list[dict[str, float]] = list(history or [])
 
     def fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
-        if t.val_only or t.val_before_train:
-            self.validate(step=0)
+        if t.val_only or (t.val_before_train and self.start_step == 0):
+            self.validate(step=self.start_step)
         if t.val_only:
             return self.history
         with make_progress(self.console, t.progress_bar) as progress:
-            task = progress.add_task("train", total=t.max_steps)
-            for step in range(1, t.max_steps + 1):
+            task = progress.add_task("train", total=t.max_steps, completed=self.start_step)
+            for step in range(self.start_step + 1, t.max_steps + 1):
                 metrics = self.train_step(step)
                 if t.val_freq and step % t.val_freq == 0 and step != t.max_steps:
                     metrics.update(self.validate(step))
+                # metrics first: a checkpoint of step k implies metrics.jsonl holds step k
                 self.writer.write({"step": step, **metrics})
                 self.history.append(metrics)
                 if step % t.log_freq == 0 or step == t.max_steps:
                     progress.console.print(format_step_line(step, metrics), highlight=False)
+                if step != t.max_steps:
+                    self.maybe_save(step, metrics)
                 progress.advance(task)
+        final = {}
         if self.val_data is not None and t.max_steps:
-            self.validate(step=t.max_steps)
+            final = self.validate(step=t.max_steps)
+        if t.max_steps > self.start_step:
+            self.maybe_save(t.max_steps, {**self.history[-1], **final} if self.history else final)
         return self.history
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def roles(self) -> dict[str, RoleHandle]:
+        """The roles whose state changes (the reference is frozen and rebuilt from its path)."""
+        return {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def maybe_save(self, step: int, metrics: dict[str, float]) -> None:
+        if self.checkpoints is not None and self.checkpoints.due(step):
+            self.checkpoints.save(step, self.roles(), self.state_dict(step), metrics)
+
+    def state_dict(self, step: int) -> dict:
+        """The driver's part of a checkpoint (RNG states are added by the manager)."""
+        return {"step": step, "sampler": self.collector.sampler.state_dict() if self.collector else None,
+                "kl_coef": self.kl_ctrl.value}
+
+    def restore(self, point: Checkpoint) -> None:
+        """Continue after ``point``: roles' weights, optimizers, schedulers, RNGs; data position;
+        KL coefficient. With ``trainer.val_only`` only the weights are loaded."""
+        state = self.checkpoints.restore(point, self.roles(), weights_only=self.cfg.trainer.val_only)
+        self.start_step = point.step
+        if state is None:
+            return
+        if self.collector is not None and state["sampler"] is not None:
+            self.collector.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.value = float(state["kl_coef"])
 
     def train_step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer()

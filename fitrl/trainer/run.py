@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config import FitrlConfig, save_config
 from fitrl.config.schema import check_critic_batch_sizes, derived_batch_numbers
 from fitrl.data.dataset import PromptDataset
@@ -93,7 +94,17 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
         tokenizer = load_tokenizer(cfg.actor.model)
         train_data, val_data = build_datasets(cfg, tokenizer)
         run_dir = make_run_dir(cfg)
+        checkpoints = CheckpointManager(cfg, run_dir, console)
+        resume = checkpoints.resume_point()  # config checked against the checkpoint's before any model loads
         save_config(cfg, run_dir / "config.yaml")
+        history = []
+        if resume is not None and not cfg.trainer.val_only:
+            history = checkpoints.carry_metrics(resume)
+            if resume.step >= cfg.trainer.max_steps:
+                console.print(f"checkpoint {resume.path} is at step {resume.step}, trainer.max_steps="
+                              f"{cfg.trainer.max_steps}: nothing to train (raise trainer.max_steps to go on)",
+                              highlight=False)
+                return history
 
         policy = make_group(PolicyWorker, cfg, "policy", stack)
         ref = make_group(ReferenceWorker, cfg, "ref", stack, colocate_with=policy) if cfg.uses_reference else None
@@ -115,8 +126,11 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
 
         trainer = RLTrainer(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
                             reward=reward, run_dir=run_dir, console=console,
-                            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+                            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                            checkpoints=checkpoints, history=history)
         stack.callback(trainer.close)
+        if resume is not None:
+            trainer.restore(resume)
         history = trainer.fit()
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return history

@@ -1,0 +1,10 @@
+"""Checkpoints that resume exactly, survive crashes, reshard, and export to Hugging Face.
+
+- :mod:`fitrl.checkpoint.layout`   the on-disk layout; atomic save (temporary name, marker, rename),
+                                    retention, finding a checkpoint (no torch)
+- :mod:`fitrl.checkpoint.sharded`  one role's sharded state per rank (torch.distributed.checkpoint)
+- :mod:`fitrl.checkpoint.manager`  the driver's side: when to save, what a resume restores
+- :mod:`fitrl.checkpoint.export`   a checkpoint's actor as a Hugging Face model directory (`fitrl export`)
+
+Import-light: importing the package loads nothing heavy; import the modules.
+"""

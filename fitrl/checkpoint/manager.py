@@ -1,0 +1,218 @@
+"""The driver's side of checkpoints: when to save, what goes in, what a resume restores.
+
+A checkpoint ``RUN/checkpoints/step_N`` holds::
+
+    COMPLETE             written last (see fitrl.checkpoint.layout): step, world size, files + sizes
+    config.yaml          the resolved config of the run that saved it
+    trainer_state.json   the trainer step, the data sampler's position, the KL coefficient,
+                         Python's and NumPy's RNG states
+    rng.pt               the driver's torch RNG states
+    hf/                  config.json, generation_config.json and tokenizer files of the actor's
+                         model directory: what `fitrl export` needs besides the weights
+    actor/, critic/      each trained role's sharded state (fitrl.checkpoint.sharded)
+
+The reference model is not saved: it is frozen and rebuilt from its path.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import yaml
+from rich.console import Console
+
+from fitrl.checkpoint import layout, rng
+from fitrl.checkpoint.layout import Checkpoint, CheckpointError
+from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
+
+# Settings that may change between a checkpoint and its resume without changing what the run
+# computes (beyond float rounding): sizes of the work per forward, where and on how many ranks
+# it runs, how long it goes on, logging, validation, and checkpointing itself. Model paths may
+# move; the weights' names and shapes are checked when they are loaded.
+RESUME_SAFE = [
+    "trainer.max_steps", "trainer.backend", "trainer.nnodes", "trainer.devices_per_node", "trainer.ray_address",
+    "trainer.num_threads", "trainer.device", "trainer.output_dir", "trainer.experiment_name", "trainer.run_dir",
+    "trainer.val_*", "trainer.log_freq", "trainer.progress_bar", "checkpoint.*", "*.fsdp.*",
+    "data.val_files", "data.val_batch_size", "reward.num_workers", "reward.timeout", "rollout.val.*",
+    "*micro_batch_size", "*micro_batch_token_budget", "actor.logprob_chunk_size",
+    "*.model.path", "*.model.tokenizer_path", "*.model.gradient_checkpointing", "*.model.attn_implementation",
+]
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.index.json")
+
+
+class CheckpointManager:
+    def __init__(self, cfg: FitrlConfig, run_dir: Path, console: Console):
+        self.cfg, self.ckpt, self.run_dir, self.console = cfg, cfg.checkpoint, Path(run_dir), console
+        self.root = self.run_dir / layout.CHECKPOINTS
+
+    # ------------------------------------------------------------------ resuming
+
+    def resume_point(self) -> Optional[Checkpoint]:
+        """The checkpoint this run continues from (``checkpoint.resume``), config-checked; None
+        to start at step 0. Interrupted saves in this run's directory are deleted first."""
+        removed = layout.clean_partial(self.root)
+        if removed:
+            self.console.print(f"checkpoint: removed {len(removed)} incomplete save(s) left by an interrupted run: "
+                               f"{', '.join(removed)}", highlight=False)
+        spec = self.ckpt.resume
+        if spec == "never" or (spec == "auto" and not self.cfg.trainer.run_dir):
+            return None
+        if spec == "auto":
+            found = layout.list_complete(self.root)
+            resumable = [c for c in found if not c.model_only]
+            if not resumable:
+                if found:
+                    self.console.print(f"checkpoint: {found[-1].path} holds weights only (checkpoint.model_only); "
+                                       "starting at step 0", highlight=False)
+                return None
+            point = layout.read(resumable[-1].path)
+        else:
+            point = layout.find(spec)
+            if point.model_only:
+                raise CheckpointError(f"checkpoint {point.path} holds weights only (saved with checkpoint.model_only="
+                                      "true) and cannot be resumed; export it with `fitrl export` and start a new "
+                                      "run from the exported directory")
+        self._check_config(point)
+        newer = [c.path.name for c in layout.list_complete(self.root) if c.step > point.step]
+        if newer:
+            self.console.print(f"checkpoint: {', '.join(newer)} in {self.root} are newer than the resume point; "
+                               "they will be replaced as this run reaches their steps", highlight=False)
+        return point
+
+    def _check_config(self, point: Checkpoint) -> None:
+        path = point.path / "config.yaml"
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {point.path} has no config.yaml")
+        saved = _flatten(yaml.safe_load(path.read_text()) or {})
+        now = _flatten(config_to_dict(self.cfg))
+        changed = [(k, saved.get(k, "(unset)"), now.get(k, "(unset)")) for k in sorted(set(saved) | set(now))
+                   if not _same(k, saved.get(k, "(unset)"), now.get(k, "(unset)"))]
+        unsafe = [c for c in changed if not any(fnmatch.fnmatchcase(c[0], p) for p in RESUME_SAFE)]
+        text = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in (unsafe or changed))
+        if unsafe and self.ckpt.strict_config:
+            raise ConfigError(f"checkpoint {point.path} was saved with a different config ({path}): {text}. Resume "
+                              "with the saved settings, start over with checkpoint.resume=never, or accept the "
+                              "change with checkpoint.strict_config=false")
+        if changed:
+            self.console.print(f"checkpoint: resuming with changed settings: {text}", highlight=False)
+
+    def carry_metrics(self, point: Checkpoint) -> list[dict[str, float]]:
+        """Make this run's metrics.jsonl the checkpoint run's records up to its step (dropping
+        what an interrupted run wrote after it) and return the per-step history they hold."""
+        dst = self.run_dir / "metrics.jsonl"
+        src = point.run_dir / "metrics.jsonl" if point.run_dir else None
+        if src is None or not src.is_file():  # a checkpoint copied away from its run: keep this run's records
+            src = dst
+        kept: list[dict] = []
+        if src.is_file():
+            lines = src.read_text().splitlines()
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # the last line may have been cut by a kill
+                    continue
+                if record.get("step", 0) <= point.step:
+                    kept.append(record)
+            if len(lines) > len(kept):
+                self.console.print(f"metrics: dropped {len(lines) - len(kept)} record(s) written after step "
+                                   f"{point.step} by the interrupted run", highlight=False)
+        tmp = dst.with_name(dst.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, dst)
+        # the per-step history (validation-only records, e.g. step 0's, are not steps)
+        return [{k: v for k, v in r.items() if k != "step"} for r in kept
+                if r.get("step", 0) >= 1 and any(k != "step" and not k.startswith("val/") for k in r)]
+
+    def restore(self, point: Checkpoint, roles: dict[str, Any], *, weights_only: bool = False) -> Optional[dict]:
+        """Load every role's state (on its ranks) and return the driver's state (None when
+        ``weights_only``); the driver's RNGs are restored here."""
+        for name, role in roles.items():
+            if not (point.path / name).is_dir():
+                raise CheckpointError(f"checkpoint {point.path} has no {name}/ (saved without a {name}); resume with "
+                                      f"the settings it was saved with")
+            role.load_checkpoint(str(point.path / name), weights_only)
+        if weights_only:
+            self.console.print(f"checkpoint: loaded the weights of {point.path} (step {point.step})", highlight=False)
+            return None
+        state = json.loads((point.path / "trainer_state.json").read_text())
+        rng.set_python_numpy_state(state.pop("rng"))
+        rng.set_torch_state(torch.load(point.path / "rng.pt", weights_only=True))
+        saved_ws = point.meta.get("world_size")
+        if saved_ws is not None and saved_ws != self.cfg.world_size:
+            self.console.print(f"checkpoint: saved by {saved_ws} rank(s), resumed on {self.cfg.world_size}: the "
+                               "weights and optimizer state are resharded; sampling streams differ per rank, so the "
+                               "run continues statistically, not bit for bit", highlight=False)
+        self.console.print(f"checkpoint: resumed from {point.path} (step {point.step})", highlight=False)
+        return state
+
+    # ------------------------------------------------------------------ saving
+
+    def due(self, step: int) -> bool:
+        f = self.ckpt.save_freq
+        if step == self.cfg.trainer.max_steps:
+            return self.ckpt.save_final or bool(f and step % f == 0)
+        return bool(f and step % f == 0)
+
+    def save(self, step: int, roles: dict[str, Any], trainer_state: dict, metrics: dict[str, float]) -> Path:
+        """Write ``step_<step>`` atomically, then apply ``save_limit`` / ``keep_best``."""
+        start = time.perf_counter()
+        tmp = layout.begin(self.root, step)
+        try:
+            for name, role in roles.items():  # every rank writes its own shards into tmp/<name>
+                role.save_checkpoint(str(tmp / name), self.ckpt.model_only)
+            save_config(self.cfg, str(tmp / "config.yaml"))
+            (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "rng": rng.python_numpy_state()}))
+            torch.save(rng.torch_state(), tmp / "rng.pt")
+            copy_hf_files(self.cfg, tmp / "hf")
+            best = self.ckpt.keep_best
+            meta = {"step": step, "world_size": self.cfg.world_size, "roles": list(roles),
+                    "model_only": self.ckpt.model_only, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "metrics": {best: metrics[best]} if best and best in metrics else {}}
+            final = layout.finalize(tmp, meta)
+        except BaseException:
+            # An exception (not a kill): remove the partial save now rather than at the next start.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        pruned = layout.prune(self.root, self.ckpt.save_limit, self.ckpt.keep_best, self.ckpt.keep_best_mode, final)
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20
+        note = f"; removed {', '.join(p.name for p in pruned)}" if pruned else ""
+        self.console.print(f"checkpoint: {final} ({size:.1f} MiB in {time.perf_counter() - start:.2f} s){note}",
+                           highlight=False)
+        return final
+
+
+def copy_hf_files(cfg: FitrlConfig, dest: Path) -> None:
+    """Everything in the actor's model (and tokenizer) directory except the weights."""
+    dest.mkdir(parents=True, exist_ok=True)
+    model = cfg.actor.model
+    for source in filter(None, [model.path, model.tokenizer_path]):
+        for f in sorted(Path(source).iterdir()):
+            if f.is_file() and not any(fnmatch.fnmatch(f.name, p) for p in WEIGHT_FILES):
+                shutil.copy2(f, dest / f.name)
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    """Equal settings; data files count as equal when they are the same files (a relative and
+    an absolute path to one file, as the same command run from another directory gives)."""
+    if old == new:
+        return True
+    if key.endswith("_files") and isinstance(old, list) and isinstance(new, list):
+        return [os.path.realpath(p) for p in old] == [os.path.realpath(p) for p in new]
+    return False
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -113,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_make_tiny_model)
 
     from fitrl.checkpoint.export import add_export_command
+    from fitrl.memory.cli import add_plan_command
 
     add_export_command(sub)
+    add_plan_command(sub)
 
     p = sub.add_parser("config", help="print the resolved config, or every key with its documentation (--doc)")
     p.add_argument("config", nargs="?", help="YAML config (omit for the defaults)")

@@ -1,0 +1,235 @@
+"""Planner accuracy on CPU: predicted vs measured peak host memory of the update and log-prob phases.
+
+Each configuration runs the real code in fresh processes (1 rank: one process; 2 ranks: two
+processes, gloo, FSDP2, as ``tests/fsdp_spawn.py``): a :class:`PolicyWorker` loads the model,
+generates a real rollout batch with ``HFRollout`` (EOS ignored, so every response has exactly
+``R`` tokens; prompts of random token ids, lengths between P/2 and P, so rows are left-padded),
+runs one whole warm-up step (log-probs and the update, so gradients and AdamW states exist and
+the allocator holds what a previous step left, as from the second RL step on), then measures
+the second step's ``compute_logprob`` and ``update``, each after resetting the high-water mark
+(``/proc/self/clear_refs``), reading ``VmHWM`` from ``/proc/self/status`` afterwards. The figure
+is the whole process's peak RSS in the phase (rank maximum for 2 ranks); the planner predicts
+the same quantity (``fitrl.memory`` for ``device=cpu``).
+
+Two allocators: ``mmap`` starts the ranks with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc maps and
+unmaps every tensor of 64 KiB or more, so RSS follows the live tensors the planner traces);
+``glibc`` is the default, whose dynamic threshold keeps freed activation-sized blocks in the
+heap: RSS runs 1.3-4x above the live tensors and stays up into the next phase, which the
+planner models with measured factors (``fitrl/memory/calibration.py``).
+
+    .venv/bin/python bench/plan_accuracy.py                  # every configuration, both allocators
+    .venv/bin/python bench/plan_accuracy.py --only 0 3 --malloc mmap
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GIB = 1024**3
+ROOT = Path(__file__).resolve().parent.parent
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+@dataclass
+class Case:
+    size: str            # tiny / small / medium (fitrl.models.tiny.SIZES)
+    ranks: int
+    prompts: int         # data.rollout_batch_size (one mini-batch: one optimizer step)
+    n: int               # rollout.n
+    prompt_len: int      # data.max_prompt_length (longest prompt)
+    response_len: int    # rollout.max_response_length (every response, EOS ignored)
+    micro: int           # actor.micro_batch_size = actor.logprob_micro_batch_size
+    ckpt: bool           # actor.model.gradient_checkpointing
+    chunk: int           # actor.logprob_chunk_size (>= the response length: not chunked)
+
+    @property
+    def label(self) -> str:
+        # chunks run over the micro-batch's flattened response tokens
+        chunk = "unchunked" if self.chunk >= self.micro * self.response_len else f"chunk {self.chunk}"
+        return (f"{self.size} x{self.ranks} | {self.prompts * self.n} seq P{self.prompt_len} R{self.response_len} "
+                f"micro {self.micro} | ckpt {'on' if self.ckpt else 'off'} | {chunk}")
+
+    def overrides(self, model_dir: str) -> list[str]:
+        o = [f"actor.model.path={model_dir}", f"data.max_prompt_length={self.prompt_len}",
+             f"rollout.max_response_length={self.response_len}", f"data.rollout_batch_size={self.prompts}",
+             f"rollout.n={self.n}", f"actor.mini_batch_size={self.prompts}", f"actor.micro_batch_size={self.micro}",
+             f"actor.logprob_micro_batch_size={self.micro}", f"actor.model.gradient_checkpointing={self.ckpt}",
+             f"actor.logprob_chunk_size={self.chunk}", "rollout.ignore_eos=true", f"rollout.micro_batch_size={64}",
+             "trainer.device=cpu", f"trainer.num_threads={2 // self.ranks}", "reward.num_workers=0",
+             "trainer.val_before_train=false"]
+        if self.ranks > 1:
+            o += ["trainer.backend=ray", f"trainer.devices_per_node={self.ranks}"]
+        return o
+
+
+CASES = [
+    Case("tiny", 1, 8, 8, 32, 64, 16, False, 1024),
+    Case("small", 1, 4, 4, 64, 128, 8, False, 1024),
+    Case("small", 1, 4, 4, 64, 128, 8, True, 1024),
+    Case("small", 1, 4, 4, 128, 384, 8, False, 1024),
+    Case("small", 1, 4, 4, 128, 384, 8, False, 4096),
+    Case("small", 1, 2, 8, 128, 384, 4, True, 128),
+    Case("small", 1, 8, 4, 64, 256, 16, False, 4096),
+    Case("tiny", 2, 8, 8, 32, 64, 16, False, 1024),
+    Case("small", 2, 4, 4, 64, 256, 8, False, 1024),
+    Case("small", 2, 4, 4, 64, 256, 8, True, 4096),
+    Case("medium", 1, 2, 4, 64, 128, 4, False, 1024),
+]
+
+
+# ------------------------------------------------------------------------------- measuring
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_high_water_mark() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # 5: reset VmHWM to the current RSS (Linux)
+        f.write("5")
+
+
+def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queue) -> None:
+    import torch
+
+    if world > 1:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    from fitrl.config import load_config
+    from fitrl.data.batch import Batch
+    from fitrl.roles.workers import PolicyWorker
+    from fitrl.rollout.hf import Sampling
+
+    c = Case(**case)
+    cfg = load_config(str(ROOT / "examples" / "arith.yaml"), c.overrides(model_dir))
+    torch.set_num_threads(cfg.trainer.num_threads)
+    worker = PolicyWorker(cfg, rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    vocab = worker.tokenizer.vocab_size - 8  # below the special tokens
+    lengths = torch.randint(c.prompt_len // 2, c.prompt_len + 1, (c.prompts // world,), generator=g).tolist()
+    lengths[0] = c.prompt_len
+    prompts = Batch(fields={"prompt_ids": [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]})
+    batch = worker.generate(prompts, Sampling(n=c.n, max_new_tokens=c.response_len, ignore_eos=True))
+    batch.update(worker.compute_logprob(batch))
+    batch.update(advantages=torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
+    # warm-up: one whole update, so gradients and AdamW states exist and the allocator holds
+    # what a previous step left, as from the second RL step on
+    worker.update(batch)
+    out = {"rank": rank, "seqs": len(batch), "width": batch["input_ids"].shape[1]}
+    for phase in ("logprob", "update"):
+        start = _status_kib("VmRSS")
+        _reset_high_water_mark()
+        t0 = time.perf_counter()
+        if phase == "logprob":
+            lp = worker.compute_logprob(batch)
+            del lp
+        else:
+            worker.update(batch)
+        out[phase] = {"start": start * 1024, "peak": _status_kib("VmHWM") * 1024, "seconds": time.perf_counter() - t0}
+    queue.put(json.dumps(out))
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def measure(case: Case, model_dir: str, port: int, malloc: str) -> dict:
+    """Peak RSS per phase (rank maximum); ``malloc="mmap"`` starts the ranks with
+    MALLOC_MMAP_THRESHOLD_=65536 (glibc then maps and unmaps every tensor of 64 KiB or more)."""
+    import torch.multiprocessing as mp
+
+    saved = os.environ.get(MMAP_ENV)
+    if malloc == "mmap":
+        os.environ[MMAP_ENV] = "65536"
+    else:
+        os.environ.pop(MMAP_ENV, None)
+    try:
+        return _measure(case, model_dir, port, mp.get_context("spawn"))
+    finally:
+        if saved is None:
+            os.environ.pop(MMAP_ENV, None)
+        else:
+            os.environ[MMAP_ENV] = saved
+
+
+def _measure(case: Case, model_dir: str, port: int, ctx) -> dict:
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, case.ranks, port, asdict(case), model_dir, queue))
+             for r in range(case.ranks)]
+    for p in procs:
+        p.start()
+    results = [json.loads(queue.get(timeout=1800)) for _ in procs]
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"rank process failed ({p.exitcode}) for {case.label}")
+    phases = ("logprob", "update")
+    return {phase: max(r[phase]["peak"] for r in results) for phase in phases} | {
+        "start": {phase: max(r[phase]["start"] for r in results) for phase in phases},
+        "seconds": {phase: max(r[phase]["seconds"] for r in results) for phase in phases}}
+
+
+# ------------------------------------------------------------------------------ predicting
+
+def predict(case: Case, model_dir: str, malloc: str) -> dict:
+    from fitrl.config import load_config
+    from fitrl.memory import Hardware, PlanInputs, plan_config
+
+    cfg = load_config(str(ROOT / "examples" / "arith.yaml"), case.overrides(model_dir))
+    hw = Hardware.cpu(ranks_per_node=case.ranks)
+    plan = plan_config(cfg, hw, PlanInputs(hardware=hw, host_malloc=malloc))
+    trainer = plan.process("trainer")
+    return {"logprob": trainer.host_peak("old_logprob"), "update": trainer.host_peak("update"),
+            "plan": plan}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", type=int, nargs="*", help="indices of CASES to run")
+    parser.add_argument("--malloc", nargs="+", default=["mmap", "glibc"], choices=["mmap", "glibc"])
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    from fitrl.models.tiny import make_tiny_model
+
+    cases = [(i, CASES[i]) for i in args.only] if args.only else list(enumerate(CASES))
+    rows = []
+    print(f"{'#':>2} {'configuration':<64} {'phase':<7} {'malloc':<6} {'predicted':>9} {'measured':>9} {'error':>7} "
+          f"{'phase s':>7}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {}
+        for size in sorted({c.size for _, c in cases}):
+            dirs[size] = str(make_tiny_model(Path(tmp) / size, arch="qwen2", size=size, seed=0))
+        for i, case in cases:
+            for malloc in args.malloc:
+                meas = measure(case, dirs[case.size], port=29700 + 2 * i + (malloc == "glibc"), malloc=malloc)
+                pred = predict(case, dirs[case.size], malloc)
+                for phase in ("logprob", "update"):
+                    err = (pred[phase] - meas[phase]) / meas[phase]
+                    rows.append({"case": i, "label": case.label, "phase": phase, "malloc": malloc,
+                                 "predicted_gib": pred[phase] / GIB, "measured_gib": meas[phase] / GIB,
+                                 "error": err, "seconds": meas["seconds"][phase]})
+                    print(f"{i:>2} {case.label:<64} {phase:<7} {malloc:<6} {pred[phase] / GIB:9.3f} "
+                          f"{meas[phase] / GIB:9.3f} {err:+7.1%} {meas['seconds'][phase]:7.1f}", flush=True)
+    for malloc in args.malloc:
+        errs = [abs(r["error"]) for r in rows if r["malloc"] == malloc]
+        print(f"malloc={malloc}: {len(errs)} phase peaks, worst error {max(errs):.1%}, "
+              f"mean |error| {sum(errs) / len(errs):.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    worst = max(abs(r["error"]) for r in rows if r["malloc"] == args.malloc[0])
+    sys.exit(0 if worst <= 0.15 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Every constant of the memory planner that is not a closed form, in one place, named.
+
+Each says where it comes from: *measured* here (2-core CPU machine, torch 2.13.0+cpu,
+transformers 5.23, ``bench/plan_accuracy.py``), *documented* by the library that owns the
+memory, or *assumed* (no GPU was available to measure it; check it on one and change it here).
+"""
+
+from __future__ import annotations
+
+GIB = 1024**3
+MIB = 1024**2
+
+# --------------------------------------------------------------------------- margins
+GPU_MARGIN = 0.90
+"""A plan fits when every device's predicted peak is at most this fraction of its memory."""
+HOST_MARGIN = 0.85
+"""... and every node's predicted host peak at most this fraction of its RAM."""
+
+# --------------------------------------------------------------------------- processes (host RSS)
+CPU_PROCESS_RUNTIME = int(0.36 * GIB)
+"""Measured: RSS of a CPU trainer process with torch, transformers and fitrl imported, a
+tokenizer and a (tiny) model built, before any model state: 0.35-0.37 GiB (DESIGN §4: ~0.3)."""
+CPU_RANK_EXTRA = int(0.06 * GIB)
+"""Measured: a gloo rank with FSDP2 (process group, device mesh, DTensor) adds ~60 MiB."""
+CUDA_PROCESS_RUNTIME = int(2.5 * GIB)
+"""Assumed: host RSS of a CUDA trainer process (CUDA runtime, cuBLAS, cuDNN, NCCL mapped and
+touched); commonly 2-3 GiB. Not measured here (no GPU)."""
+DRIVER_RUNTIME = int(0.45 * GIB)
+"""Assumed from the CPU figure: the driver imports torch, transformers, ray and holds the datasets."""
+RAY_SYSTEM_HOST = int(1.0 * GIB)
+"""Assumed: raylet, GCS and dashboard processes on a node (head ~1 GiB)."""
+REWARD_WORKER_HOST = 65 * MIB
+"""Measured in fitrl.rewards.pool: one reward worker process, 60-70 MB."""
+VLLM_PROCESS_RUNTIME = int(3.0 * GIB)
+"""Assumed: host RSS of a vLLM engine process besides weights (CUDA, vLLM, compiled graphs);
+story 2 of DESIGN §1 reports ~20 GB per engine worker while loading a 7B (16.6 GB of bf16 weights)."""
+
+# --------------------------------------------------------------------------- device (GPU)
+CUDA_CONTEXT = int(0.75 * GIB)
+"""Assumed: per process per GPU outside PyTorch's allocator: CUDA context (~0.5 GiB on Hopper),
+cuBLAS workspaces, NCCL buffers."""
+GPU_ALLOCATOR_SLACK = 1.10
+"""Assumed: the CUDA caching allocator's fragmentation on top of the traced live bytes of a
+phase's transient tensors (reserved / allocated is typically 1.05-1.2 in training)."""
+VLLM_ACTIVATION_RESERVE = int(2.0 * GIB)
+"""Assumed: what vLLM keeps for activations and CUDA graphs inside its budget
+(``gpu_memory_utilization``) besides weights and KV cache, for a 7B-72B model."""
+
+# --------------------------------------------------------------------------- host allocators
+CPU_ALLOCATOR_SLACK = 1.0
+"""The CPU factors below already hold glibc's behaviour; no further slack."""
+CPU_BACKWARD_RSS_FACTOR = 1.3
+"""Measured: peak RSS increase / traced live bytes of a forward+backward on CPU. The traced live
+bytes match PyTorch's own MemTracker on the real run exactly; the excess is glibc malloc, whose
+dynamic mmap threshold (up to 32 MiB) puts activation-sized tensors on the heap, where freed
+chunks are reused late and returned rarely."""
+CPU_RECOMPUTE_RSS_FACTOR = 3.8
+"""Measured: the same with gradient checkpointing, whose recomputation allocates and frees every
+layer's activations again inside backward and fragments the heap (3.6-4.0x on the small model)."""
+CPU_LOGPROB_RSS_FACTOR = 1.0
+"""Measured: a no-grad forward on CPU."""
+CPU_RETAINED_AFTER_UPDATE = 0.62
+"""Measured: the share of the update's peak RSS increase that glibc still holds when the next
+phase starts (0.41-0.76 over the benchmark's configurations): a later phase's RSS peak is at least that."""
+PINNED_POWER_OF_TWO = True
+"""Documented: PyTorch's CUDA host (pinned) caching allocator rounds each allocation up to a
+power of two and keeps freed blocks cached, so pinned offload of a tensor of 34 MB holds 64 MB."""
+
+# --------------------------------------------------------------------------- Ray
+RAY_OBJECT_STORE_FRACTION = 0.30
+"""Documented (Ray): the object store may grow to 30% of the node's RAM by default (shared memory)."""
+RAY_OBJECT_COPIES = 2
+"""Assumed: a step's batch is in the object store about twice at its peak (the argument shards
+put by the driver and the results put by the ranks, until the driver drops its references)."""
+
+# --------------------------------------------------------------------------- data
+BATCH_BYTES_PER_TOKEN = 3 * 8
+"""Closed form (fitrl.rollout.hf): input_ids, attention_mask, position_ids are int64 over P+R."""
+BATCH_BYTES_PER_RESPONSE_TOKEN = 2 * 8 + 8 * 4
+"""Closed form: responses and response_mask int64, and eight fp32 (B, R) tensors (rollout,
+old and ref log-probs, entropy, advantages, returns, token rewards, values or scores)."""
+IMAGE_DECODED_BYTES_PER_PIXEL = 3
+"""Closed form: a decoded RGB uint8 image held until the processor has made its pixel values."""

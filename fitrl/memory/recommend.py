@@ -1,0 +1,207 @@
+"""Recommendations: single changes to the config, ranked by what they cost in speed, each
+re-planned so its effect is a prediction in GiB, not advice.
+
+Every candidate is a list of dotted overrides (``plan.*`` ones change the planner-only inputs).
+Those that remove a problem, or are faster and keep the plan fitting, are reported in speed
+order; when no single one fits, the cheapest ones are combined greedily until the plan fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fitrl.config import ConfigError
+from fitrl.config.loader import config_from_dict, config_to_dict
+from fitrl.memory.plan import Plan, plan_config
+
+
+@dataclass
+class Change:
+    overrides: list[tuple[str, Any]]
+    cost: str                 # what it costs in speed (or in the task), shown to the user
+    text: str                 # "actor.fsdp.offload_params true -> false"
+
+
+@dataclass
+class Recommendation:
+    change: Change
+    plan: Plan
+    gpu_delta: int            # device peak, new - old (bytes)
+    host_delta: int           # node host peak, new - old
+    base_growth: int = 0      # the original plan's host growth per step
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+
+def _get(cfg, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def candidates(plan: Plan) -> list[Change]:
+    """Changes in order of speed cost: faster first, then free, then slower, then task changes."""
+    cfg, e, out = plan.cfg, plan.inputs.rollout, []
+    ray = cfg.trainer.backend == "ray"
+    cuda = plan.hardware.device == "cuda"
+
+    def flip(key: str, cost: str, want: bool) -> None:
+        if _get(cfg, key) != want:
+            out.append(Change([(key, want)], cost, f"{key} {str(not want).lower()} -> {str(want).lower()}"))
+
+    hw = plan.hardware
+    if not ray and cuda and hw.nodes * hw.gpus_per_node > 1:
+        out.append(Change([("trainer.backend", "ray"), ("trainer.nnodes", hw.nodes),
+                           ("trainer.devices_per_node", hw.gpus_per_node)], "faster: every device trains",
+                          f"shard with FSDP2 over {hw.nodes * hw.gpus_per_node} devices (trainer.backend=ray)"))
+    if ray and cfg.actor.fsdp.init == "every_rank":
+        out.append(Change([("actor.fsdp.init", "rank0")], "faster: one checkpoint read per job, not per rank",
+                          "actor.fsdp.init every_rank -> rank0"))
+    if cuda:
+        roles = ["actor", "ref"] if cfg.uses_reference else ["actor"]
+        on = [(f"{r}.fsdp.{k}", False) for r in roles for k in ("cpu_offload", "offload_params", "offload_optimizer")
+              if not (r == "ref" and k == "offload_optimizer") and _get(cfg, f"{r}.fsdp.{k}")]
+        if len(on) > 1:
+            out.append(Change(on, "faster: no host<->device copies", "offload off (" + ", ".join(k for k, _ in on) + ")"))
+        for role in roles:
+            for k in ("cpu_offload", "offload_params", "offload_optimizer"):
+                if role == "ref" and k == "offload_optimizer":
+                    continue
+                flip(f"{role}.fsdp.{k}", "faster: no host<->device copies", False)
+    if cfg.uses_reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
+        out.append(Change([("ref.model", {"path": (cfg.ref.model or cfg.actor.model).path, "dtype": "bfloat16"})],
+                          "faster (bf16 forward of the frozen model)", "ref.model.dtype float32 -> bfloat16"))
+    if e.engine == "vllm" and e.free_cache_engine:
+        out.append(Change([("plan.rollout.free_cache_engine", False)], "faster: the engine sleeps instead of rebuilding",
+                          "free_cache_engine on -> off (sleep/wake the engine)"))
+    longest = cfg.actor.micro_batch_size * cfg.rollout.max_response_length
+    if cfg.actor.logprob_chunk_size > 1024 and longest > 1024:
+        out.append(Change([("actor.logprob_chunk_size", 1024)], "no speed cost: chunked log-probs",
+                          f"actor.logprob_chunk_size {cfg.actor.logprob_chunk_size} -> 1024 (chunked log-probs)"))
+    if cfg.trainer.val_before_train and cfg.data.val_files:
+        flip("trainer.val_before_train", "skips the validation before step 1", False)
+    if e.engine == "vllm" and e.sleep_level == 1:
+        out.append(Change([("plan.rollout.sleep_level", 2)], "slightly slower: weights re-synced at each wake",
+                          "engine sleep level 1 -> 2"))
+    halve = [("data.val_batch_size", "smaller validation generate calls"),
+             ("rollout.micro_batch_size", "slower generation (smaller batches)"),
+             ("actor.logprob_micro_batch_size", "slightly slower log-probs"),
+             ("ref.logprob_micro_batch_size", "slightly slower reference log-probs"),
+             ("actor.micro_batch_size", "slower update (more, smaller micro-batches)")]
+    for key, cost in halve:
+        v = _get(cfg, key)
+        if v > 1:
+            out.append(Change([(key, v // 2)], cost, f"{key} {v} -> {v // 2}"))
+    if e.engine == "vllm" and e.gpu_memory_utilization > 0.3:
+        u = round(e.gpu_memory_utilization - 0.1, 2)
+        out.append(Change([("plan.rollout.gpu_memory_utilization", u)], "smaller KV cache: more preemption",
+                          f"rollout memory fraction {e.gpu_memory_utilization} -> {u}"))
+    flip("actor.model.gradient_checkpointing", "~30% slower update (recompute)", True)
+    if cuda and ray:
+        flip("actor.fsdp.offload_optimizer", "slower: optimizer states copied each update", True)
+        flip("actor.fsdp.offload_params", "slower: weights copied each phase", True)
+        if cfg.uses_reference:
+            flip("ref.fsdp.offload_params", "slower: reference weights copied each step", True)
+    rbs, mini = cfg.data.rollout_batch_size, cfg.actor.mini_batch_size
+    if rbs > 1 and rbs % 2 == 0:
+        changes = [("data.rollout_batch_size", rbs // 2)] + ([("actor.mini_batch_size", mini // 2)]
+                                                             if mini > rbs // 2 or (rbs // 2) % mini else [])
+        out.append(Change(changes, "fewer prompts per step (training change)", f"data.rollout_batch_size {rbs} -> {rbs // 2}"))
+    im = plan.inputs.images
+    if plan.shape.vision is not None and im.per_prompt and im.max_pixels > 262144:
+        out.append(Change([("plan.images.max_pixels", im.max_pixels // 4)], "lower image resolution (task change)",
+                          f"max_pixels {im.max_pixels:,} -> {im.max_pixels // 4:,}"))
+    return out
+
+
+def _apply(plan: Plan, change: Change) -> Optional[Plan]:
+    data = config_to_dict(plan.cfg)
+    inputs = copy.deepcopy(plan.inputs)
+    for key, value in change.overrides:
+        parts = key.split(".")
+        if parts[0] == "plan":
+            obj = inputs
+            for p in parts[1:-1]:
+                obj = getattr(obj, p)
+            setattr(obj, parts[-1], value)
+            continue
+        node = data
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        node[parts[-1]] = value
+    try:
+        cfg = config_from_dict(data)
+    except ConfigError:
+        return None  # e.g. a micro-batch that no longer divides the mini-batch
+    return plan_config(cfg, plan.hardware, inputs, shape=plan.shape)
+
+
+def _overshoot(plan: Plan) -> int:
+    """Bytes over the limits, summed over the problems (0 when the plan fits)."""
+    return sum(p.need - p.limit for p in plan.problems())
+
+
+def _peaks(plan: Plan) -> tuple[int, int]:
+    p = plan.peaks().values()
+    return max(g for g, _ in p), max(h for _, h in p)
+
+
+def recommend(plan: Plan, limit: int = 8, first_fit: bool = False) -> tuple[list[Recommendation], Optional[Recommendation]]:
+    """(single changes worth showing, in speed order; a combination that fits when no single one does).
+    ``first_fit``: stop at the cheapest single change that fits (the one ``fitrl train`` would name)."""
+    base_gpu, base_host = _peaks(plan)
+    failing = {p.resource for p in plan.problems()}
+    shown: list[Recommendation] = []
+    for change in candidates(plan):
+        new = _apply(plan, change)
+        if new is None:
+            continue
+        gpu, host = _peaks(new)
+        rec = Recommendation(change, new, gpu - base_gpu, host - base_host, plan.growth_per_step)
+        helps = _overshoot(new) < _overshoot(plan)
+        faster_and_fits = not failing and change.cost.startswith("faster") and new.fits
+        if (failing and helps) or faster_and_fits:
+            shown.append(rec)
+            if first_fit and failing and rec.fits:
+                break
+    combo = None
+    if failing and not any(r.fits for r in shown):
+        combo = _combine(plan, shown, base_gpu, base_host)
+    return shown[:limit], combo
+
+
+def _combine(plan: Plan, singles: list[Recommendation], base_gpu: int, base_host: int) -> Optional[Recommendation]:
+    """Apply helpful changes cheapest-first until the plan fits."""
+    current, applied = plan, []
+    for rec in singles:
+        new = _apply(current, rec.change)
+        if new is None:
+            continue
+        before, after = _overshoot(current), _overshoot(new)
+        if after < before and not ({p.resource for p in new.problems()} - {p.resource for p in current.problems()}):
+            current, applied = new, applied + [rec.change]
+            if current.fits:
+                gpu, host = _peaks(current)
+                change = Change([o for c in applied for o in c.overrides], "; ".join(c.cost for c in applied),
+                                " + ".join(c.text for c in applied))
+                return Recommendation(change, current, gpu - base_gpu, host - base_host, plan.growth_per_step)
+    return None
+
+
+def as_overrides(change: Change) -> list[str]:
+    """The change as command-line overrides (``ref.model`` becomes its two keys)."""
+    out = []
+    for key, value in change.overrides:
+        if isinstance(value, dict):
+            out += [f"{key}.{k}={v}" for k, v in value.items()]
+        else:
+            out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+

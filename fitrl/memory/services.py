@@ -1,0 +1,89 @@
+"""Processes besides the trainer ranks: a vLLM engine (planner-only model), the driver, and what
+belongs to a node (Ray, its object store, reward workers, rank 0's checkpoint copies)."""
+
+from __future__ import annotations
+
+from fitrl.memory import calibration as C
+from fitrl.memory.plan import PHASES, ProcessPlan, Run, Usage
+from fitrl.memory.states import DTYPE_BYTES, full_weights
+
+
+def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
+    """A vLLM engine per tensor_parallel_size devices (planner-only model); returns (plan, host growth/step)."""
+    e, shape, hw = run.inp.rollout, run.shape, run.hw
+    tp = e.tensor_parallel_size
+    weights = full_weights(shape, "bfloat16", tp)
+    pool = int(e.gpu_memory_utilization * hw.gpu_memory) * tp  # one engine spans tp devices
+    kv = pool // tp - weights - C.VLLM_ACTIVATION_RESERVE
+    demand = run.cfg.data.rollout_batch_size * run.cfg.rollout.n * tp // (hw.nodes * hw.gpus_per_node) * run.seq_len
+    capacity = max(0, kv) // max(1, shape.kv_bytes_per_token(2) // tp)
+    if kv <= 0:
+        notes.append(f"vLLM: gpu_memory_utilization {e.gpu_memory_utilization} leaves no room for the KV cache "
+                     f"after {weights / C.GIB:.1f} GiB of weights")
+    elif demand > capacity:
+        notes.append(f"vLLM: a rollout needs {demand:,} KV tokens per engine, the cache holds {capacity:,}: "
+                     "sequences are preempted and recomputed (slower, not an OOM)")
+    backup = full_weights(shape, "bfloat16", tp, pinned=True) if e.sleep_level == 1 else 0
+    swap = int(e.swap_space_gib * C.GIB)
+    phases = {}
+    for ph in PHASES:
+        u = Usage()
+        if e.separate_processes:
+            u.add("host", "runtime", C.VLLM_PROCESS_RUNTIME)
+        awake = ph in ("rollout", "validation") or e.sleep_level == 0
+        # loading streams the checkpoint through the node's page cache (its RSS shows those shared
+        # pages: ~runtime + weights per engine, DESIGN §1 story 2); they are counted once per node
+        if awake:
+            u.add("gpu", "engine (weights, kv cache)", pool // tp)
+        elif ph == "weight_sync":
+            u.add("gpu", "engine weights", weights)
+        elif ph != "load":
+            u.add("host", "engine weights (asleep)", backup)
+        if ph != "load":
+            u.add("host", "engine swap space", swap)
+        if e.separate_processes and run.cuda:
+            u.add("gpu", "cuda context", C.CUDA_CONTEXT)
+        phases[ph] = u
+    growth = (swap + backup) * hw.gpus_per_node // tp if e.free_cache_engine else 0
+    if growth:
+        notes.append(f"free_cache_engine rebuilds the engine every step; its pinned host blocks "
+                     f"({(swap + backup) / C.GIB:.1f} GiB per engine) stay cached: host grows "
+                     f"{growth / C.GIB:.0f} GiB per step")
+    return ProcessPlan("engine", hw.gpus_per_node // tp, phases), growth
+
+
+def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
+    cfg, hw = run.cfg, run.hw
+    seqs_step = cfg.data.rollout_batch_size * cfg.rollout.n
+    im = run.inp.images
+    decoded = int(im.per_prompt * im.effective_pixels * C.IMAGE_DECODED_BYTES_PER_PIXEL) if run.shape.vision else 0
+    driver, node, rank0 = {}, {}, {}
+    for ph in PHASES:
+        d, n, r0 = Usage(), Usage(), Usage()
+        if run.fsdp:  # in-process, the driver is the trainer's process (runtime and batch counted there)
+            d.add("host", "runtime", C.DRIVER_RUNTIME)
+        if ph in ("rollout", "validation"):
+            prompts = cfg.data.rollout_batch_size if ph == "rollout" else cfg.data.val_batch_size
+            per_prompt = run.image_bytes_per_seq() + decoded
+            d.add("host", "image buffers", prompts * per_prompt)
+        if ph not in ("load", "validation") and run.fsdp:
+            d.add("host", "batch", run.batch_bytes(seqs_step))
+        n.add("host", "reward workers", cfg.reward.num_workers * C.REWARD_WORKER_HOST)
+        if run.fsdp:
+            n.add("host", "ray", C.RAY_SYSTEM_HOST)
+            if ph != "load":
+                seqs = seqs_step if ph != "validation" else cfg.data.val_batch_size * cfg.rollout.val.n
+                store = min(C.RAY_OBJECT_COPIES * run.batch_bytes(seqs) // hw.nodes,
+                            int(run.inp.object_store_fraction * hw.host_memory))
+                n.add("host", "object store", store)
+        if ph == "load" and run.fsdp and cfg.actor.fsdp.init == "rank0":
+            r0.add("host", "checkpoint copy", full_weights(run.shape, cfg.actor.model.dtype))
+        if ph == "load" and (run.fsdp or not run.cuda or run.inp.rollout.engine == "vllm"):
+            # the checkpoint file mapped by safetensors (page cache shared by a node's readers)
+            on_disk = run.shape.raw.get("torch_dtype") or run.shape.raw.get("dtype")
+            n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))
+        if ph == "checkpoint_save":
+            r0.add("host", "checkpoint copy", full_weights(run.shape, cfg.actor.model.dtype))
+        driver[ph], node[ph], rank0[ph] = d, n, r0
+    return [ProcessPlan("driver", 1, driver), ProcessPlan("node", 1, node), ProcessPlan("rank0", 1, rank0)]
+

@@ -1,0 +1,201 @@
+"""Model shapes from a Hugging Face ``config.json``: every parameter tensor in closed form.
+
+The planner never loads weights: a bare ``config.json`` is enough. ``ModelShape.tensors()``
+lists each parameter's name and shape as the transformers modules create them (decoder:
+``qwen2``, ``qwen3``, ``llama``, ``mistral``; vision towers of ``qwen2_vl`` and
+``qwen2_5_vl``), so per-rank shard sizes (FSDP2 pads dim 0 to a multiple of the world size) and
+pinned-memory rounding can be computed tensor by tensor. ``tests/test_plan_states.py`` checks
+the totals against real models, tensor for tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+DECODERS = ("qwen2", "qwen3", "llama", "mistral")
+VISION = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    kind: str             # qwen2_vl | qwen2_5_vl
+    depth: int
+    hidden: int           # embed_dim
+    intermediate: int     # MLP width
+    out_hidden: int       # the language model's hidden size (merger output)
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2        # spatial_merge_size: merge x merge patches become one LM token
+    in_chans: int = 3
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        e, i, m2 = self.hidden, self.intermediate, self.hidden * self.merge**2
+        out = [("visual.patch_embed.proj.weight", (e, self.in_chans, self.temporal_patch, self.patch, self.patch))]
+        ln = [(e,), (e,)] if self.kind == "qwen2_vl" else [(e,)]  # LayerNorm (weight, bias) vs RMSNorm
+        for b in range(self.depth):
+            p = f"visual.blocks.{b}."
+            out += [(p + f"norm1.{k}", s) for k, s in zip(("weight", "bias"), ln)]
+            out += [(p + f"norm2.{k}", s) for k, s in zip(("weight", "bias"), ln)]
+            out += [(p + "attn.qkv.weight", (3 * e, e)), (p + "attn.qkv.bias", (3 * e,)),
+                    (p + "attn.proj.weight", (e, e)), (p + "attn.proj.bias", (e,))]
+            if self.kind == "qwen2_vl":
+                out += [(p + "mlp.fc1.weight", (i, e)), (p + "mlp.fc1.bias", (i,)),
+                        (p + "mlp.fc2.weight", (e, i)), (p + "mlp.fc2.bias", (e,))]
+            else:
+                for name in ("gate_proj", "up_proj"):
+                    out += [(p + f"mlp.{name}.weight", (i, e)), (p + f"mlp.{name}.bias", (i,))]
+                out += [(p + "mlp.down_proj.weight", (e, i)), (p + "mlp.down_proj.bias", (e,))]
+        out += [(f"visual.merger.ln_q.{k}", s) for k, s in zip(("weight", "bias"), ln)]
+        out += [("visual.merger.mlp.0.weight", (m2, m2)), ("visual.merger.mlp.0.bias", (m2,)),
+                ("visual.merger.mlp.2.weight", (self.out_hidden, m2)), ("visual.merger.mlp.2.bias", (self.out_hidden,))]
+        return out
+
+    def patches(self, pixels: int) -> int:
+        """Vision-tower tokens of one image of ``pixels`` pixels (after resizing to ``max_pixels``)."""
+        return max(1, pixels // (self.patch * self.patch))
+
+    def llm_tokens(self, pixels: int) -> int:
+        """Language-model tokens of one image: patches merged ``merge x merge``."""
+        return max(1, self.patches(pixels) // self.merge**2)
+
+    def pixel_values_bytes(self, pixels: int) -> int:
+        """The processor's fp32 ``pixel_values`` of one image: one row of C*t*p*p values per patch
+        (a still image is repeated over the temporal patch): 24 bytes per pixel for Qwen2-VL."""
+        return self.patches(pixels) * self.in_chans * self.temporal_patch * self.patch * self.patch * 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    vision: Optional[VisionShape] = None
+    raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelShape":
+        """From a model directory (only its ``config.json`` is read) or a ``config.json`` file."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        return cls.from_dict(json.loads(p.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelShape":
+        mt = cfg.get("model_type", "")
+        text = cfg.get("text_config") or cfg if mt in VISION else cfg
+        if mt not in DECODERS + VISION:
+            raise ValueError(f"model_type {mt!r} is not modelled by the planner; known: {', '.join(DECODERS + VISION)}")
+        h, heads = text["hidden_size"], text["num_attention_heads"]
+        vision = None
+        if mt in VISION:
+            v = cfg["vision_config"]
+            if mt == "qwen2_vl":
+                e = v.get("embed_dim", 1280)
+                vision = VisionShape(mt, v["depth"], e, int(e * v.get("mlp_ratio", 4)), v.get("hidden_size", h),
+                                     v.get("patch_size", 14), v.get("temporal_patch_size", 2),
+                                     v.get("spatial_merge_size", 2), v.get("in_chans", v.get("in_channels", 3)))
+            else:
+                vision = VisionShape(mt, v["depth"], v["hidden_size"], v["intermediate_size"],
+                                     v.get("out_hidden_size", h), v.get("patch_size", 14),
+                                     v.get("temporal_patch_size", 2), v.get("spatial_merge_size", 2),
+                                     v.get("in_chans", v.get("in_channels", 3)))
+        family = "qwen2" if mt in VISION else mt
+        return cls(
+            model_type=mt, hidden=h, layers=text["num_hidden_layers"], heads=heads,
+            kv_heads=text.get("num_key_value_heads") or heads,
+            head_dim=text.get("head_dim") or h // heads, intermediate=text["intermediate_size"],
+            vocab=text.get("vocab_size", cfg.get("vocab_size")),
+            tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            qkv_bias=family == "qwen2" or bool(text.get("attention_bias", False)),
+            o_bias=family in ("llama", "mistral") and bool(text.get("attention_bias", False)),
+            mlp_bias=bool(text.get("mlp_bias", False)), qk_norm=family == "qwen3",
+            vision=vision, raw=cfg,
+        )
+
+    # ------------------------------------------------------------------ tensors
+    def layer_tensors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        h, d, q, kv, inter = self.hidden, self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim, \
+            self.intermediate
+        p = f"model.layers.{i}."
+        out = [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.append((p + f"self_attn.{name}.weight", (rows, h)))
+            if self.qkv_bias:
+                out.append((p + f"self_attn.{name}.bias", (rows,)))
+        out.append((p + "self_attn.o_proj.weight", (h, q)))
+        if self.o_bias:
+            out.append((p + "self_attn.o_proj.bias", (h,)))
+        if self.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            out.append((p + f"mlp.{name}.weight", shape))
+            if self.mlp_bias:
+                out.append((p + f"mlp.{name}.bias", (shape[0],)))
+        return out
+
+    def tensors(self, with_vision: bool = True) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter (tied embeddings counted once, as ``model.parameters()`` does)."""
+        out = [("model.embed_tokens.weight", (self.vocab, self.hidden))]
+        for i in range(self.layers):
+            out += self.layer_tensors(i)
+        out.append(("model.norm.weight", (self.hidden,)))
+        if not self.tied:
+            out.append(("lm_head.weight", (self.vocab, self.hidden)))
+        if with_vision and self.vision is not None:
+            out += self.vision.tensors()
+        return out
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(s) for _, s in self.tensors())
+
+    @property
+    def layer_params(self) -> int:
+        return sum(_numel(s) for _, s in self.layer_tensors(0))
+
+    @property
+    def vision_params(self) -> int:
+        return sum(_numel(s) for _, s in self.vision.tensors()) if self.vision else 0
+
+    @property
+    def largest_tensor(self) -> int:
+        return max(_numel(s) for _, s in self.tensors())
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V of every layer for one token: 2 * L * n_kv * d_head * bytes (56 KiB for Qwen2.5-7B in bf16)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def text_config(self, layers: Optional[int] = None) -> dict[str, Any]:
+        """A plain decoder config of the same text shape (for tracing; ``layers`` overrides the depth)."""
+        family = "qwen2" if self.model_type in VISION else self.model_type
+        return dict(model_type=family, hidden_size=self.hidden, num_hidden_layers=layers or self.layers,
+                    num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                    intermediate_size=self.intermediate, vocab_size=self.vocab, tie_word_embeddings=self.tied,
+                    attention_bias=self.qkv_bias or self.o_bias, mlp_bias=self.mlp_bias,
+                    max_position_embeddings=max(32768, self.raw.get("max_position_embeddings", 0)))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return _numel(shape)

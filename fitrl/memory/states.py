@@ -1,0 +1,92 @@
+"""Model states in closed form: parameters, gradients and AdamW states per rank.
+
+With fp32 master weights and AdamW a trained model holds 16 bytes per parameter (weights 4,
+gradients 4, ``exp_avg`` and ``exp_avg_sq`` 8) plus AdamW's fp32 ``step`` scalar per tensor.
+Under FSDP2 each tensor is sharded on dim 0 over the N ranks of its shard group, padded to a
+multiple of N: rank 0 (the largest shard) holds ``ceil(dim0 / N) * rest`` elements of each.
+A frozen bf16 reference holds 2 bytes per parameter over N. Pinned host memory (FSDP2
+``CPUOffloadPolicy`` on CUDA) is rounded up to a power of two per tensor by PyTorch's host
+caching allocator.
+
+Hand-checkable: ``shard_numel((10, 3), 4) == 9`` (rows ceil(10/4) = 3, times 3 columns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from fitrl.memory.shapes import ModelShape, numel
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_STEP_BYTES = 4  # AdamW keeps ``step`` as a float32 scalar tensor per parameter tensor
+
+
+def shard_numel(shape: tuple[int, ...], world: int) -> int:
+    """Elements of rank 0's FSDP2 shard of a tensor: dim 0 split in ceil(dim0 / world) rows."""
+    if world <= 1:
+        return numel(shape)
+    rows = -(-shape[0] // world)
+    return rows * numel(shape[1:])
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def tensors_bytes(shapes: Iterable[tuple[int, ...]], dtype_bytes: int, world: int = 1, pinned: bool = False) -> int:
+    """Bytes of rank 0's shards of ``shapes`` (each rounded up to a power of two when pinned)."""
+    total = 0
+    for s in shapes:
+        b = shard_numel(s, world) * dtype_bytes
+        total += next_power_of_two(b) if pinned else b
+    return total
+
+
+@dataclass(frozen=True)
+class States:
+    """Bytes one rank holds for one role's model (0 for what the role does not have)."""
+    params: int
+    grads: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def trained_states(shape: ModelShape, world: int = 1, dtype: str = "float32", pinned: bool = False,
+                   with_vision: bool = True) -> States:
+    """A trained role (actor, critic): weights and gradients in ``dtype``, fp32 AdamW moments.
+
+    With ``pinned`` (FSDP2 CPUOffloadPolicy on CUDA) weights and gradients are pinned host
+    tensors, rounded per tensor; AdamW's states are created by ``zeros_like`` of the weights
+    (pageable), so they are not.
+    """
+    shapes = [s for _, s in shape.tensors(with_vision)]
+    b = DTYPE_BYTES[dtype]
+    return States(params=tensors_bytes(shapes, b, world, pinned), grads=tensors_bytes(shapes, b, world, pinned),
+                  optimizer=tensors_bytes(shapes, 8, world) + ADAM_STEP_BYTES * len(shapes))
+
+
+def frozen_states(shape: ModelShape, world: int = 1, dtype: str = "bfloat16", pinned: bool = False) -> States:
+    """A frozen role (reference): weights only."""
+    return States(params=tensors_bytes([s for _, s in shape.tensors()], DTYPE_BYTES[dtype], world, pinned))
+
+
+def full_weights(shape: ModelShape, dtype: str = "bfloat16", tp: int = 1, pinned: bool = False) -> int:
+    """One full copy of the weights (a checkpoint read on the host, an inference engine's copy
+    split over ``tp`` tensor-parallel ranks: each rank ~1/tp of every matrix)."""
+    return tensors_bytes([s for _, s in shape.tensors()], DTYPE_BYTES[dtype], tp, pinned)
+
+
+def layer_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """One decoder layer's full (unsharded) weights: what FSDP2 all-gathers per unit."""
+    return shape.layer_params * dtype_bytes
+
+
+def root_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """The root FSDP unit's full weights (embeddings, final norm, untied lm_head, vision tower):
+    the root is not resharded after forward, so these stay gathered through backward."""
+    per_layer = shape.layer_params * shape.layers
+    return (shape.num_params - per_layer) * dtype_bytes

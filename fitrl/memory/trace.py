@@ -1,0 +1,111 @@
+"""Activations and logits by tracing the real step code under ``FakeTensorMode``.
+
+A model of the real width (hidden size, heads, MLP, vocabulary) but 1 and then 2 decoder layers
+is built from its config under ``FakeTensorMode`` (no memory is allocated, so the real batch
+and sequence length cost nothing: fake tensors are shapes) and fitrl's own log-prob code
+(:func:`fitrl.ops.logprob.response_logprobs`, with its chunked lm_head) runs forward, and for
+the update backward, inside PyTorch's ``MemTracker`` (``torch.distributed._tools``), which
+counts every tensor's storage as it is created and freed. The transient of a phase is the
+tracked peak minus the weights and gradients (which :mod:`fitrl.memory.states` gives in closed
+form). From two layers on it is linear in the depth (saved activations and KV grow per layer;
+without autograd the peak is one layer's working set or the head, constant), so ``L`` layers
+cost ``t(2) + (L - 2) * (t(3) - t(2))`` (checked against a traced 5-layer model in the tests).
+
+What the trace leaves out, on purpose: the policy loss and the per-token statistics (B, R)
+tensors (the update traces ``(logp * advantages).sum()``; those tensors are 1/V of the logits),
+and padding trimming (the traced batch has no padding columns; trimming is the identity).
+FSDP2's gathered weights and gradient buffers are added in closed form by the planner.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from unittest import mock
+
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """One phase's micro-step on one device. ``text_config`` is a frozen tuple of (key, value)."""
+    text_config: tuple
+    phase: str                  # "logprob" (no grad), "update" (forward + backward), "prefill" (generate's first forward)
+    batch: int                  # sequences in the micro-batch
+    seq_len: int                # prompt + response tokens per sequence (the prompt alone for prefill)
+    response_len: int           # response tokens (log-probs are taken over these)
+    dtype: str = "float32"      # compute dtype
+    checkpointing: bool = False
+    chunk: int = 1024           # actor.logprob_chunk_size
+    entropy_grad: bool = False  # entropy in the loss (actor.entropy_coeff != 0)
+    attn: str = "sdpa"
+
+
+def transient_bytes(spec: TraceSpec, layers: int) -> int:
+    """Peak bytes of the phase beyond weights and gradients, for a model of ``layers`` layers."""
+    if layers <= 3:
+        return _traced(spec, layers)
+    two = _traced(spec, 2)
+    return two + (layers - 2) * (_traced(spec, 3) - two)
+
+
+@lru_cache(maxsize=512)
+def _traced(spec: TraceSpec, layers: int) -> int:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fitrl.ops.logprob as logprob_ops
+
+    cfg = dict(spec.text_config)
+    cfg["num_hidden_layers"] = layers
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    dtype = getattr(torch, spec.dtype)
+    attn = "sdpa" if spec.attn == "flash_attention_2" else spec.attn  # no flash kernels on CPU
+    identity = lambda ids, mask, pos, r: (ids, mask, pos, r)  # noqa: E731  (no padding columns to trim)
+    with FakeTensorMode(allow_non_fake_inputs=True), mock.patch.object(logprob_ops, "trim_padding", identity):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        B, T, R = spec.batch, spec.seq_len, spec.response_len
+        ids = torch.zeros((B, T), dtype=torch.long)
+        mask = torch.ones((B, T), dtype=torch.long)
+        pos = torch.arange(T).expand(B, T)
+        tracker = MemTracker()
+        if spec.phase == "update":
+            if spec.checkpointing:  # as fitrl.models.parallelize does
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+            for p in model.parameters():  # from the second micro-batch on, every gradient exists
+                p.grad = torch.zeros_like(p)
+            adv = torch.zeros((B, R))
+        else:
+            model.eval()
+        tracker.track_external(model)
+        with tracker:
+            if spec.phase == "prefill":
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+            elif spec.phase == "logprob":
+                with torch.no_grad():
+                    logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True)
+            else:
+                logp, entropy = logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk,
+                                                              with_entropy=True, entropy_grad=spec.entropy_grad)
+                loss = (logp * adv).sum() + (entropy.sum() if spec.entropy_grad else 0.0)
+                loss.backward()
+        peak = tracker.get_tracker_snapshot("peak")
+    dev = next(iter(peak.values()))
+    states = sum(v for k, v in dev.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
+    return int(dev["Total"] - states)
+
+
+def trace_spec(shape, *, phase: str, batch: int, seq_len: int, response_len: int, dtype: str = "float32",
+               checkpointing: bool = False, chunk: int = 1024, entropy_grad: bool = False,
+               attn: str = "sdpa") -> TraceSpec:
+    """A :class:`TraceSpec` for a :class:`fitrl.memory.shapes.ModelShape`."""
+    cfg = shape.text_config(layers=1)
+    return TraceSpec(tuple(sorted(cfg.items())), phase, batch, seq_len, response_len, dtype, checkpointing,
+                     max(1, chunk), entropy_grad, attn)

@@ -1,0 +1,172 @@
+"""A trainer rank's memory per phase: its roles' states where they live in that phase (device
+or host, by the offload settings), the traced transients of its micro-steps, FSDP2's gathered
+units, and the HF rollout engine that runs in the same process today."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fitrl.memory import calibration as C
+from fitrl.memory.plan import PHASES, ProcessPlan, Run, Usage, resident, role_states
+from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
+from fitrl.memory.trace import trace_spec, transient_bytes
+
+
+def _trace(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, **kw) -> int:
+    a = run.cfg.actor
+    spec = trace_spec(run.shape, phase=phase, batch=batch, seq_len=seq_len, response_len=run.response_len,
+                      dtype=dtype or run.compute_dtype, chunk=a.logprob_chunk_size,
+                      attn=a.model.attn_implementation, **kw)
+    return transient_bytes(spec, run.shape.layers)
+
+
+def _logits_part(run: Run, batch: int, grad: bool) -> int:
+    """The fp32 logits chunks inside the traced transient, for the breakdown: two (chunk, V)."""
+    tokens = min(run.cfg.actor.logprob_chunk_size, batch * run.response_len)
+    return 2 * tokens * run.shape.vocab * 4 + (run.shape.vocab * run.shape.hidden * 4 if grad else 0)
+
+
+def _vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool) -> int:
+    """Vision tower (analytic, DESIGN §4's per-layer formula at its width): per patch token and
+    block ``12e + 8I`` bytes-in-dtype without checkpointing, ``2e`` with it; one block's working set without grad."""
+    v, im = run.shape.vision, run.inp.images
+    if v is None or not im.per_prompt:
+        return 0
+    tokens = seqs * im.per_prompt * v.patches(im.effective_pixels)
+    b = DTYPE_BYTES[run.compute_dtype]
+    if not grad:
+        return int(tokens * (4 * v.hidden + 2 * v.intermediate) * b)
+    per = 2 * v.hidden if checkpointing else 12 * v.hidden + 8 * v.intermediate
+    return int(tokens * per * b * v.depth)
+
+
+def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
+    cfg, cuda, dev = run.cfg, run.cuda, "gpu" if run.cuda else "host"
+    roles = role_states(run)
+    cb = DTYPE_BYTES[run.compute_dtype]
+    eng = run.inp.rollout
+    phases = {}
+    for ph in PHASES:
+        u = Usage()
+        u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.fsdp)
+        if cuda:
+            u.add("gpu", "cuda context", C.CUDA_CONTEXT)
+        for role, (st, fsdp) in roles.items():
+            on_dev, opt_dev = resident(role, fsdp, ph, run)
+            if ph == "load":  # no gradients or optimizer states yet
+                st = States(st.params)
+            label = "" if role == "actor" else f"{role} "
+            where_w = dev if on_dev else "host"
+            offl = "" if where_w == dev else "offloaded "
+            u.add(where_w, f"{offl}{label}params", st.params)
+            u.add(where_w, f"{offl}{label}grads", st.grads)
+            u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",
+                  st.optimizer)
+        seqs = run.seqs_per_rank
+        if ph in ("old_logprob", "ref_logprob", "update"):
+            u.add("host", "batch", run.batch_bytes(seqs))
+            if cuda:  # the rank's token tensors go to the device; pixel values one micro-batch at a time
+                u.add("gpu", "batch", run.batch_bytes(seqs) - seqs * run.image_bytes_per_seq())
+                u.add("gpu", "image buffers", run.micro(cfg.actor.logprob_micro_batch_size) * run.image_bytes_per_seq())
+        slack = C.GPU_ALLOCATOR_SLACK if cuda else C.CPU_ALLOCATOR_SLACK
+        if ph in ("old_logprob", "ref_logprob", "update"):
+            grad = ph == "update"
+            size = cfg.actor.micro_batch_size if grad else (
+                cfg.ref.logprob_micro_batch_size if ph == "ref_logprob" else cfg.actor.logprob_micro_batch_size)
+            b = run.micro(size)
+            dtype = (cfg.ref.model or cfg.actor.model).dtype if ph == "ref_logprob" and not run.fsdp else None
+            tr = _trace(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
+                        checkpointing=grad and cfg.actor.model.gradient_checkpointing,
+                        entropy_grad=grad and cfg.actor.entropy_coeff != 0)
+            if not cuda and run.inp.host_malloc == "glibc":
+                tr = _cpu_transient(tr, grad, cfg.actor.model.gradient_checkpointing)
+            logits = min(tr, _logits_part(run, b, grad))
+            _logits_note(run, ph, b, notes)
+            u.add(dev, "logits", logits * slack)
+            u.add(dev, "activations", (tr - logits + _vision_activations(run, b, grad, cfg.actor.model.gradient_checkpointing)) * slack)
+            if run.fsdp:  # gathered units: the root stays gathered fwd->bwd (its grads too), 2 layers in flight
+                gathered = root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
+                if grad:
+                    gathered += root_bytes(run.shape, cb) + layer_bytes(run.shape, 4)
+                u.add(dev, "gathered weights", gathered)
+        if ph in ("rollout", "validation") and eng.engine == "hf":
+            _hf_rollout(run, ph, u, dev)
+        if ph == "load":
+            _load(run, u)
+        if ph == "checkpoint_save":
+            _checkpoint(run, u, roles)
+        phases[ph] = u
+    if not cuda and run.inp.host_malloc == "glibc":
+        _cpu_retention(phases)
+    if cuda and eng.engine == "hf":
+        notes.append("rollout engine: transformers generate inside each trainer rank, on the actor's weights "
+                     "(gathered once per call under FSDP2)")
+    return ProcessPlan("trainer", run.hw.gpus_per_node if run.fsdp else 1, phases)
+
+
+def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
+    """Name the logits when one chunk covers a micro-batch and it costs a tenth of a device."""
+    tokens = batch * run.response_len
+    chunk = run.cfg.actor.logprob_chunk_size
+    naive = 2 * min(chunk, tokens) * run.shape.vocab * 4
+    if chunk > 1024 and run.cuda and naive > 0.1 * run.hw.gpu_memory:
+        text = (f"{phase}: {tokens:,} response tokens x {run.shape.vocab:,} vocab: the fp32 logits need "
+                f"{naive / C.GIB:.1f} GiB with actor.logprob_chunk_size={chunk:,}; chunks of 1,024 need "
+                f"{2 * 1024 * run.shape.vocab * 4 / C.GIB:.1f} GiB (prompt: {run.prompt_len:,} tokens, no logits)")
+        if text not in notes:
+            notes.append(text)
+
+
+TRANSIENT = ("activations", "logits", "gathered weights", "kv cache")
+
+
+def _cpu_retention(phases: dict[str, Usage]) -> None:
+    """On the host, glibc keeps part of the update's peak heap resident into the next step: from
+    step 2 on, every other phase holds at least that (shown as "allocator (retained)")."""
+    retained = int(C.CPU_RETAINED_AFTER_UPDATE * sum(phases["update"].host.get(k, 0) for k in TRANSIENT))
+    for ph, u in phases.items():
+        if ph not in ("update", "load"):
+            own = sum(u.host.get(k, 0) for k in TRANSIENT)
+            u.add("host", "allocator (retained)", retained - own)
+
+
+def _cpu_transient(traced: int, grad: bool, checkpointing: bool) -> int:
+    """glibc keeps freed heap memory: RSS above the traced live bytes by a measured factor."""
+    if not grad:
+        return int(traced * C.CPU_LOGPROB_RSS_FACTOR)
+    return int(traced * (C.CPU_RECOMPUTE_RSS_FACTOR if checkpointing else C.CPU_BACKWARD_RSS_FACTOR))
+
+
+def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
+    cfg, shape = run.cfg, run.shape
+    if ph == "validation":
+        seqs = max(1, cfg.data.val_batch_size * cfg.rollout.val.n // run.world)
+    else:
+        seqs = run.seqs_per_rank
+    b = min(cfg.rollout.micro_batch_size, seqs)
+    cb = DTYPE_BYTES[run.compute_dtype]
+    if run.fsdp:  # gathered_for_generation: the full weights for the whole call
+        u.add(dev, "gathered weights", shape.num_params * cb)
+    u.add(dev, "kv cache", b * run.seq_len * shape.kv_bytes_per_token(cb))
+    prefill = _trace(run, "prefill", b, run.prompt_len) - b * run.prompt_len * shape.kv_bytes_per_token(cb)
+    # SampleAndRecord: the fp32 scores, the tempered copy, the pending log-softmax, top-k/top-p copies
+    sampling = b * shape.vocab * 4 * (4 + 5 * (cfg.rollout.top_p < 1.0))
+    u.add(dev, "activations", max(prefill, sampling))
+    u.add("host", "batch", run.batch_bytes(seqs))
+
+
+def _load(run: Run, u: Usage) -> None:
+    """``init=every_rank`` (or no FSDP): this rank reads the whole checkpoint, one full copy in
+    the actor's dtype. With ``init=rank0`` only rank 0 does (the "rank0" process of the plan);
+    the checkpoint file's pages are counted once per node."""
+    if not run.fsdp or run.cfg.actor.fsdp.init == "every_rank":
+        u.add("host", "checkpoint copy", full_weights(run.shape, run.cfg.actor.model.dtype))
+
+
+def _checkpoint(run: Run, u: Usage, roles) -> None:
+    """Saving: each rank stages its optimizer shard on the host (unless model-only or already
+    there); rank 0 gathers the full weights (the "rank0" process of the plan)."""
+    ck = getattr(run.cfg, "checkpoint", None)
+    _, opt_on_device = resident("actor", run.cfg.actor.fsdp, "checkpoint_save", run)
+    if ck is not None and not getattr(ck, "model_only", False) and opt_on_device:
+        u.add("host", "checkpoint buffers", roles["actor"][0].optimizer)

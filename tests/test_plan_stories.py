@@ -1,0 +1,60 @@
+"""The five failure stories of DESIGN §1 at full size: `fitrl plan` predicts each failure and
+recommends a change that it then says fits (examples/failure_stories/)."""
+
+from pathlib import Path
+
+import pytest
+
+from fitrl.memory import load_plan_config, plan_config, plan_inputs_from_dict
+from fitrl.memory.recommend import recommend
+
+ROOT = Path(__file__).resolve().parent.parent
+STORIES = ROOT / "examples" / "failure_stories"
+
+
+def story_plan(name, *overrides):
+    path = next(STORIES.glob(f"{name}_*.yaml"))
+    model = ROOT / load_plan_config(str(path), overrides)[0].actor.model.path
+    cfg, section = load_plan_config(str(path), [*overrides, f"actor.model.path={model}"])
+    inputs = plan_inputs_from_dict(section)
+    return plan_config(cfg, inputs.hardware, inputs)
+
+
+# story, the failure (resource, phase, step), the change expected among the fixes
+CASES = [
+    ("1", ("host", "ref_logprob", 0), "actor.fsdp.offload_params"),
+    ("2", ("host", "validation", 0), "actor.fsdp.offload_params"),
+    ("3", ("host", "rollout", 3), "plan.rollout.free_cache_engine"),
+    ("4", ("gpu", "old_logprob", 0), "actor.logprob_chunk_size"),
+    ("5", ("host", "load", 0), "actor.fsdp.init"),
+]
+
+
+@pytest.mark.parametrize("story,failure,fix", CASES, ids=[c[0] for c in CASES])
+def test_story_is_predicted_and_fixed(story, failure, fix):
+    plan = story_plan(story)
+    problems = {(p.resource, p.phase, p.step) for p in plan.problems()}
+    assert failure in problems, problems
+    singles, combo = recommend(plan, first_fit=story != "2")
+    best = next((r for r in singles if r.fits), combo)
+    assert best is not None and best.fits
+    assert fix in [key for key, _ in best.change.overrides], best.change.text
+    # the recommended change is itself a plan that fits
+    assert not best.plan.problems()
+
+
+def test_story_1_offload_off_is_faster_and_fits_with_gpu_room():
+    """The story's own fix: with the offload off the GPUs still have room."""
+    plan = story_plan("1", "actor.fsdp.offload_params=false", "actor.fsdp.offload_optimizer=false",
+                      "ref.fsdp.cpu_offload=false")
+    assert plan.fits
+    gpu = max(g for g, _ in plan.peaks().values())
+    assert gpu < plan.gpu_limit
+
+
+def test_story_5_rank0_init_holds_one_copy_per_node():
+    every = story_plan("5").node_host("load")
+    rank0 = story_plan("5", "actor.fsdp.init=rank0").node_host("load")
+    copy = 73_405_560_320 * 4
+    assert every["checkpoint copy"] == 8 * copy   # every rank of node 0 holds the fp32 model
+    assert rank0["checkpoint copy"] == copy       # rank 0 only

@@ -20,8 +20,9 @@ HOST_MARGIN = 0.85
 CPU_PROCESS_RUNTIME = int(0.36 * GIB)
 """Measured: RSS of a CPU trainer process with torch, transformers and fitrl imported, a
 tokenizer and a (tiny) model built, before any model state: 0.35-0.37 GiB (DESIGN §4: ~0.3)."""
-CPU_RANK_EXTRA = int(0.06 * GIB)
-"""Measured: a gloo rank with FSDP2 (process group, device mesh, DTensor) adds ~60 MiB."""
+CPU_RANK_EXTRA = 0
+"""Measured: a gloo rank with FSDP2 (process group, device mesh, DTensor) adds nothing visible
+(tiny model: 0.363 GiB per rank of 2, 0.360 GiB alone)."""
 CUDA_PROCESS_RUNTIME = int(2.5 * GIB)
 """Assumed: host RSS of a CUDA trainer process (CUDA runtime, cuBLAS, cuDNN, NCCL mapped and
 touched); commonly 2-3 GiB. Not measured here (no GPU)."""
@@ -48,12 +49,13 @@ VLLM_ACTIVATION_RESERVE = int(2.0 * GIB)
 
 # --------------------------------------------------------------------------- host allocators
 CPU_ALLOCATOR_SLACK = 1.0
-"""The CPU factors below already hold glibc's behaviour; no further slack."""
+"""Measured: with ``MALLOC_MMAP_THRESHOLD_=65536`` (``plan.host_malloc: mmap``) a CPU process's RSS
+follows the traced live tensors (22 phase peaks within 4.3%); the factors below model the default."""
 CPU_BACKWARD_RSS_FACTOR = 1.3
-"""Measured: peak RSS increase / traced live bytes of a forward+backward on CPU. The traced live
-bytes match PyTorch's own MemTracker on the real run exactly; the excess is glibc malloc, whose
-dynamic mmap threshold (up to 32 MiB) puts activation-sized tensors on the heap, where freed
-chunks are reused late and returned rarely."""
+"""Measured (default glibc): peak RSS increase / traced live bytes of a forward+backward on CPU
+(1.26-1.34 on the small model). The traced live bytes match PyTorch's MemTracker on the real run;
+the excess is glibc malloc, whose dynamic mmap threshold (up to 32 MiB) puts activation-sized
+tensors on the heap, where freed chunks are reused late and returned rarely."""
 CPU_RECOMPUTE_RSS_FACTOR = 3.8
 """Measured: the same with gradient checkpointing, whose recomputation allocates and frees every
 layer's activations again inside backward and fragments the heap (3.6-4.0x on the small model)."""
@@ -61,10 +63,12 @@ CPU_LOGPROB_RSS_FACTOR = 1.0
 """Measured: a no-grad forward on CPU."""
 CPU_RETAINED_AFTER_UPDATE = 0.62
 """Measured: the share of the update's peak RSS increase that glibc still holds when the next
-phase starts (0.41-0.76 over the benchmark's configurations): a later phase's RSS peak is at least that."""
+phase starts: a later phase's RSS peak is at least that. It varied from 0.18 to 0.92 over the
+benchmark's configurations, which bounds the accuracy of CPU runs under the default allocator."""
 PINNED_POWER_OF_TWO = True
-"""Documented: PyTorch's CUDA host (pinned) caching allocator rounds each allocation up to a
-power of two and keeps freed blocks cached, so pinned offload of a tensor of 34 MB holds 64 MB."""
+"""Documented (torch 2.13, ``ATen/core/CachingHostAllocator.h``): the pinned host caching
+allocator rounds each allocation up to a power of two (unless ``pinned_max_round_threshold`` is
+configured) and keeps freed blocks cached: pinning a 34 MB shard holds 64 MiB."""
 
 # --------------------------------------------------------------------------- Ray
 RAY_OBJECT_STORE_FRACTION = 0.30

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from fitrl.memory import calibration as C
 from fitrl.memory.shapes import ModelShape, numel
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -39,7 +40,7 @@ def tensors_bytes(shapes: Iterable[tuple[int, ...]], dtype_bytes: int, world: in
     total = 0
     for s in shapes:
         b = shard_numel(s, world) * dtype_bytes
-        total += next_power_of_two(b) if pinned else b
+        total += next_power_of_two(b) if pinned and C.PINNED_POWER_OF_TWO else b
     return total
 
 

@@ -84,11 +84,9 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
             _logits_note(run, ph, b, notes)
             u.add(dev, "logits", logits * slack)
             u.add(dev, "activations", (tr - logits + _vision_activations(run, b, grad, cfg.actor.model.gradient_checkpointing)) * slack)
-            if run.fsdp:  # gathered units: the root stays gathered fwd->bwd (its grads too), 2 layers in flight
-                gathered = root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
-                if grad:
-                    gathered += root_bytes(run.shape, cb) + layer_bytes(run.shape, 4)
-                u.add(dev, "gathered weights", gathered)
+            if run.fsdp:  # gathered units: the root stays gathered forward to backward, two layers in flight
+                # (unsharded gradients are the traced incoming gradients already: not added again)
+                u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb))
         if ph in ("rollout", "validation") and eng.engine == "hf":
             _hf_rollout(run, ph, u, dev)
         if ph == "load":

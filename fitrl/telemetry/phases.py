@@ -1,0 +1,135 @@
+"""Per-phase memory records of one process (issue 5, part 3).
+
+Every process of a run (the driver, each Ray rank) has one :data:`RECORDER`. A phase is what
+the driver times (``rollout``, ``old_logprob``, ``ref``, ``values``, ``critic_update``,
+``update``, ``validation``, ``checkpoint_save``): the driver's :class:`PhaseTimer` opens it,
+and a Ray rank opens the same name around each call the driver makes during it (the name
+travels with the call, see :func:`current_phase`). At each phase's start the kernel's RSS
+high-water mark and CUDA's peak counter are reset; at its end one reading is taken. The
+driver drains every process's records once per step.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from fitrl.telemetry.memory import GIB, peak_rss_bytes, read_memory, reset_peak_rss
+
+_CURRENT_PHASE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fitrl_phase", default=None)
+
+
+def current_phase() -> Optional[str]:
+    """The phase the driver is in (None outside phases); sent along with calls to Ray ranks."""
+    return _CURRENT_PHASE.get()
+
+
+@contextmanager
+def in_phase(name: str) -> Iterator[None]:
+    token = _CURRENT_PHASE.set(name)
+    try:
+        yield
+    finally:
+        _CURRENT_PHASE.reset(token)
+
+
+@dataclass
+class PhaseMemory:
+    """Memory of one process over one phase of one step, in bytes (GPU fields 0 without CUDA).
+
+    ``*_retained`` is what the phase left allocated (end minus start, summed over the phase's
+    calls in the step): the per-phase signal leak detection attributes growth with.
+    """
+
+    calls: int
+    host_rss: int            # at the end of the phase
+    host_retained: int
+    host_peak: int           # RSS high-water mark during the phase
+    host_uss: int            # at the end
+    node_available: int      # at the end
+    node_available_min: int  # lowest seen at the phase's boundaries
+    node_total: int
+    gpu_allocated: int = 0
+    gpu_retained: int = 0
+    gpu_reserved: int = 0
+    gpu_peak: int = 0
+    gpu_total: int = 0
+
+    def merge(self, later: "PhaseMemory") -> "PhaseMemory":
+        """This phase called again within the same step (DAPO rounds, ReMax's greedy pass)."""
+        return PhaseMemory(
+            calls=self.calls + later.calls, host_rss=later.host_rss,
+            host_retained=self.host_retained + later.host_retained, host_peak=max(self.host_peak, later.host_peak),
+            host_uss=later.host_uss, node_available=later.node_available,
+            node_available_min=min(self.node_available_min, later.node_available_min), node_total=later.node_total,
+            gpu_allocated=later.gpu_allocated, gpu_retained=self.gpu_retained + later.gpu_retained,
+            gpu_reserved=later.gpu_reserved, gpu_peak=max(self.gpu_peak, later.gpu_peak), gpu_total=later.gpu_total)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """``{prefix}/host_rss_gib`` ... in GiB (the units of the console and metrics.jsonl)."""
+        m = {f"{prefix}/host_rss_gib": self.host_rss / GIB, f"{prefix}/host_peak_gib": self.host_peak / GIB,
+             f"{prefix}/host_uss_gib": self.host_uss / GIB, f"{prefix}/node_available_gib": self.node_available / GIB}
+        if self.gpu_total:
+            m.update({f"{prefix}/gpu_allocated_gib": self.gpu_allocated / GIB,
+                      f"{prefix}/gpu_reserved_gib": self.gpu_reserved / GIB,
+                      f"{prefix}/gpu_peak_gib": self.gpu_peak / GIB})
+        return m
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+StepReport = dict[str, dict[str, PhaseMemory]]
+"""One step's records: process label (``rank0``, ``driver``, ``policy.rank1``) -> phase -> memory."""
+
+
+class PhaseRecorder:
+    """Records :class:`PhaseMemory` per phase name until :meth:`drain`; nested phases (the
+    in-process worker call inside the driver's phase) are counted once, by the outermost."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, PhaseMemory] = {}
+        self.enabled = True
+        self.uss = True
+        self._depth = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled or self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        start = read_memory(uss=False)
+        reset_peak_rss()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            end = read_memory(uss=self.uss)
+            rec = PhaseMemory(
+                calls=1, host_rss=end.host_rss, host_retained=end.host_rss - start.host_rss,
+                host_peak=max(peak_rss_bytes(), end.host_rss), host_uss=end.host_uss,
+                node_available=end.node_available, node_available_min=min(start.node_available, end.node_available),
+                node_total=end.node_total, gpu_allocated=end.gpu_allocated,
+                gpu_retained=end.gpu_allocated - start.gpu_allocated, gpu_reserved=end.gpu_reserved,
+                gpu_peak=torch.cuda.max_memory_allocated() if cuda else 0, gpu_total=end.gpu_total)
+            self.records[name] = self.records[name].merge(rec) if name in self.records else rec
+
+    def drain(self) -> dict[str, PhaseMemory]:
+        out, self.records = self.records, {}
+        return out
+
+
+RECORDER = PhaseRecorder()
+"""This process's recorder (one per process: the driver's, or a Ray rank's)."""

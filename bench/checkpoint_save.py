@@ -23,7 +23,6 @@ times include the disk.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import shutil
@@ -33,27 +32,19 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-GIB = 1024**3
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+from fitrl.telemetry.memory import GIB, peak_rss_bytes, reset_peak_rss, status_kib, trim_heap
 
 
 def _measure(fn) -> tuple[float, float]:
     """(seconds, GiB of host memory above the RSS before ``fn``)."""
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: a phase cannot hide in the last one's
-    base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
+    trim_heap()  # freed heap back to the OS: a phase cannot hide in the last one's
+    base = status_kib("VmRSS") * 1024
+    if not reset_peak_rss():  # VmHWM := current RSS
+        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the peak would be the lifetime one")
     start = time.perf_counter()
     fn()
-    return time.perf_counter() - start, (_status_kib("VmHWM") - base) / 1024**2
+    return time.perf_counter() - start, (peak_rss_bytes() - base) / GIB
 
 
 def _build(model_dir: str):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import torch
 from torch.nn import functional as F
 
 from fitrl.ops.logprob import head_logprobs
+from fitrl.telemetry.memory import peak_rss_bytes, reset_peak_rss, status_kib
 
 GiB, MiB = 2**30, 2**20
 
@@ -45,18 +45,6 @@ def naive(hidden, labels, weight, temperature):
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, labels[..., None]).squeeze(-1)
     return logp, -(logp_all.exp() * logp_all).sum(-1)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def high_water_bytes() -> int:
-    """Peak RSS of this process since the last reset (VmHWM). ``ru_maxrss`` is not used: it never
-    reports less than the parent's RSS at fork (kept across exec), which can exceed this child's peak."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
 def run_one(spec: dict) -> dict:
@@ -77,9 +65,11 @@ def run_one(spec: dict) -> dict:
         base = torch.cuda.memory_allocated()
     else:
         # Reset the high-water mark so that the peak starts here, not at the inputs' temporaries.
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = rss_bytes()
+        # (VmHWM, not ``ru_maxrss``: that never reports less than the parent's RSS at fork, kept
+        # across exec, which can exceed this child's peak.)
+        if not reset_peak_rss():
+            raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the peak would be the lifetime one")
+        base = status_kib("VmRSS") * 1024
     t0 = time.perf_counter()
     with torch.set_grad_enabled(backward):
         if spec["mode"] == "naive":
@@ -93,7 +83,7 @@ def run_one(spec: dict) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = high_water_bytes() - base
+        peak = peak_rss_bytes() - base
     seconds = time.perf_counter() - t0
     out = {"logp": logp.detach().cpu(), "entropy": entropy.detach().cpu()}
     if backward:

@@ -4,12 +4,12 @@ Each configuration runs the real code in fresh processes (1 rank: one process; 2
 processes, gloo, FSDP2, as ``tests/fsdp_spawn.py``): a :class:`PolicyWorker` loads the model,
 generates a real rollout batch with ``HFRollout`` (EOS ignored, so every response has exactly
 ``R`` tokens; prompts of random token ids, lengths between P/2 and P, so rows are left-padded),
-runs one whole warm-up step (log-probs and the update, so gradients and AdamW states exist and
-the allocator holds what a previous step left, as from the second RL step on), then measures
-the second step's ``compute_logprob`` and ``update``, each after resetting the high-water mark
-(``/proc/self/clear_refs``), reading ``VmHWM`` from ``/proc/self/status`` afterwards. The figure
-is the whole process's peak RSS in the phase (rank maximum for 2 ranks); the planner predicts
-the same quantity (``fitrl.memory`` for ``device=cpu``).
+runs one whole warm-up step (log-probs and the update, so AdamW states exist, the gradients
+having been freed at its end, and the allocator holds what a previous step left, as from the
+second RL step on), then measures the second step's ``compute_logprob`` and ``update``, each
+after resetting the high-water mark (``/proc/self/clear_refs``), reading ``VmHWM`` from
+``/proc/self/status`` afterwards. The figure is the whole process's peak RSS in the phase (rank
+maximum for 2 ranks); the planner predicts the same quantity (``fitrl.memory`` for ``device=cpu``).
 
 Two allocators: ``mmap`` starts the ranks with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc maps and
 unmaps every tensor of 64 KiB or more, so RSS follows the live tensors the planner traces);
@@ -86,19 +86,6 @@ CASES = [
 
 # ------------------------------------------------------------------------------- measuring
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_high_water_mark() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # 5: reset VmHWM to the current RSS (Linux)
-        f.write("5")
-
-
 def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queue) -> None:
     import torch
 
@@ -111,6 +98,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
     from fitrl.data.batch import Batch
     from fitrl.roles.workers import PolicyWorker
     from fitrl.rollout.hf import Sampling
+    from fitrl.telemetry.memory import peak_rss_bytes, reset_peak_rss, status_kib
 
     c = Case(**case)
     cfg = load_config(str(ROOT / "examples" / "arith.yaml"), c.overrides(model_dir))
@@ -124,20 +112,21 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
     batch = worker.generate(prompts, Sampling(n=c.n, max_new_tokens=c.response_len, ignore_eos=True))
     batch.update(worker.compute_logprob(batch))
     batch.update(advantages=torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
-    # warm-up: one whole update, so gradients and AdamW states exist and the allocator holds
-    # what a previous step left, as from the second RL step on
+    # warm-up: one whole update, so AdamW states exist (the update frees its gradients) and the
+    # allocator holds what a previous step left, as from the second RL step on
     worker.update(batch)
     out = {"rank": rank, "seqs": len(batch), "width": batch["input_ids"].shape[1]}
     for phase in ("logprob", "update"):
-        start = _status_kib("VmRSS")
-        _reset_high_water_mark()
+        start = status_kib("VmRSS") * 1024
+        if not reset_peak_rss():
+            raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the peak would be the lifetime one")
         t0 = time.perf_counter()
         if phase == "logprob":
             lp = worker.compute_logprob(batch)
             del lp
         else:
             worker.update(batch)
-        out[phase] = {"start": start * 1024, "peak": _status_kib("VmHWM") * 1024, "seconds": time.perf_counter() - t0}
+        out[phase] = {"start": start, "peak": peak_rss_bytes(), "seconds": time.perf_counter() - t0}
     queue.put(json.dumps(out))
     if world > 1:
         torch.distributed.barrier()

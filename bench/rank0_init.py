@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch.multiprocessing as mp
 
-GIB = 1024**3
+from fitrl.telemetry.memory import GIB, peak_rss_bytes, reset_peak_rss, status_kib
 
 
 def rank_main(rank: int, world: int, port: int, model_dir: str, warmup_dir: str, init: str, ready, go, done,
@@ -46,29 +46,16 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, warmup_dir: str,
     gc.collect()
     ready.wait()
     go.wait()
-    base = _status_kib("VmRSS")
-    _reset_high_water_mark()
+    base = status_kib("VmRSS") * 1024
+    if not reset_peak_rss():
+        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the peak would be the lifetime one")
     start = time.perf_counter()
     model = build_model("causal_lm", ModelConfig(path=model_dir), FSDPConfig(init=init), torch.device("cpu"))
     dist.barrier()
-    times[rank] = (time.perf_counter() - start, (_status_kib("VmHWM") - base) / 1024**2)
+    times[rank] = (time.perf_counter() - start, (peak_rss_bytes() - base) / GIB)
     done.wait()
     del model
     dist.destroy_process_group()
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_high_water_mark() -> None:
-    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def measure(world: int, model_dir: str, warmup_dir: str, init: str, port: int) -> dict:

@@ -21,10 +21,16 @@ def _load(config: str | None, overrides: list[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _load(args.config, args.overrides)
+    from fitrl.memory.inputs import load_plan_config, plan_inputs_from_dict
+
+    # a planner-only `plan:` section / plan.* overrides (rollout engine, images) feed the memory plan
+    cfg, section = load_plan_config(args.config, args.overrides)
+    plan_inputs = plan_inputs_from_dict(section)
+    if "hardware" in section:
+        print("note: plan.hardware is read by `fitrl plan`; `fitrl train` plans for the hardware it runs on")
     from fitrl.trainer.run import train
 
-    train(cfg)
+    train(cfg, plan_inputs=plan_inputs)
     return 0
 
 
@@ -146,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except WorkerFailed as e:
         print(f"fitrl: worker failed: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from fitrl.telemetry.guard import MemoryPressure
+
+        if not isinstance(e, MemoryPressure):  # the guard outside the trainer's handling: no traceback either
+            raise
+        print(f"fitrl: run stopped by the memory guard: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("fitrl: interrupted", file=sys.stderr)

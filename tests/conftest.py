@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models are built once per session (random weights, local tokenizer)."""
+"""Shared fixtures: tiny models are built once per session (random weights, local tokenizer);
+a Ray cluster per module for the multi-process tests."""
 
 from __future__ import annotations
 
@@ -18,6 +19,20 @@ def tiny_llama_dir(tmp_path_factory):
     from fitrl.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private 2-CPU Ray cluster for one test module, shut down after it. Per module, not per
+    session: a module whose test leaks an actor or a placement group (or kills a worker) cannot
+    starve or break the next module's 2 CPUs, and each module gets the cluster it asks for
+    (``ensure_ray`` is a no-op once Ray is up, whatever its arguments)."""
+    ray = pytest.importorskip("ray")
+    from fitrl.workers.ray_group import ensure_ray
+
+    ensure_ray(num_cpus=2)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -11,11 +11,12 @@ DATA = ROOT / "examples" / "data"
 
 
 def toy_config(model_dir, run_dir, *overrides):
-    """The shipped toy-task config pointed at a test model and run directory."""
+    """The shipped toy-task config pointed at a test model and run directory. The memory plan is
+    off (it costs ~0.7 s per new config; tests/test_preflight.py turns it on)."""
     return load_config(EXAMPLE, [
         f"actor.model.path={model_dir}", f"trainer.run_dir={run_dir}",
         f"data.train_files=[{DATA / 'arith_train.jsonl'}]", f"data.val_files=[{DATA / 'arith_val.jsonl'}]",
-        "trainer.progress_bar=false", *overrides])
+        "trainer.progress_bar=false", 'memory.plan=off', *overrides])
 
 
 def read_metrics(run_dir):

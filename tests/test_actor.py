@@ -67,6 +67,28 @@ def test_update_moves_weights_and_reports_metrics(setup):
     assert m["actor/grad_norm"] > 0
 
 
+def test_update_frees_the_gradients(setup, tiny_model_dir):
+    """No gradient outlives an update (4 bytes per parameter through rollout and log-probs), for
+    the actor, over two mini-batches, and for the critic; the next update recreates them."""
+    from fitrl.config.schema import CriticConfig, FSDPConfig
+    from fitrl.models.parallelize import build_model
+    from fitrl.roles.critic import Critic
+
+    model, batch = setup
+    model = copy.deepcopy(model)
+    actor = Actor(model, ActorConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3)), AlgorithmConfig(), total_steps=2)
+    for _ in range(2):
+        m = actor.update(batch, sequences_per_mini_batch=4, temperature=1.0)
+        assert m["actor/grad_norm"] > 0 and all(p.grad is None for p in model.parameters())
+    value = build_model("value", ModelConfig(path=str(tiny_model_dir)), FSDPConfig(), torch.device("cpu"))
+    critic = Critic(value, CriticConfig(micro_batch_size=4), total_steps=1, max_response_length=6)
+    batch = batch.index(list(range(len(batch))))
+    batch.update(critic.compute_values(batch))
+    batch.update(returns=batch["values"] + batch["response_mask"])
+    m = critic.update(batch, sequences_per_mini_batch=8)
+    assert m["critic/grad_norm"] > 0 and all(p.grad is None for p in value.parameters())
+
+
 def test_lr_schedule():
     warm = OptimConfig(lr=1.0, warmup_steps=4)
     assert [lr_factor(s, warm, 10) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]

@@ -20,16 +20,6 @@ RAY = ["trainer.backend=ray", "trainer.devices_per_node=2"]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    from fitrl.workers.ray_group import ensure_ray
-
-    ensure_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def batches(tiny_model_dir, tmp_path_factory):
     """Two scored rollout batches, the second with the opposite advantages: its AdamW step
     depends strongly on the first step's moments (without them it would be ~20x larger)."""

@@ -383,3 +383,13 @@ def test_low_precision_actor_rejected_reference_allowed():
     with pytest.raises(ConfigError, match="keep actor.model.dtype=float32"):
         load_config(None, ["actor.model.dtype=bfloat16"])
     assert load_config(None, ["ref.model.dtype=bfloat16"]).ref.model.dtype == "bfloat16"
+
+
+def test_bare_off_reads_as_the_choice_off_not_a_boolean(tmp_path):
+    # YAML 1.1 turns a bare off/on into a boolean; a field whose choices include "off" takes it as that
+    path = tmp_path / "c.yaml"
+    path.write_text("memory:\n  plan: off\n")
+    assert load_config(str(path)).memory.plan == "off"
+    assert load_config(None, ["memory.plan=off"]).memory.plan == "off"
+    with pytest.raises(ConfigError, match="memory.plan"):
+        load_config(None, ["memory.plan=true"])  # no "on" among its choices: still an error

@@ -20,16 +20,6 @@ BATCH = ["data.rollout_batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", 
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    from fitrl.workers.ray_group import ensure_ray
-
-    ensure_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory):
     """One in-process update on a fixed batch: the numbers the sharded run must reproduce."""
     cfg = toy_config(tiny_model_dir, tmp_path_factory.mktemp("run"), *BATCH)

@@ -58,3 +58,18 @@ def test_story_5_rank0_init_holds_one_copy_per_node():
     copy = 73_405_560_320 * 4
     assert every["checkpoint copy"] == 8 * copy   # every rank of node 0 holds the fp32 model
     assert rank0["checkpoint copy"] == copy       # rank 0 only
+
+
+def test_gradients_are_held_only_in_the_update():
+    """Actor.update frees the gradients after its last step: no phase but the update holds them,
+    on the device or offloaded. FSDP2 CPU offload's gradients are pinned host tensors whose
+    freed blocks stay in PyTorch's pinned host cache: counted on the host in every other phase."""
+    grads = 7_615_616_512 * 4 // 8  # story 4's 7B, fp32, rank 0's shard of 8
+    for overrides in ((), ("actor.fsdp.cpu_offload=true",)):
+        phases = story_plan("4", *overrides).process("trainer").phases
+        held = {ph: sum(v for k, v in {**u.gpu, **u.host}.items() if k.endswith("grads")) for ph, u in phases.items()}
+        in_update = held.pop("update")
+        assert in_update >= grads if overrides else in_update == pytest.approx(grads, rel=0.01)
+        assert not any(held.values()), (overrides, held)
+    update = phases["update"].host["offloaded grads"]  # pinned: each tensor rounded up to a power of two
+    assert all(phases[ph].host["pinned cache (grads)"] == update for ph in phases if ph not in ("load", "update"))

@@ -43,6 +43,7 @@ RESUME_SAFE = [
     "data.val_files", "data.val_batch_size", "reward.num_workers", "reward.timeout", "rollout.val.*",
     "*micro_batch_size", "*micro_batch_token_budget", "actor.logprob_chunk_size",
     "*.model.path", "*.model.tokenizer_path", "*.model.gradient_checkpointing", "*.model.attn_implementation",
+    "memory.*",  # planning, telemetry and guard settings never change what is trained
 ]
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.index.json")
 
@@ -126,9 +127,10 @@ class CheckpointManager:
         tmp = dst.with_name(dst.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, dst)
-        # the per-step history (validation-only records, e.g. step 0's, are not steps)
+        # the per-step history (validation-only records, e.g. step 0's, and events are not steps)
         return [{k: v for k, v in r.items() if k != "step"} for r in kept
-                if r.get("step", 0) >= 1 and any(k != "step" and not k.startswith("val/") for k in r)]
+                if r.get("step", 0) >= 1 and "event" not in r
+                and any(k != "step" and not k.startswith("val/") for k in r)]
 
     def restore(self, point: Checkpoint, roles: dict[str, Any], *, weights_only: bool = False) -> Optional[dict]:
         """Load every role's state (on its ranks) and return the driver's state (None when

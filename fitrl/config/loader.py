@@ -171,6 +171,8 @@ def _convert(value: Any, tp: Any, key: str, origins: dict[str, str]) -> Any:
     if tp is Any:
         return value
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off/on as a boolean
         if any(type(value) is type(a) and value == a for a in args):
             return value
         allowed = ", ".join(repr(a) for a in args)

@@ -403,10 +403,12 @@ class MemoryConfig:
     """Before any model loads, ``fitrl train`` predicts memory per phase for the hardware it sees (as ``fitrl plan`` does): ``enforce`` refuses a config predicted not to fit, printing the plan and the cheapest change that fits; ``warn`` prints the same and goes on; ``off`` skips it."""
     telemetry: bool = True
     """Every step, per process and phase: host RSS, USS and peak RSS, node available memory, GPU allocated/reserved/peak, into metrics.jsonl (``mem/<process>/<phase>/...``) and the console line."""
+    uss_min_phase_s: float = 0.1
+    """USS (memory only this process holds) is read after phases lasting at least this long: a reading walks the page tables, ~3 ms with torch loaded."""
     leak_warmup_steps: int = 5
     """Steps ignored by leak detection (allocator pools, caches and compiled kernels settle first)."""
     leak_window: int = 50
-    """Leak detection fits its trend over at most this many recent steps."""
+    """Leak detection fits its trend over at most this many recent steps; it judges once it has min(30, this) steps after warm-up."""
     leak_min_rate_mib: float = 1.0
     """Growth (MiB per step, per process and phase) below which no leak is reported, unless memory would run out before ``trainer.max_steps`` at that rate."""
     guard: bool = True
@@ -417,12 +419,10 @@ class MemoryConfig:
     """Fraction of the node's RAM; the default stops before Ray's memory monitor, which kills workers at 95 % used."""
     guard_gpu_max_fraction: float = 0.97
     """Used fraction of a GPU (all processes on it) above which the guard stops the run."""
-    guard_interval_s: float = 0.2
-    """Least time between two guard readings inside a phase (each costs a /proc read and, with several ranks, an all-reduce)."""
 
     def __post_init__(self) -> None:
-        if self.leak_warmup_steps < 0 or self.leak_window < 4:
-            raise ConfigError("memory.leak_warmup_steps must be >= 0 and memory.leak_window >= 4")
+        if self.leak_warmup_steps < 0 or self.leak_window < 10:
+            raise ConfigError("memory.leak_warmup_steps must be >= 0 and memory.leak_window >= 10")
         if not 0 < self.guard_min_available_fraction < 1 or not 0 < self.guard_gpu_max_fraction <= 1:
             raise ConfigError("memory.guard_min_available_fraction must be in (0, 1) and "
                               "memory.guard_gpu_max_fraction in (0, 1]")

@@ -4,9 +4,10 @@ Processes: ``trainer`` (one per device: actor, reference and critic shards, and 
 rollout engine in the same process), ``engine`` (a vLLM engine's own process, planner-only),
 ``driver`` (node 0), and ``node`` (what belongs to no rank: Ray, the object store, reward
 workers). Phases follow one RL step (DESIGN §2) plus load, validation and checkpoint save;
-the plan is the steady state (from step 2: gradients and AdamW states exist), and a phase's peak
-is the sum of what is resident in it and its largest transient. A node's host peak sums its
-processes; a device's peak sums what shares it (trainer rank and colocated engine).
+the plan is the steady state (from step 2: AdamW states exist; gradients only inside the
+update, which frees them after its last optimizer step), and a phase's peak is the sum of what
+is resident in it and its largest transient. A node's host peak sums its processes; a device's
+peak sums what shares it (trainer rank and colocated engine).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Model states in closed form: parameters, gradients and AdamW states per rank.
 
 With fp32 master weights and AdamW a trained model holds 16 bytes per parameter (weights 4,
-gradients 4, ``exp_avg`` and ``exp_avg_sq`` 8) plus AdamW's fp32 ``step`` scalar per tensor.
+gradients 4, ``exp_avg`` and ``exp_avg_sq`` 8) plus AdamW's fp32 ``step`` scalar per tensor;
+the gradients only during an update (the planner drops them in other phases).
 Under FSDP2 each tensor is sharded on dim 0 over the N ranks of its shard group, padded to a
 multiple of N: rank 0 (the largest shard) holds ``ceil(dim0 / N) * rest`` elements of each.
 A frozen bf16 reference holds 2 bytes per parameter over N. Pinned host memory (FSDP2

@@ -53,13 +53,21 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
         for role, (st, fsdp) in roles.items():
             on_dev, opt_dev = resident(role, fsdp, ph, run)
+            label = "" if role == "actor" else f"{role} "
+            pinned_grads = 0
             if ph == "load":  # no gradients or optimizer states yet
                 st = States(st.params)
-            label = "" if role == "actor" else f"{role} "
+            elif ph != "update":  # Actor/Critic.update free their gradients after the last step
+                if st.grads and cuda and run.fsdp and fsdp.cpu_offload:
+                    # ... but FSDP2 CPUOffloadPolicy's gradients were pinned host tensors, and the
+                    # pinned caching allocator keeps their freed blocks for the next update
+                    pinned_grads = st.grads
+                st = States(st.params, optimizer=st.optimizer)
             where_w = dev if on_dev else "host"
             offl = "" if where_w == dev else "offloaded "
             u.add(where_w, f"{offl}{label}params", st.params)
             u.add(where_w, f"{offl}{label}grads", st.grads)
+            u.add("host", f"pinned cache ({label}grads)", pinned_grads)
             u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",
                   st.optimizer)
         seqs = run.seqs_per_rank

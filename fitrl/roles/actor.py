@@ -19,6 +19,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.models.parallelize import all_reduce_max, all_reduce_sum
 from fitrl.ops.logprob import response_logprobs
+from fitrl.telemetry.guard import GUARD
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -94,6 +95,7 @@ class Actor:
         logp = torch.zeros(shape, dtype=torch.float32, device=batch["responses"].device)
         entropy = torch.zeros_like(logp)
         for ix in self.partition(batch, self.cfg.logprob_micro_batch_size):
+            GUARD.check(logp.device)  # safe point (read-only phase; same count on every rank)
             logp[ix], entropy[ix] = self._forward(batch.index(ix), temperature, with_entropy=True)
         return Batch({"old_logprobs": logp, "entropy": entropy})
 
@@ -143,6 +145,9 @@ class Actor:
                     skipped += 1
                     self.optimizer.zero_grad(set_to_none=True)
                 grad_norms.append(grad_norm)
+        # Free the gradients (4 bytes per parameter in fp32, per rank's shard under FSDP2): the
+        # next update recreates them, and rollout and log-prob phases have no use for them.
+        self.optimizer.zero_grad(set_to_none=True)
         out = metrics.result()
         finite = [g for g in grad_norms if math.isfinite(g)]
         out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")

@@ -16,6 +16,7 @@ from fitrl.config.schema import CriticConfig
 from fitrl.data.batch import Batch
 from fitrl.models.parallelize import all_reduce_sum
 from fitrl.rollout.layout import trim_padding
+from fitrl.telemetry.guard import GUARD
 from fitrl.roles.actor import WeightedMetrics, build_optimizer, clip_gradients, lr_factor
 
 
@@ -45,8 +46,10 @@ class Critic:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         self.model.eval()
-        values = [response_values(self.model, m) * m["response_mask"]
-                  for m in batch.split(self.cfg.values_micro_batch_size)]
+        values = []
+        for m in batch.split(self.cfg.values_micro_batch_size):
+            GUARD.check(m["response_mask"].device)  # safe point (read-only phase)
+            values.append(response_values(self.model, m) * m["response_mask"])
         return Batch({"values": torch.cat(values)})
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int) -> dict[str, float]:
@@ -74,6 +77,7 @@ class Critic:
                 if math.isfinite(norm):
                     self.optimizer.step()
                     grad_norms.append(norm)
+        self.optimizer.zero_grad(set_to_none=True)  # as the actor: no gradients held between updates
         self.scheduler.step()
         out = metrics.result()
         out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")

@@ -21,6 +21,7 @@ from fitrl.models.parallelize import build_model, full_state_dict, move_model, m
 from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
 from fitrl.rollout.hf import HFRollout, Sampling
+from fitrl.telemetry.guard import GUARD
 from fitrl.workers.group import dispatch
 
 
@@ -66,6 +67,7 @@ class PolicyWorker:
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
+        GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device,
@@ -122,6 +124,7 @@ class ReferenceWorker:
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
+        GUARD.configure(cfg.memory)
         model_cfg = cfg.ref.model or cfg.actor.model
         self.model = build_model("causal_lm", model_cfg, cfg.ref.fsdp, self.device, what="ref.model.path",
                                  nnodes=cfg.trainer.nnodes)
@@ -135,6 +138,7 @@ class ReferenceWorker:
         out = []
         with self.offload.phase():
             for micro in batch.split(self.cfg.ref.logprob_micro_batch_size):
+                GUARD.check(self.device)  # safe point (read-only phase)
                 lp, _ = response_logprobs(
                     self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
                     micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
@@ -149,6 +153,7 @@ class CriticWorker:
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
+        GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + 7919)  # the value head's init (rank 0's is broadcast)
         self.model = build_model("value", cfg.critic.model or cfg.actor.model, cfg.critic.fsdp, self.device,
                                  what="critic.model.path", nnodes=cfg.trainer.nnodes)

@@ -29,6 +29,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from fitrl.data.batch import Batch
 from fitrl.models.parallelize import gathered_for_generation
 from fitrl.ops.logprob import position_ids_from_mask
+from fitrl.telemetry.guard import GUARD
 
 
 @dataclass
@@ -137,6 +138,7 @@ class HFRollout:
         try:
             with gathered_for_generation(self.model):  # FSDP2: full weights once, not per token
                 for start in range(0, len(seqs), self.micro_batch_size):
+                    GUARD.check(device)  # safe point: nothing but this phase's own work is lost
                     sl = slice(start, start + self.micro_batch_size)
                     r, lp = self._generate_micro(prompt_ids[sl].to(device), prompt_mask[sl].to(device), sampling)
                     responses.append(r)

@@ -48,6 +48,18 @@ def peak_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def trim_heap() -> bool:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``), so RSS shows what is held;
+    False where there is no glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def node_available_bytes() -> int:
     """Memory the node can still give without swapping (``MemAvailable``), the number the OS
     and Ray's memory monitor act on. Tests replace this function to simulate a filling node."""

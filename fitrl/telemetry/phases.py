@@ -12,6 +12,7 @@ driver drains every process's records once per step.
 from __future__ import annotations
 
 import contextvars
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
@@ -49,7 +50,7 @@ class PhaseMemory:
     host_rss: int            # at the end of the phase
     host_retained: int
     host_peak: int           # RSS high-water mark during the phase
-    host_uss: int            # at the end
+    host_uss: int            # at the end; 0 where not read (a phase shorter than the recorder's uss_min_s)
     node_available: int      # at the end
     node_available_min: int  # lowest seen at the phase's boundaries
     node_total: int
@@ -64,7 +65,7 @@ class PhaseMemory:
         return PhaseMemory(
             calls=self.calls + later.calls, host_rss=later.host_rss,
             host_retained=self.host_retained + later.host_retained, host_peak=max(self.host_peak, later.host_peak),
-            host_uss=later.host_uss, node_available=later.node_available,
+            host_uss=later.host_uss or self.host_uss, node_available=later.node_available,
             node_available_min=min(self.node_available_min, later.node_available_min), node_total=later.node_total,
             gpu_allocated=later.gpu_allocated, gpu_retained=self.gpu_retained + later.gpu_retained,
             gpu_reserved=later.gpu_reserved, gpu_peak=max(self.gpu_peak, later.gpu_peak), gpu_total=later.gpu_total)
@@ -72,7 +73,9 @@ class PhaseMemory:
     def metrics(self, prefix: str) -> dict[str, float]:
         """``{prefix}/host_rss_gib`` ... in GiB (the units of the console and metrics.jsonl)."""
         m = {f"{prefix}/host_rss_gib": self.host_rss / GIB, f"{prefix}/host_peak_gib": self.host_peak / GIB,
-             f"{prefix}/host_uss_gib": self.host_uss / GIB, f"{prefix}/node_available_gib": self.node_available / GIB}
+             f"{prefix}/node_available_gib": self.node_available / GIB}
+        if self.host_uss:
+            m[f"{prefix}/host_uss_gib"] = self.host_uss / GIB
         if self.gpu_total:
             m.update({f"{prefix}/gpu_allocated_gib": self.gpu_allocated / GIB,
                       f"{prefix}/gpu_reserved_gib": self.gpu_reserved / GIB,
@@ -94,7 +97,9 @@ class PhaseRecorder:
     def __init__(self) -> None:
         self.records: dict[str, PhaseMemory] = {}
         self.enabled = True
-        self.uss = True
+        # A USS reading walks the process's page tables (~3 ms with torch loaded): taken only
+        # after phases at least this long, so it stays within a few % of any phase it describes.
+        self.uss_min_s = 0.1
         self._depth = 0
 
     @contextmanager
@@ -112,11 +117,12 @@ class PhaseRecorder:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         self._depth += 1
+        began = time.perf_counter()
         try:
             yield
         finally:
             self._depth -= 1
-            end = read_memory(uss=self.uss)
+            end = read_memory(uss=time.perf_counter() - began >= self.uss_min_s)
             rec = PhaseMemory(
                 calls=1, host_rss=end.host_rss, host_retained=end.host_rss - start.host_rss,
                 host_peak=max(peak_rss_bytes(), end.host_rss), host_uss=end.host_uss,

@@ -1,4 +1,11 @@
-"""Per-phase wall-clock timing for the driver loop."""
+"""Per-phase wall-clock timing for the driver loop; each phase is also a memory phase.
+
+A phase opened here is timed, recorded by this process's memory recorder (and, through
+:func:`fitrl.telemetry.phases.current_phase`, by every Ray rank it calls), and guarded: before a
+read-only phase of a step in which no weight has changed yet, the memory guard takes a reading
+and may stop the step (:class:`fitrl.telemetry.guard.MemoryPressure`). Updates are finished, and
+a crossing during them is noted for the end of the step.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +14,36 @@ from contextlib import contextmanager
 
 import torch
 
+from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.phases import RECORDER, in_phase
+
+MUTATING_PHASES = frozenset({"update", "critic_update"})
+
 
 class PhaseTimer:
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
+        self.mutated = False  # a weight has changed in this step: no more abandoning it
 
     @contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, guarded: bool = True):
+        """``guarded=False``: no guard reading at the start (a phase outside the step's handling)."""
+        mutating = name in MUTATING_PHASES
+        previous, GUARD.phase = GUARD.phase, name
+        if guarded and not (mutating or self.mutated):
+            GUARD.check()
+        self.mutated |= mutating
         start = time.perf_counter()
         try:
-            yield
+            with in_phase(name), RECORDER.phase(name):
+                yield
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # otherwise GPU work is billed to whichever phase syncs next
         finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # otherwise GPU work is billed to whichever phase syncs next
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            GUARD.phase = previous
+        if mutating:
+            GUARD.note()
 
     def metrics(self) -> dict[str, float]:
         out = {f"time/{k}": v for k, v in self.times.items()}

@@ -28,12 +28,24 @@ def format_step_line(step: int, m: dict[str, float]) -> str:
     phases = [(k[5:], v) for k, v in m.items() if k.startswith("time/") and k != "time/step"]
     if "time/step" in m:
         parts.append(f"{m['time/step']:.1f}s (" + " ".join(f"{k} {v:.1f}" for k, v in phases) + ")")
-    if "mem/host_rss_gib" in m:
-        mem = f"rss {m['mem/host_rss_gib']:.2f}G"
+    if "mem/host_peak_gib" in m:
+        where = peak_phase(m, "host_peak_gib")
+        mem = f"host peak {m['mem/host_peak_gib']:.2f}G{where} avail {m['mem/node_available_min_gib']:.1f}G"
         if "mem/gpu_peak_gib" in m:
-            mem += f" gpu {m['mem/gpu_peak_gib']:.1f}G"
+            mem += f" | gpu peak {m['mem/gpu_peak_gib']:.1f}G{peak_phase(m, 'gpu_peak_gib')}"
         parts.append(mem)
+    elif "mem/host_rss_gib" in m:
+        parts.append(f"rss {m['mem/host_rss_gib']:.2f}G")
     return " | ".join(parts)
+
+
+def peak_phase(m: dict[str, float], field: str) -> str:
+    """`` (update@rank0)``: where the step's largest ``mem/<process>/<phase>/<field>`` was."""
+    keys = [k for k in m if k.startswith("mem/") and k.endswith("/" + field) and k.count("/") == 3]
+    if not keys:
+        return ""
+    _, process, phase, _ = max(keys, key=m.__getitem__).split("/")
+    return f" ({phase}@{process})"
 
 
 class MetricsWriter:

@@ -7,6 +7,7 @@ per-sequence math.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import time
 from pathlib import Path
@@ -24,10 +25,13 @@ from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
 from fitrl.rewards.registry import RewardScorer
 from fitrl.rollout.hf import Sampling
-from fitrl.telemetry.memory import gpu_memory, host_memory
+from fitrl.telemetry.guard import MemoryPressure
+from fitrl.telemetry.memory import host_memory, trim_heap
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.collect import RolloutCollector, group_index, prompts_batch
+from fitrl.trainer.errors import RunStopped
 from fitrl.trainer.logging import MetricsWriter, format_step_line, make_progress
+from fitrl.trainer.memory_watch import MemoryWatch
 from fitrl.workers.group import RoleHandle
 
 
@@ -89,30 +93,59 @@ class RLTrainer:
         self.checkpoints = checkpoints
         self.start_step = 0  # the step a resumed run continues after
         self.history: list[dict[str, float]] = list(history or [])
+        self.memory = MemoryWatch(cfg, {"policy": policy, **({"ref": ref} if ref else {}),
+                                        **({"critic": critic} if critic else {})}, console)
 
     def fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         if t.val_only or (t.val_before_train and self.start_step == 0):
-            self.validate(step=self.start_step)
+            try:
+                self.validate(step=self.start_step)
+            except MemoryPressure as p:
+                raise RunStopped(self.memory.explain(p.with_traceback(None), step_done=True, checkpoint=None,
+                                                     step=self.start_step)) from None
         if t.val_only:
             return self.history
         with make_progress(self.console, t.progress_bar) as progress:
             task = progress.add_task("train", total=t.max_steps, completed=self.start_step)
             for step in range(self.start_step + 1, t.max_steps + 1):
-                metrics = self.train_step(step)
-                if t.val_freq and step % t.val_freq == 0 and step != t.max_steps:
-                    metrics.update(self.validate(step))
+                at_start = self.state_dict(step - 1)  # what an abandoned step's checkpoint resumes from
+                pressure, metrics = None, {}
+                try:
+                    metrics = self.train_step(step)
+                except MemoryPressure as p:
+                    pressure = p.with_traceback(None)  # drop the frames that hold the step's batch
+                if pressure is not None:
+                    self.stop_for_memory(pressure, step, step_done=False, state=at_start)
+                try:
+                    if t.val_freq and step % t.val_freq == 0 and step != t.max_steps:
+                        metrics.update(self.validate(step))
+                except MemoryPressure as p:
+                    pressure = p.with_traceback(None)
+                mem, deferred, events = self.memory.end_step(step)
+                metrics.update(mem)
+                pressure = pressure or deferred
+                for event in events:  # leak warnings, kept beside the step they were raised at
+                    self.writer.write(event)
                 # metrics first: a checkpoint of step k implies metrics.jsonl holds step k
                 self.writer.write({"step": step, **metrics})
-                self.history.append(metrics)
+                # per-process/phase memory stays in metrics.jsonl only: with many ranks it is most of
+                # a step's keys, and the history lives as long as the run
+                self.history.append({k: v for k, v in metrics.items() if not (k.startswith("mem/") and k.count("/") > 1)})
                 if step % t.log_freq == 0 or step == t.max_steps:
                     progress.console.print(format_step_line(step, metrics), highlight=False)
+                if pressure is not None:
+                    self.stop_for_memory(pressure, step, step_done=True, state=self.state_dict(step))
                 if step != t.max_steps:
                     self.maybe_save(step, metrics)
                 progress.advance(task)
         final = {}
         if self.val_data is not None and t.max_steps:
-            final = self.validate(step=t.max_steps)
+            try:
+                final = self.validate(step=t.max_steps)
+            except MemoryPressure as p:
+                self.stop_for_memory(p.with_traceback(None), t.max_steps, step_done=True,
+                                     state=self.state_dict(t.max_steps))
         if t.max_steps > self.start_step:
             self.maybe_save(t.max_steps, {**self.history[-1], **final} if self.history else final)
         return self.history
@@ -125,7 +158,29 @@ class RLTrainer:
 
     def maybe_save(self, step: int, metrics: dict[str, float]) -> None:
         if self.checkpoints is not None and self.checkpoints.due(step):
-            self.checkpoints.save(step, self.roles(), self.state_dict(step), metrics)
+            with PhaseTimer().phase("checkpoint_save", guarded=False):
+                self.checkpoints.save(step, self.roles(), self.state_dict(step), metrics)
+
+    def stop_for_memory(self, pressure: MemoryPressure, step: int, *, step_done: bool, state: dict) -> None:
+        """The guard's stop: free what the step held, write an emergency checkpoint of the last
+        complete step, raise :class:`RunStopped` with the explanation."""
+        gc.collect()  # the abandoned step's batch and activations
+        trim_heap()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        done = step if step_done else step - 1
+        path = None
+        if self.checkpoints is not None:
+            try:
+                metrics = self.history[-1] if self.history and step_done else {}
+                path = self.checkpoints.save(done, self.roles(), state, metrics)
+            except Exception as e:  # the message says so; earlier checkpoints are untouched (atomic saves)
+                self.console.print(f"[red]emergency checkpoint of step {done} failed:[/] {type(e).__name__}: {e}")
+        self.writer.write({"step": step, "event": "memory_guard_stop", "kind": pressure.kind,
+                           "phase": pressure.phase, "process": pressure.process,
+                           "available_gib": pressure.available / 2**30, "checkpoint": str(path) if path else None})
+        raise RunStopped(self.memory.explain(pressure, step_done=step_done, checkpoint=str(path) if path else None,
+                                             step=step))
 
     def state_dict(self, step: int) -> dict:
         """The driver's part of a checkpoint (RNG states are added by the manager)."""
@@ -180,7 +235,6 @@ class RLTrainer:
         metrics.update(self.step_metrics(batch, mask, stats))
         metrics.update(timer.metrics())
         metrics.update(host_memory())
-        metrics.update(gpu_memory())
         return metrics
 
     def apply_kl_penalty(self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor):
@@ -214,6 +268,10 @@ class RLTrainer:
     def validate(self, step: int) -> dict[str, float]:
         if self.val_data is None:
             return {}
+        with PhaseTimer().phase("validation"):
+            return self._validate(step)
+
+    def _validate(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         scores, comps, lengths, truncated = [], [], [], []
         health: dict[str, float] = {}

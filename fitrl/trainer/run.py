@@ -81,13 +81,16 @@ def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack,
     return RoleHandle(group)
 
 
-def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, float]]:
+def train(cfg: FitrlConfig, console: Console | None = None, plan_inputs=None) -> list[dict[str, float]]:
     console = console or Console(soft_wrap=True)
     _quiet_transformers()
     seed_everything(cfg.trainer.seed)
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     check_model_dir(cfg.actor.model.path)
+    from fitrl.memory.preflight import preflight
+
+    preflight(cfg, console, plan_inputs)  # memory.plan: stops a run predicted not to fit before anything loads
     with ExitStack() as stack:
         # Cheap checks before any model is loaded: a typo in the reward or data fails in seconds.
         reward = stack.enter_context(RewardScorer(cfg.reward))

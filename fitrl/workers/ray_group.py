@@ -203,6 +203,9 @@ class _RankActor:
         import torch
 
         self.role, self.rank = role, env.rank
+        from fitrl.telemetry.guard import GUARD
+
+        GUARD.process = f"{role}.rank{env.rank}"  # thresholds come from the worker's config
         self.node_ip = ray.util.get_node_ip_address()
         self.worker = None
         self.init_error: Optional[BaseException] = None
@@ -233,8 +236,27 @@ class _RankActor:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return {"node_ip": self.node_ip, "pid": os.getpid(), "device": device}
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call(self, method: str, args: tuple, kwargs: dict, phase: Optional[str] = None) -> Any:
+        """Run a worker method; within a driver phase, record its memory and let the guard name it."""
+        if phase is None:
+            return getattr(self.worker, method)(*args, **kwargs)
+        from fitrl.telemetry.guard import GUARD
+        from fitrl.telemetry.phases import RECORDER
+
+        GUARD.phase = phase
+        try:
+            with RECORDER.phase(phase):
+                return getattr(self.worker, method)(*args, **kwargs)
+        finally:
+            GUARD.phase = None
+            GUARD.note()  # a crossing no safe point acted on (an update) waits for the step's end
+
+    def memory_report(self) -> tuple[dict, Any]:
+        """This rank's per-phase memory since the last report, and a guard crossing left to act on."""
+        from fitrl.telemetry.guard import GUARD
+        from fitrl.telemetry.phases import RECORDER
+
+        return RECORDER.drain(), GUARD.take_deferred()
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -404,7 +426,14 @@ class RayWorkerGroup(WorkerGroup):
         args = per_rank_args
         if self.world_size > 1 and all(a is per_rank_args[0] for a in per_rank_args):
             args = [ray.put(per_rank_args[0])] * self.world_size  # one copy in the object store, not n
-        return self._collect([a.call.remote(method, x, kwargs) for a, x in zip(self._actors, args)], method)
+        from fitrl.telemetry.phases import current_phase
+
+        phase = current_phase()  # the ranks record their memory under the driver's phase
+        return self._collect([a.call.remote(method, x, kwargs, phase) for a, x in zip(self._actors, args)], method)
+
+    def memory_reports(self) -> list[tuple[dict, Any]]:
+        """Per rank: (phase -> PhaseMemory since the last report, a pending guard crossing or None)."""
+        return self._collect([a.memory_report.remote() for a in self._actors], "memory_report")
 
     def _collect(self, refs: list, method: str) -> list[Any]:
         """Results in rank order; on the first failure, the cause (see the module docstring)."""
@@ -450,9 +479,15 @@ class RayWorkerGroup(WorkerGroup):
             self._failed = f"{self.name} rank {rank} {cause}"
             self.shutdown()
             return err
+        from fitrl.telemetry.guard import MemoryPressure
+
+        causes = {r: (e.cause if isinstance(e, rex.RayTaskError) else e) for r, e in errors.items()}
+        pressure = [c for r, c in sorted(causes.items()) if isinstance(c, MemoryPressure)]
+        if pressure and not stuck:  # every rank left the phase together: the group is intact
+            return next((c for c in pressure if c.origin), pressure[0])
         rank = min(errors)
         e = errors[rank]
-        cause = e.cause if isinstance(e, rex.RayTaskError) else e
+        cause = causes[rank]
         prefix = f"{self.name} rank {rank} (node {self.node_ips[rank]}) in {method!r}: "
         if stuck:
             prefix += (f"[ranks {stuck} were still running {self.failure_grace_s:.0f} s later, likely waiting in a "

@@ -1,0 +1,76 @@
+"""Host memory across a clean run of the toy task: does it grow after warm-up, does the leak
+detector stay quiet, and what does per-phase telemetry cost per step?
+
+    .venv/bin/python bench/memory_growth.py [--steps 100] [--warmup 5]
+
+Runs the demo config (examples/arith.yaml, tiny model, CPU) twice in fresh processes, with
+telemetry on and off. Growth = RSS at the end of the last step's update over the same reading at
+the first step after warm-up (the kernel's RSS, as the OS and Ray see it); slope = Theil-Sen over
+those steps. Prints the figures bench/RESULTS.md records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = """
+import sys, time
+from rich.console import Console
+from fitrl.config import load_config
+from fitrl.trainer.run import train
+cfg = load_config("examples/arith.yaml", sys.argv[1:])
+start = time.perf_counter()
+train(cfg, Console(quiet=True))
+print("WALL", time.perf_counter() - start)
+"""
+
+
+def run(steps: int, run_dir: str, telemetry: bool) -> tuple[list[dict], float]:
+    overrides = [f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.progress_bar=false",
+                 f"memory.telemetry={str(telemetry).lower()}", "checkpoint.save_final=false", "memory.plan=off"]
+    out = subprocess.run([sys.executable, "-c", CHILD, *overrides], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = float(next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("WALL")))
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return records, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from fitrl.telemetry.leaks import theil_sen
+
+    model = ROOT / ".cache" / "models" / "tiny-qwen2"  # the demo config's model (made if missing)
+    if not (model / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "fitrl.cli", "make-tiny-model", str(model)], cwd=ROOT, check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        on, wall_on = run(args.steps, f"{tmp}/on", telemetry=True)
+        _, wall_off = run(args.steps, f"{tmp}/off", telemetry=False)
+    steps = [r for r in on if "reward/mean" in r and "event" not in r]
+    after = [r for r in steps if r["step"] > args.warmup]
+    level = [r["mem/rank0/update/host_rss_gib"] * 1024 for r in after]  # MiB
+    leaks = [r for r in on if r.get("event") == "memory_leak"]
+    print(f"toy task, {args.steps} steps, warm-up {args.warmup}: rank0 RSS after update "
+          f"{level[0]:.1f} MiB at step {after[0]['step']} -> {level[-1]:.1f} MiB at step {after[-1]['step']} "
+          f"({(level[-1] / level[0] - 1) * 100:+.2f} %), Theil-Sen {theil_sen(range(len(level)), level):+.3f} MiB/step, "
+          f"max {max(level):.1f} MiB")
+    peaks = {k.split("/")[2]: max(r[k] for r in after) * 1024 for k in after[-1] if k.endswith("/host_peak_gib")
+             and k.startswith("mem/rank0/")}
+    print("per-phase peak RSS (MiB, max over steps): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()))
+    print(f"leak warnings: {len(leaks)}" + "".join(f"\n  {w['message']}" for w in leaks))
+    print(f"wall: telemetry on {wall_on:.1f} s, off {wall_off:.1f} s "
+          f"({(wall_on - wall_off) / args.steps * 1000:+.1f} ms/step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The memory guard (issue 5, part 5): stop cleanly before the OS or Ray kills a process.
+
+Each process of a run has one :data:`GUARD`. Readings are taken at *safe points*: between the
+micro-batches of read-only phases (generation, log-probs, reference, values), where leaving
+the phase loses nothing but the phase's own work, and at the driver's phase boundaries. When
+the node's available memory is under the threshold, or the GPU is nearly full, a safe point
+raises :class:`MemoryPressure`. Under FSDP every forward is a collective, so ranks decide
+together: each safe point all-reduces the local verdict, and every rank leaves at the same
+micro-batch (no rank is left waiting in a collective).
+
+Updates (actor, critic) have no safe points: stopping half-way through the optimizer steps
+would leave weights and optimizer state out of step with each other. A threshold crossed
+during an update is acted on when the step ends; the emergency checkpoint then holds that
+complete step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fitrl.telemetry import memory as mem
+from fitrl.telemetry.memory import GIB
+
+HOST, GPU = 1, 2  # verdict codes, all-reduced with max: GPU pressure outranks host pressure
+
+
+class MemoryPressure(RuntimeError):
+    """Memory ran low at a safe point. ``origin`` is True on the process whose reading tripped
+    (the others left because it did); the driver reports the origin's numbers."""
+
+    def __init__(self, kind: str, process: str, phase: Optional[str], available: int, threshold: int,
+                 total: int, origin: bool = True):
+        self.kind, self.process, self.phase = kind, process, phase
+        self.available, self.threshold, self.total, self.origin = available, threshold, total, origin
+        where = f"during {phase!r}" if phase else "between phases"
+        if kind == "gpu":
+            text = (f"GPU memory of {process} nearly full {where}: {(total - available) / GIB:.1f} of "
+                    f"{total / GIB:.1f} GiB in use (guard: {threshold / GIB:.1f} GiB must stay free)")
+        else:
+            text = (f"host memory low {where} ({process}): {available / GIB:.2f} GiB available on the node, "
+                    f"under the guard's {threshold / GIB:.2f} GiB of {total / GIB:.1f} GiB")
+        if not origin:
+            text += " [reported by another rank]"
+        super().__init__(text)
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields
+        return (MemoryPressure, (self.kind, self.process, self.phase, self.available, self.threshold,
+                                 self.total, self.origin))
+
+
+@dataclass
+class GuardSettings:
+    enabled: bool = False
+    min_available_bytes: Optional[int] = None  # None: fraction of the node's RAM
+    min_available_fraction: float = 0.07
+    gpu_max_fraction: float = 0.97
+
+
+class MemoryGuard:
+    def __init__(self) -> None:
+        self.settings = GuardSettings()
+        self.process = "rank0"
+        self.phase: Optional[str] = None
+        self.deferred: Optional[MemoryPressure] = None  # crossed where no safe point could act
+
+    def configure(self, memory_cfg, process: Optional[str] = None) -> None:
+        """From a ``MemoryConfig`` (``cfg.memory``); also sets this process's recorder."""
+        from fitrl.telemetry.phases import RECORDER
+
+        RECORDER.enabled, RECORDER.uss_min_s = memory_cfg.telemetry, memory_cfg.uss_min_phase_s
+        gib = memory_cfg.guard_min_available_gib
+        self.settings = GuardSettings(
+            enabled=memory_cfg.guard, min_available_bytes=None if gib is None else int(gib * GIB),
+            min_available_fraction=memory_cfg.guard_min_available_fraction,
+            gpu_max_fraction=memory_cfg.guard_gpu_max_fraction)
+        if process is not None:
+            self.process = process
+
+    def host_threshold(self, total: int) -> int:
+        s = self.settings
+        return s.min_available_bytes if s.min_available_bytes is not None else int(s.min_available_fraction * total)
+
+    def reading(self) -> Optional[MemoryPressure]:
+        """This process's verdict now (None: memory is fine)."""
+        if not self.settings.enabled:
+            return None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            used = mem.gpu_used_fraction()
+            if used > self.settings.gpu_max_fraction:
+                free, total = torch.cuda.mem_get_info()
+                return MemoryPressure("gpu", self.process, self.phase, free, int((1 - self.settings.gpu_max_fraction)
+                                                                                 * total), total)
+        available, total = mem.node_available_bytes(), mem.node_total_bytes()  # module attributes: tests can simulate
+        threshold = self.host_threshold(total)
+        if available < threshold:
+            return MemoryPressure("host", self.process, self.phase, available, threshold, total)
+        return None
+
+    def check(self, device: Optional[torch.device] = None) -> None:
+        """A safe point: raise :class:`MemoryPressure` when memory is low here or, in a process
+        group, on any rank (one small all-reduce, so every rank must reach the same safe points)."""
+        if not self.settings.enabled:
+            return
+        pressure = self.reading()
+        if _group_size() > 1:
+            from fitrl.models.parallelize import all_reduce_max
+
+            local = 0 if pressure is None else (GPU if pressure.kind == "gpu" else HOST)
+            verdict = all_reduce_max(local, device or torch.device("cpu"))
+            if verdict and pressure is None:
+                raise MemoryPressure("gpu" if verdict == GPU else "host", self.process, self.phase, 0, 0, 0,
+                                     origin=False)
+        if pressure is not None:
+            raise pressure
+
+    def note(self) -> None:
+        """Where no safe point can act (during an update): remember the first crossing."""
+        if self.deferred is None:
+            self.deferred = self.reading()
+
+    def take_deferred(self) -> Optional[MemoryPressure]:
+        out, self.deferred = self.deferred, None
+        return out
+
+
+def _group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+GUARD = MemoryGuard()
+"""This process's guard; configured by the trainer (driver) and by each worker (Ray ranks)."""

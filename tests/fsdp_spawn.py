@@ -21,3 +21,24 @@ def update_on_rank(rank, world, port, cfg, batch, queue):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def guard_check_on_rank(rank, world, port, low_on, queue):
+    """Rank ``low_on`` sees memory under its threshold; every rank calls one collective safe point."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from fitrl.telemetry.guard import GUARD, MemoryPressure
+
+        GUARD.settings.enabled, GUARD.process, GUARD.phase = True, f"policy.rank{rank}", "old_logprob"
+        GUARD.settings.min_available_bytes = 2**60 if rank == low_on else 0
+        try:
+            GUARD.check()
+            queue.put((rank, None))
+        except MemoryPressure as p:
+            queue.put((rank, (p.origin, p.kind, p.process)))
+        dist.barrier()  # every rank is still in step with the others after the safe point
+    finally:
+        dist.destroy_process_group()

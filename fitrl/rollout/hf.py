@@ -138,7 +138,9 @@ class HFRollout:
         try:
             with gathered_for_generation(self.model):  # FSDP2: full weights once, not per token
                 for start in range(0, len(seqs), self.micro_batch_size):
-                    GUARD.check(device)  # safe point: nothing but this phase's own work is lost
+                    # safe point: only this phase's work is lost. Local: generation runs no
+                    # collective, and ranks may have different numbers of micro-batches
+                    GUARD.check(collective=False)
                     sl = slice(start, start + self.micro_batch_size)
                     r, lp = self._generate_micro(prompt_ids[sl].to(device), prompt_mask[sl].to(device), sampling)
                     responses.append(r)

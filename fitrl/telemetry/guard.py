@@ -99,13 +99,16 @@ class MemoryGuard:
             return MemoryPressure("host", self.process, self.phase, available, threshold, total)
         return None
 
-    def check(self, device: Optional[torch.device] = None) -> None:
+    def check(self, device: Optional[torch.device] = None, collective: bool = True) -> None:
         """A safe point: raise :class:`MemoryPressure` when memory is low here or, in a process
-        group, on any rank (one small all-reduce, so every rank must reach the same safe points)."""
+        group, on any rank (one small all-reduce, so every rank must reach the same safe points).
+        ``collective=False`` where ranks run no collective and may reach different numbers of
+        safe points (generation from gathered weights): a rank then leaves alone and the others
+        finish the phase or meet the same low memory at their next safe point."""
         if not self.settings.enabled:
             return
         pressure = self.reading()
-        if _group_size() > 1:
+        if collective and _group_size() > 1:
             from fitrl.models.parallelize import all_reduce_max
 
             local = 0 if pressure is None else (GPU if pressure.kind == "gpu" else HOST)

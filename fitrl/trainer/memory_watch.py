@@ -108,7 +108,7 @@ class MemoryWatch:
         if self.detector is not None:
             for w in self.detector.observe(step, report, max_steps=self.cfg.trainer.max_steps):
                 self.warnings += 1
-                log.warning(w.message())
+                log.info(w.message())  # the console line below is the user-facing one
                 self.console.print(f"[yellow]warning:[/] {w.message()}", highlight=False)
                 events.append({"step": step, "event": "memory_leak", **dataclasses.asdict(w), "message": w.message()})
             metrics["mem/leak_warnings"] = float(self.warnings)
@@ -132,8 +132,10 @@ class MemoryWatch:
                 gtop = max(phases.items(), key=lambda kv: kv[1].gpu_peak)
                 text += f", GPU {last.gpu_allocated / GIB:.1f} GiB allocated (peak {gtop[1].gpu_peak / GIB:.1f} in {gtop[0]!r})"
             held.append(text)
+        if not report:  # stopped before any phase ended: this process's reading now
+            held.append(f"{self.driver} {now.host_rss / GIB:.2f} GiB RSS")
         if held:
-            ours = sum(list(phases.values())[-1].host_rss for phases in report.values())
+            ours = sum(list(phases.values())[-1].host_rss for phases in report.values()) or now.host_rss
             other = now.node_total - now.node_available - ours
             held.append(f"everything else on the node ~{max(other, 0) / GIB:.1f} GiB")
             lines.append("held (latest phases): " + "; ".join(held))

@@ -194,6 +194,12 @@ def _with_prefix(exc: BaseException, prefix: str) -> BaseException:
     return RuntimeError(f"{prefix}{type(exc).__name__}: {exc}")
 
 
+def _is_memory_pressure(exc: BaseException) -> bool:
+    from fitrl.telemetry.guard import MemoryPressure
+
+    return isinstance(getattr(exc, "cause", None) or exc, MemoryPressure)
+
+
 class _RankActor:
     """What runs in each Ray actor: join the process group, then build and serve the worker."""
 
@@ -456,7 +462,9 @@ class RayWorkerGroup(WorkerGroup):
                     errors[rank] = e
                     if is_death(e):  # no point waiting: gather what else failed with it, then stop
                         deadline = time.monotonic() + min(1.0, self.failure_grace_s)
-                    elif deadline is None:
+                    elif deadline is None and not _is_memory_pressure(e):
+                        # a guard stop is not a hang: the other ranks finish their (collective-free)
+                        # phase or leave at the same safe point, and the group stays usable
                         deadline = time.monotonic() + self.failure_grace_s
         if not errors:
             return results

@@ -66,3 +66,14 @@ def test_one_low_rank_makes_every_rank_leave_the_same_safe_point():
     assert all(p.exitcode == 0 for p in procs)
     assert results[1] == (True, "host", "policy.rank1")    # its own reading
     assert results[0] == (False, "host", "policy.rank0")   # left because rank 1 did
+
+
+def test_poll_reads_at_most_every_interval(monkeypatch):
+    monkeypatch.setattr(memory, "node_available_bytes", lambda: 0)
+    g = guard()
+    with pytest.raises(MemoryPressure):
+        g.poll()
+    g.poll()  # within POLL_INTERVAL_S of the last reading: no reading, no raise
+    g._last_poll -= 1.0
+    with pytest.raises(MemoryPressure):
+        g.poll()

@@ -61,6 +61,9 @@ class SampleAndRecord(LogitsProcessor):
         self.logprobs: list[torch.Tensor] = []  # one (B,) per generated token
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # within a long micro-batch the KV cache grows token by token: a (time-limited, local)
+        # guard reading here stops it before the OS does
+        GUARD.poll()
         if self.pending is not None:
             self._gather(input_ids[:, -1])
         s = self.sampling

@@ -6,7 +6,9 @@ the phase loses nothing but the phase's own work, and at the driver's phase boun
 the node's available memory is under the threshold, or the GPU is nearly full, a safe point
 raises :class:`MemoryPressure`. Under FSDP every forward is a collective, so ranks decide
 together: each safe point all-reduces the local verdict, and every rank leaves at the same
-micro-batch (no rank is left waiting in a collective).
+micro-batch (no rank is left waiting in a collective). Generation runs from gathered weights
+with no collective: there each rank decides alone, at each micro-batch and, through
+:meth:`MemoryGuard.poll`, every ``POLL_INTERVAL_S`` of token steps (the KV cache grows per token).
 
 Updates (actor, critic) have no safe points: stopping half-way through the optimizer steps
 would leave weights and optimizer state out of step with each other. A threshold crossed
@@ -16,6 +18,7 @@ complete step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +28,7 @@ from fitrl.telemetry import memory as mem
 from fitrl.telemetry.memory import GIB
 
 HOST, GPU = 1, 2  # verdict codes, all-reduced with max: GPU pressure outranks host pressure
+POLL_INTERVAL_S = 0.25  # tight loops: a reading (~30 us of /proc) at most this often
 
 
 class MemoryPressure(RuntimeError):
@@ -65,6 +69,7 @@ class MemoryGuard:
         self.process = "rank0"
         self.phase: Optional[str] = None
         self.deferred: Optional[MemoryPressure] = None  # crossed where no safe point could act
+        self._last_poll = 0.0
 
     def configure(self, memory_cfg, process: Optional[str] = None) -> None:
         """From a ``MemoryConfig`` (``cfg.memory``); also sets this process's recorder."""
@@ -118,6 +123,17 @@ class MemoryGuard:
                                      origin=False)
         if pressure is not None:
             raise pressure
+
+    def poll(self) -> None:
+        """A local safe point for tight loops (each generated token): a reading at most every
+        ``POLL_INTERVAL_S``, no collective."""
+        if not self.settings.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last_poll < POLL_INTERVAL_S:
+            return
+        self._last_poll = now
+        self.check(collective=False)
 
     def note(self) -> None:
         """Where no safe point can act (during an update): remember the first crossing."""

@@ -109,32 +109,11 @@ class RLTrainer:
         with make_progress(self.console, t.progress_bar) as progress:
             task = progress.add_task("train", total=t.max_steps, completed=self.start_step)
             for step in range(self.start_step + 1, t.max_steps + 1):
-                at_start = self.state_dict(step - 1)  # what an abandoned step's checkpoint resumes from
-                pressure, metrics = None, {}
-                try:
-                    metrics = self.train_step(step)
-                except MemoryPressure as p:
-                    pressure = p.with_traceback(None)  # drop the frames that hold the step's batch
-                if pressure is not None:
-                    self.stop_for_memory(pressure, step, step_done=False, state=at_start)
-                try:
-                    if t.val_freq and step % t.val_freq == 0 and step != t.max_steps:
-                        metrics.update(self.validate(step))
-                except MemoryPressure as p:
-                    pressure = p.with_traceback(None)
-                mem, deferred, events = self.memory.end_step(step)
-                metrics.update(mem)
-                pressure = pressure or deferred
-                for event in events:  # leak warnings, kept beside the step they were raised at
-                    self.writer.write(event)
-                # metrics first: a checkpoint of step k implies metrics.jsonl holds step k
-                self.writer.write({"step": step, **metrics})
-                # per-process/phase memory stays in metrics.jsonl only: with many ranks it is most of
-                # a step's keys, and the history lives as long as the run
-                self.history.append({k: v for k, v in metrics.items() if not (k.startswith("mem/") and k.count("/") > 1)})
+                metrics, pressure = self.run_step(step)
+                self.record(step, metrics)
                 if step % t.log_freq == 0 or step == t.max_steps:
                     progress.console.print(format_step_line(step, metrics), highlight=False)
-                if pressure is not None:
+                if pressure is not None:  # crossed where nothing could stop: the step is complete
                     self.stop_for_memory(pressure, step, step_done=True, state=self.state_dict(step))
                 if step != t.max_steps:
                     self.maybe_save(step, metrics)
@@ -149,6 +128,37 @@ class RLTrainer:
         if t.max_steps > self.start_step:
             self.maybe_save(t.max_steps, {**self.history[-1], **final} if self.history else final)
         return self.history
+
+    def run_step(self, step: int) -> tuple[dict[str, float], Optional[MemoryPressure]]:
+        """One RL step, its validation when due, and its memory. A guard stop in a read-only
+        phase abandons the step (the run ends here, checkpointed as the previous step); one the
+        step could only note is returned, to act on once the step is recorded."""
+        at_start = self.state_dict(step - 1)
+        pressure = None
+        try:
+            metrics = self.train_step(step)
+        except MemoryPressure as p:
+            pressure = p.with_traceback(None)  # drop the frames that hold the step's batch
+        if pressure is not None:
+            self.stop_for_memory(pressure, step, step_done=False, state=at_start)
+        val_freq = self.cfg.trainer.val_freq
+        try:
+            if val_freq and step % val_freq == 0 and step != self.cfg.trainer.max_steps:
+                metrics.update(self.validate(step))
+        except MemoryPressure as p:
+            pressure = p.with_traceback(None)
+        mem, deferred, events = self.memory.end_step(step)
+        metrics.update(mem)
+        for event in events:  # leak warnings, kept beside the step they were raised at
+            self.writer.write(event)
+        return metrics, pressure or deferred
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        # metrics first: a checkpoint of step k implies metrics.jsonl holds step k
+        self.writer.write({"step": step, **metrics})
+        # per-process/phase memory stays in metrics.jsonl only: with many ranks it is most of a
+        # step's keys, and the history lives as long as the run
+        self.history.append({k: v for k, v in metrics.items() if not (k.startswith("mem/") and k.count("/") > 1)})
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -56,7 +56,11 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "fitrl.cli", "make-tiny-model", str(model)], cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory() as tmp:
         on, wall_on = run(args.steps, f"{tmp}/on", telemetry=True)
-        _, wall_off = run(args.steps, f"{tmp}/off", telemetry=False)
+        off, wall_off = run(args.steps, f"{tmp}/off", telemetry=False)
+    for name, records in (("telemetry on", on), ("telemetry off", off)):  # end-of-step RSS, both runs
+        rss = [r["mem/host_rss_gib"] * 1024 for r in records if "reward/mean" in r and r["step"] > args.warmup]
+        print(f"{name}: RSS at the end of the step, 10-step means {statistics.fmean(rss[:10]):.1f} -> "
+              f"{statistics.fmean(rss[-10:]):.1f} MiB ({(statistics.fmean(rss[-10:]) / statistics.fmean(rss[:10]) - 1) * 100:+.2f} %)")
     steps = [r for r in on if "reward/mean" in r and "event" not in r]
     after = [r for r in steps if r["step"] > args.warmup]
     level = [r["mem/rank0/update/host_rss_gib"] * 1024 for r in after]  # MiB

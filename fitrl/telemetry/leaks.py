@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.median imports it on first use: ~2 MiB that would appear mid-run, at the first judgement
 
 if TYPE_CHECKING:
     from fitrl.telemetry.phases import StepReport

@@ -119,12 +119,3 @@ def host_memory() -> dict[str, float]:
         "mem/node_available_gib": node_available_bytes() / GIB,
     }
 
-
-def gpu_memory() -> dict[str, float]:
-    if not torch.cuda.is_available():
-        return {}
-    return {
-        "mem/gpu_allocated_gib": torch.cuda.memory_allocated() / GIB,
-        "mem/gpu_reserved_gib": torch.cuda.memory_reserved() / GIB,
-        "mem/gpu_peak_gib": torch.cuda.max_memory_allocated() / GIB,
-    }

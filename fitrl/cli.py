@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from fitrl.config.schema import ConfigError
-    from fitrl.trainer.errors import RunStopped
+    from fitrl.core.errors import RunStopped
     from fitrl.workers.distributed import WorkerFailed
 
     try:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fitrl.trainer.errors import RunStopped
+from fitrl.core.errors import RunStopped
 from fitrl.trainer.run import train
 from helpers import read_metrics, toy_config
 

@@ -5,7 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fitrl.ops.logprob import head_logprobs, position_ids_from_mask, response_logprobs, token_logprobs
+from fitrl.core.padding import position_ids_from_mask
+from fitrl.ops.logprob import head_logprobs, response_logprobs, token_logprobs
 
 
 def naive(logits, labels, temperature=1.0):

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from fitrl.telemetry.guard import GUARD
-from fitrl.trainer.errors import RunStopped
+from fitrl.core.errors import RunStopped
 from fitrl.trainer.run import train
 from helpers import read_metrics, toy_config
 

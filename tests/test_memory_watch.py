@@ -15,7 +15,7 @@ from fitrl.checkpoint import layout
 from fitrl.cli import main
 from fitrl.roles.workers import PolicyWorker
 from fitrl.telemetry.guard import GUARD
-from fitrl.trainer.errors import RunStopped
+from fitrl.core.errors import RunStopped
 from fitrl.trainer.run import train
 from helpers import EXAMPLE, read_metrics, toy_config
 

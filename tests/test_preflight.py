@@ -13,7 +13,7 @@ import fitrl.trainer.run
 from fitrl.cli import main
 from fitrl.memory.inputs import PlanInputs
 from fitrl.memory.preflight import detect_hardware, preflight
-from fitrl.trainer.errors import RunStopped
+from fitrl.core.errors import RunStopped
 from helpers import EXAMPLE, toy_config
 
 ROOT = Path(__file__).resolve().parent.parent

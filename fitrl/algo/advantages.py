@@ -19,9 +19,8 @@ import inspect
 
 import torch
 
-from fitrl.algo.registry import Registry
-
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.adv_estimator")
+from fitrl.algo.spec import ADVANTAGE_ESTIMATORS, estimator
+from fitrl.core.errors import ConfigError
 
 # What to tell the user when an estimator's input is missing (default: the parameter's name).
 _NEEDS = {
@@ -50,8 +49,6 @@ def compute_advantages(name: str, **available) -> tuple[torch.Tensor, torch.Tens
         if value is not None:
             kwargs[param.name] = value
         elif param.default is inspect.Parameter.empty:
-            from fitrl.config.schema import ConfigError
-
             raise ConfigError(f"{name} needs {_NEEDS.get(param.name, param.name)}")
     return fn(**kwargs)
 
@@ -131,7 +128,7 @@ def _broadcast(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> tuple
 # ------------------------------------------------------------------------------------- estimators
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@estimator("grpo")
 def grpo_advantages(
     *,
     token_rewards: torch.Tensor,
@@ -159,7 +156,7 @@ def grpo_advantages(
     return _broadcast(adv, response_mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("drgrpo")
+@estimator("drgrpo")
 def drgrpo_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +168,7 @@ def drgrpo_advantages(
                            group_index=group_index, norm_adv_by_std=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@estimator("rloo")
 def rloo_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +185,7 @@ def rloo_advantages(
     return _broadcast(adv, response_mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+@estimator("reinforce_plus_plus")
 def reinforce_plus_plus_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +197,7 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, response_mask, eps), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +212,7 @@ def reinforce_plus_plus_baseline_advantages(
     return adv, adv
 
 
-@ADVANTAGE_ESTIMATORS.register("remax")
+@estimator("remax", baseline=True)
 def remax_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +226,7 @@ def remax_advantages(
     return _broadcast(scores - baseline_scores.float(), response_mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@estimator("gae", critic=True)
 def gae_advantages(
     *,
     token_rewards: torch.Tensor,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fitrl.algo.registry import Registry
+from fitrl.core.registry import Registry
 
 KL_ESTIMATORS: Registry = Registry("KL estimator", "algorithm.kl_estimator")
 
@@ -40,6 +40,21 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 @KL_ESTIMATORS.register("abs")
 def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (logp - ref_logp).abs()
+
+
+def kl_penalized_rewards(token_rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
+                         mask: torch.Tensor, kl_fn, coef: float) -> tuple[torch.Tensor, float]:
+    """PPO-style KL in the reward: ``r_t - coef * KL_t`` on response tokens, all (B, T).
+
+    Returns the penalised rewards and the mean per-sequence KL (what the adaptive controller steers).
+
+    >>> r = torch.tensor([[0.0, 1.0]]); lp = torch.tensor([[-1.0, -1.0]]); ref = torch.tensor([[-2.0, -1.0]])
+    >>> out, seq_kl = kl_penalized_rewards(r, lp, ref, torch.ones(1, 2), KL_ESTIMATORS.get("k1"), 0.5)
+    >>> out.tolist(), seq_kl
+    ([[-0.5, 1.0]], 1.0)
+    """
+    kl = kl_fn(logp, ref_logp) * mask
+    return token_rewards - coef * kl, kl.sum(-1).mean().item()
 
 
 class FixedKLController:

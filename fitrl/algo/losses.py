@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from fitrl.algo.registry import Registry
+from fitrl.core.registry import Registry
 
 POLICY_LOSSES: Registry = Registry("policy loss", "algorithm.policy_loss")
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation", "algorithm.loss_agg_mode")

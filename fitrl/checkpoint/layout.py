@@ -19,17 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fitrl.trainer.errors import RunStopped
+from fitrl.core.errors import CheckpointError
 
 MARKER = "COMPLETE"
 CHECKPOINTS = "checkpoints"  # the sub-directory of a run directory
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")
 
-
-class CheckpointError(RunStopped):
-    """A checkpoint that is missing, incomplete, corrupt or does not fit this run; the message
-    names the file and what is wrong."""
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,10 @@ from typing import Any, Iterator, Optional
 import jinja2
 import numpy as np
 
+from fitrl.core.errors import DataError
+
 SUPPORTED_FORMATS = ".jsonl, .json, .parquet, or a directory written by datasets.Dataset.save_to_disk"
 
-
-class DataError(ValueError):
-    """A problem in the data files or data options that the user can fix; names where it is."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None, inputs: Optio
 
     ``inputs``: the planner-only ``plan:`` section (rollout engine, images); its ``hardware`` is
     replaced by the detected one (``plan.hardware`` describes other machines, for ``fitrl plan``).
-    Raises :class:`~fitrl.trainer.errors.RunStopped` with ``memory.plan=enforce`` when it does not fit.
+    Raises :class:`~fitrl.core.errors.RunStopped` with ``memory.plan=enforce`` when it does not fit.
     """
     mode = cfg.memory.plan
     if mode == "off":
@@ -90,7 +90,7 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None, inputs: Optio
     print_plan(plan, recs, combo, _wide(console))
     best = next((r for r in recs if r.fits), combo)
     if mode == "enforce":
-        from fitrl.trainer.errors import RunStopped
+        from fitrl.core.errors import RunStopped
 
         raise RunStopped(stop_message(plan, best))
     console.print(f"[bold yellow]warning[/]: {problem_text(plan)}; going on because memory.plan=warn",

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from fitrl.config.schema import ConfigError, ModelConfig
+from fitrl.config.schema import ModelConfig
+from fitrl.core.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

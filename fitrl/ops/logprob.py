@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
-from fitrl.rollout.layout import trim_padding
+from fitrl.core.padding import position_ids_from_mask, trim_padding
 
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
@@ -246,8 +246,3 @@ def _join(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     per_row = (T + parts[0].shape[1] - 1) // parts[0].shape[1]
     return torch.cat([torch.cat(parts[b * per_row:(b + 1) * per_row], dim=1) for b in range(B)], dim=0)
 
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counting only real tokens, as HF ``generate`` does for left-padded prompts."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp(min=0)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fitrl.config.schema import ConfigError
+from fitrl.core.errors import ConfigError
 from fitrl.rewards.arith import arith_reward
 from fitrl.rewards.rules import math_reward, r1v_reward, think_format_reward
 

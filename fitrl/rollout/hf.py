@@ -28,7 +28,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from fitrl.data.batch import Batch
 from fitrl.models.parallelize import gathered_for_generation
-from fitrl.ops.logprob import position_ids_from_mask
+from fitrl.core.padding import first_eos_mask, left_pad, pad_right, position_ids_from_mask
 from fitrl.telemetry.guard import GUARD
 
 

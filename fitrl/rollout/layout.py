@@ -38,20 +38,3 @@ def concat_rollouts(batches: list[Batch], pad_id: int = 0) -> Batch:
         out.append(Batch(tensors, b.fields, b.meta))
     return Batch.concat(out)
 
-
-def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Drop the columns that are padding in every row of a micro-batch: leading prompt padding
-    (left) and trailing response padding (right). Works for every model, unlike packing.
-
-    Returns the trimmed (ids, mask, positions) and the kept response width R' <= R. Results for
-    the kept columns are unchanged: removed left columns were masked out, removed right columns
-    come after every real token (causal attention).
-    """
-    R = response_length
-    real_cols = attention_mask.any(dim=0)  # (P+R,)
-    left = int(real_cols[: attention_mask.shape[1] - R].long().argmax()) if real_cols.any() else 0
-    resp = attention_mask[:, -R:].any(dim=0)
-    keep_r = int(resp.nonzero().max()) + 1 if resp.any() else 1
-    right = attention_mask.shape[1] - (R - keep_r)
-    return input_ids[:, left:right], attention_mask[:, left:right], position_ids[:, left:right], keep_r

@@ -22,7 +22,7 @@ from fitrl.rewards.registry import RewardScorer
 from fitrl.rollout.hf import Sampling
 from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
-from fitrl.trainer.errors import RunStopped
+from fitrl.core.errors import RunStopped
 from fitrl.workers.group import RoleHandle
 
 log = logging.getLogger("fitrl.trainer")

@@ -29,7 +29,7 @@ from fitrl.telemetry.guard import MemoryPressure
 from fitrl.telemetry.memory import host_memory, trim_heap
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.collect import RolloutCollector, group_index, prompts_batch
-from fitrl.trainer.errors import RunStopped
+from fitrl.core.errors import RunStopped
 from fitrl.trainer.logging import MetricsWriter, format_step_line, make_progress
 from fitrl.trainer.memory_watch import MemoryWatch
 from fitrl.workers.group import RoleHandle

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 from fitrl.checkpoint.manager import CheckpointManager
-from fitrl.config import FitrlConfig, save_config
+from fitrl.config import ConfigError, FitrlConfig, save_config
 from fitrl.config.schema import check_critic_batch_sizes, derived_batch_numbers
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.loading import check_model_dir, load_tokenizer
@@ -46,8 +46,6 @@ def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, P
     train = None
     if not cfg.trainer.val_only:
         if not d.train_files:
-            from fitrl.config.schema import ConfigError
-
             raise ConfigError("data.train_files is empty: give at least one jsonl/json/parquet file")
         train = PromptDataset(d.train_files, tokenizer, name="train", **common)
     val = PromptDataset(d.val_files, tokenizer, name="val", **common) if d.val_files else None

@@ -21,33 +21,7 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
-
-class WorkerFailed(RuntimeError):
-    """A worker process died (crash, memory kill, lost node): the group cannot go on.
-
-    ``str()`` names the role, the rank, its node, the method being run (the phase) and the cause
-    as the cluster reported it; the fields carry the same for programs.
-    """
-
-    def __init__(self, role: str, rank: int, node_ip: str, phase: str, cause: str, detail: str = "",
-                 *, kind: str = "crashed", other_ranks: Optional[dict[int, str]] = None):
-        self.role, self.rank, self.node_ip, self.phase = role, rank, node_ip, phase
-        self.cause, self.detail, self.kind = cause, detail, kind
-        self.other_ranks = dict(other_ranks or {})
-        msg = f"{role} rank {rank} on node {node_ip} died during {phase!r}: {cause}"
-        if self.other_ranks:
-            msg += "; also " + ", ".join(f"rank {r}: {c}" for r, c in sorted(self.other_ranks.items()))
-        if detail:
-            msg += "\n" + "\n".join("    " + line for line in detail.strip().splitlines())
-        super().__init__(msg)
-
-    def __reduce__(self):  # picklable across processes despite the keyword-only fields
-        return (_rebuild_worker_failed, (self.role, self.rank, self.node_ip, self.phase, self.cause,
-                                         self.detail, self.kind, self.other_ranks))
-
-
-def _rebuild_worker_failed(role, rank, node_ip, phase, cause, detail, kind, other_ranks) -> WorkerFailed:
-    return WorkerFailed(role, rank, node_ip, phase, cause, detail, kind=kind, other_ranks=other_ranks)
+from fitrl.core.errors import WorkerFailed  # noqa: F401  (raised by the backends; defined on the ground floor)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,225 @@
+"""Config sections of the models and their roles: data, actor (model, optimizer, FSDP), reference,
+critic, and rollout sampling. Field docstrings are what ``fitrl config --doc`` prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from fitrl.core.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training prompts: jsonl, json or parquet files, or a directory saved by ``datasets.save_to_disk``."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out prompts for validation (same formats); empty disables validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (or a list of chat messages)."""
+    answer_key: str = "answer"
+    """Column holding the reference answer passed to the reward function."""
+    prompt_template: Optional[str] = None
+    """Optional jinja template rendered with the row's columns to form the user message, e.g. ``'Compute {{ prompt }}'``."""
+    system_prompt: Optional[str] = None
+    """Optional system message put before the user message."""
+    apply_chat_template: bool = True
+    """Wrap the prompt in the tokenizer's chat template (with the generation prompt)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are dropped; the count dropped is reported at start-up."""
+    rollout_batch_size: int = 8
+    """Prompts drawn per RL step."""
+    val_batch_size: int = 64
+    """Prompts per generation call during validation (memory knob only; all val prompts are used)."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (seeded by ``trainer.seed``)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up length in RL steps (the scheduler advances once per RL step)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Shape after warm-up: constant, or cosine decay to ``min_lr_ratio * lr`` at ``trainer.max_steps``."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value before each optimizer step (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2:
+            raise ConfigError(f"actor.optim.betas must have two values, got {self.betas}")
+        if self.lr <= 0:
+            raise ConfigError(f"actor.optim.lr must be positive, got {self.lr}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local Hugging Face model directory (config.json, weights, tokenizer). Nothing is downloaded."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are held in (the actor's are its master weights, so keep float32 there)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory when it differs from ``path``."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (trades ~30% more compute for far less activation memory)."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``)."""
+
+
+@dataclass
+class FSDPConfig:
+    strategy: Literal["full", "hybrid"] = "full"
+    """``full``: shard over all ranks; ``hybrid``: shard within a node, replicate across nodes."""
+    init: Literal["rank0", "every_rank"] = "rank0"
+    """``rank0``: rank 0 reads the checkpoint and broadcasts into the shards (host memory ~ one copy per node); ``every_rank``: each rank reads it."""
+    mixed_precision: bool = False
+    """bf16 parameters for compute and all-gather, fp32 master weights and gradient reduction (FSDP2 MixedPrecisionPolicy)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: shards, gradients and optimizer step live in host memory, copied to the device per layer."""
+    offload_params: bool = False
+    """Move this role's parameter shards to host memory between its phases (e.g. during rollout) and back."""
+    offload_optimizer: bool = False
+    """Move optimizer states to host memory between updates."""
+
+
+@dataclass
+class ActorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (``dtype`` must be float32: the actor's weights are its master weights)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    mini_batch_size: int = 8
+    """Prompts per optimizer step; ``data.rollout_batch_size / mini_batch_size`` optimizer steps per epoch."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one device; gradient accumulation fills the mini-batch."""
+    logprob_micro_batch_size: int = 16
+    """Sequences per forward when computing log-probs without gradients."""
+    micro_batch_token_budget: int = 0
+    """When > 0, micro-batches (update and log-prob) are formed by tokens instead: as few as keep each near this many prompt+response tokens, balanced, and the same number on every rank. 0 uses the sequence counts above."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per RL step."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is clipped below at ``1 - clip_ratio_low``."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is clipped above at ``1 + clip_ratio_high`` (raise it for DAPO clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """Dual clip: for negative advantages the per-token loss is capped at ``-A * clip_ratio_c`` (values <= 1 disable it)."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus in the loss (0 disables; entropy is still logged)."""
+    logprob_chunk_size: int = 1024
+    """Response tokens per chunk when turning logits into log-probs: bounds the fp32 ``tokens x vocab`` temporary."""
+    shuffle_mini_batches: bool = False
+    """Shuffle sequences before splitting into mini-batches."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
+
+    def __post_init__(self) -> None:
+        if self.model.dtype != "float32":
+            # AdamW stepping bf16 weights rounds most updates away (measured: 2% of a tiny
+            # model's parameters changed after one step at lr 1e-6); mixed precision keeps fp32
+            # master weights and computes in bf16, which arrives with FSDP2.
+            raise ConfigError(f"actor.model.dtype={self.model.dtype} would make AdamW update low-precision "
+                              "weights directly; keep actor.model.dtype=float32 (ref.model.dtype may be bfloat16)")
+        for name in ("ppo_epochs", "logprob_micro_batch_size", "logprob_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class CriticConfig:
+    model: Optional[ModelConfig] = None
+    """Value model (a token-classification head on this checkpoint); unset: the actor's model path. Built only for ``gae``."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer and schedule."""
+    mini_batch_size: int = 8
+    """Prompts per critic optimizer step."""
+    micro_batch_size: int = 8
+    """Sequences per critic forward/backward."""
+    values_micro_batch_size: int = 16
+    """Sequences per forward when computing values without gradients."""
+    ppo_epochs: int = 1
+    """Critic passes over the batch per RL step."""
+    cliprange_value: float = 0.5
+    """Clip range of the value update around the old values."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the per-token value loss."""
+    warmup_steps: int = 0
+    """RL steps at the start during which only the critic learns (the actor is not updated)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding, mixed precision and offload of the critic (used by the Ray backend)."""
+
+
+@dataclass
+class RefConfig:
+    model: Optional[ModelConfig] = None
+    """Reference model; when unset, a frozen copy of the actor's initial model (same path and dtype)."""
+    logprob_micro_batch_size: int = 16
+    """Sequences per forward when computing reference log-probs."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding and offload of the reference model (used by the Ray backend)."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 disables)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 disables)."""
+    n: int = 1
+    """Responses sampled per prompt."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.val.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.val.top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ConfigError(f"rollout.val.n must be >= 1, got {self.n}")
+        if self.top_k < 0:
+            raise ConfigError(f"rollout.val.top_k must be >= 0 (0 disables), got {self.top_k}")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf"] = "hf"
+    """Generation engine: ``hf`` (transformers ``generate``; CPU and GPU)."""
+    n: int = 8
+    """Responses sampled per prompt during training (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature during training; log-probs are computed at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass during training (1.0 disables)."""
+    top_k: int = 0
+    """Top-k sampling during training (0 disables)."""
+    max_response_length: int = 256
+    """New tokens generated at most per response."""
+    micro_batch_size: int = 64
+    """Sequences per ``generate`` call (memory knob; results do not depend on it)."""
+    ignore_eos: bool = False
+    """Never stop at EOS: every response is ``max_response_length`` tokens (benchmarks, memory tests)."""
+    val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, n=1))
+    """Sampling for validation (greedy, one response per prompt, by default)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError(
+                "rollout.temperature must be > 0 for training (policy-gradient log-probs need a"
+                " sampling distribution); use rollout.val.temperature=0 for greedy validation"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"rollout.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if self.max_response_length < 1 or self.micro_batch_size < 1:
+            raise ConfigError("rollout.max_response_length and rollout.micro_batch_size must be >= 1")

@@ -1,0 +1,198 @@
+"""Config sections of the run around the models: algorithm (KL, DAPO), reward, trainer,
+checkpoints and memory. Field docstrings are what ``fitrl config --doc`` prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from fitrl.core.errors import ConfigError
+
+
+@dataclass
+class KLRewardConfig:
+    enable: bool = False
+    """Subtract ``coef * KL(policy || reference)`` from every response token's reward (PPO-style); builds a reference model."""
+    estimator: str = "k1"
+    """Per-token KL estimator used in the reward (``k1``, ``k2``, ``k3``, ``abs``, ``mse``)."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed`` keeps ``coef``; ``adaptive`` steers it towards ``target_kl`` (Ziegler et al. 2019)."""
+    coef: float = 0.001
+    """KL coefficient (the initial one for the adaptive controller)."""
+    target_kl: float = 0.1
+    """Adaptive controller: target mean KL per sequence."""
+    horizon: int = 10000
+    """Adaptive controller: sequences over which the coefficient adapts."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose samples all scored the same (no advantage signal) and draw more prompts."""
+    metric: str = "score"
+    """What must vary within a group: ``score`` (the total reward) or a reward component name (e.g. ``exact``)."""
+    max_num_gen_batches: int = 10
+    """Generation rounds per step at most (including the first); 0 means no bound."""
+    on_exhausted: Literal["continue", "stop"] = "continue"
+    """When the bound is hit with a partial batch: ``continue`` with what was kept, or ``stop`` the run with a message."""
+
+
+@dataclass
+class OverlongConfig:
+    enable: bool = False
+    """DAPO soft overlong punishment: responses in the last ``buffer_length`` tokens before ``rollout.max_response_length`` lose reward linearly."""
+    buffer_length: int = 4
+    """Length of the penalty ramp in tokens."""
+    penalty_factor: float = 1.0
+    """Penalty at exactly ``rollout.max_response_length`` tokens."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator, from the registry in ``fitrl.algo.advantages`` (e.g. ``grpo``)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred scores by the group's standard deviation (``drgrpo`` never does)."""
+    gamma: float = 1.0
+    """Discount for GAE and REINFORCE++ returns."""
+    lam: float = 1.0
+    """GAE lambda."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss, from the registry in ``fitrl.algo.losses``."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` (Dr.GRPO); denominators are global over the mini-batch."""
+    use_kl_loss: bool = False
+    """Add ``kl_coef * KL(policy || reference)`` to the loss; builds a reference model."""
+    kl_coef: float = 0.001
+    """Weight of the KL term when ``use_kl_loss`` is on."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator: ``k1``, ``k2``, ``k3`` (low-variance, a.k.a. low_var_kl)."""
+    recompute_old_logprob: bool = True
+    """Recompute the behaviour log-probs with the actor before the update; off reuses the rollout's."""
+    kl_in_reward: KLRewardConfig = field(default_factory=KLRewardConfig)
+    """KL penalty in the reward (the alternative to ``use_kl_loss``)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling (online filtering of uninformative groups)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO overlong reward shaping."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = "arith"
+    """Reward: a registered name (``arith``) or ``path/to/file.py:function`` / ``package.module:function``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the reward function (weights, options)."""
+    num_workers: int = 2
+    """Reward worker processes (each ~60-70 MB of host memory). 0 scores in the driver process, where nothing bounds a call's time."""
+    timeout: float = 10.0
+    """Wall-clock seconds one reward call may take (one response; the whole batch when ``batched``); past it the worker is killed and replaced and the call scores ``fallback_score``."""
+    fallback_score: float = 0.0
+    """Score of a call that timed out or raised; counted in ``reward/timeouts`` / ``reward/errors`` and its input logged once."""
+    max_error_fraction: float = 0.5
+    """Stop the run when more than this fraction of one batch's responses raise (a broken function, not a hard sample); 1.0 never stops. Timeouts do not count."""
+    batched: bool = False
+    """The function takes lists: ``fn(responses, answers, **kwargs)`` returns one result per response (one call per batch)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 20
+    """RL steps to run."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where roles run: ``auto`` picks cuda when available."""
+    backend: Literal["inprocess", "ray"] = "inprocess"
+    """``inprocess``: one worker in the driver process (CPU or one GPU); ``ray``: one Ray actor per rank with FSDP2."""
+    nnodes: int = 1
+    """Nodes of the Ray cluster to use (``ray`` backend)."""
+    devices_per_node: int = 1
+    """Ranks per node (GPUs per node, or worker processes per node on CPU); world size = nnodes x devices_per_node."""
+    ray_address: Optional[str] = None
+    """Address of a running Ray cluster (``auto`` or ``HOST:6379``); unset starts a local one."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU (0 keeps torch's default)."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    experiment_name: str = "fitrl"
+    """Run directory name under ``output_dir`` (a timestamp is appended unless ``run_dir`` is set)."""
+    run_dir: Optional[str] = None
+    """Exact run directory; overrides ``output_dir``/``experiment_name``."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_freq: int = 0
+    """Validate every this many steps (0: only before training and at the end)."""
+    val_only: bool = False
+    """Run validation alone and exit."""
+    log_freq: int = 1
+    """Print one console line every this many steps (metrics.jsonl always gets every step)."""
+    progress_bar: bool = True
+    """Show a rich progress bar over steps (only on a terminal)."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_steps", 0), ("val_freq", 0), ("log_freq", 1), ("num_threads", 0), ("nnodes", 1),
+                          ("devices_per_node", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"trainer.{name} must be >= {low}, got {getattr(self, name)}")
+
+
+@dataclass
+class CheckpointConfig:
+    save_freq: int = 0
+    """Save a checkpoint every this many RL steps (0: none during training; see ``save_final``)."""
+    save_final: bool = True
+    """Save a checkpoint when training ends (after the final validation)."""
+    save_limit: int = 0
+    """Keep only the newest this many checkpoints of the run (0 keeps all); the best by ``keep_best`` is kept as well."""
+    keep_best: Optional[str] = None
+    """A validation metric, e.g. ``val/reward/mean``: the checkpoint with the best value is kept beyond ``save_limit``. Only checkpoints saved at a validation step have a value, so ``trainer.val_freq`` must divide ``save_freq``."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether a larger (``max``) or smaller (``min``) ``keep_best`` value is better."""
+    model_only: bool = False
+    """Save the weights only (no optimizer, scheduler, data position or RNG states): a third of the size, for ``fitrl export``; such a checkpoint cannot be resumed."""
+    resume: str = "auto"
+    """``auto``: continue from the newest complete checkpoint in ``trainer.run_dir`` (only when ``trainer.run_dir`` is set: a timestamped run directory is new on every launch, so re-running a command never picks up an older run by accident); ``never``: start from step 0; or a path: a ``step_N`` checkpoint, or a run directory (its newest complete checkpoint)."""
+    strict_config: bool = True
+    """Refuse to resume when a setting that changes the training trajectory (lr, batch sizes, data, seed, ...) differs from the checkpoint's ``config.yaml``; false prints the differences and continues."""
+
+    def __post_init__(self) -> None:
+        for name in ("save_freq", "save_limit"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"checkpoint.{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_best is not None and not self.keep_best.startswith("val/"):
+            raise ConfigError(f"checkpoint.keep_best={self.keep_best!r} must name a validation metric, "
+                              "e.g. val/reward/mean")
+        if not self.resume:
+            raise ConfigError("checkpoint.resume is empty: use auto, never, or a checkpoint path")
+
+
+@dataclass
+class MemoryConfig:
+    plan: Literal["enforce", "warn", "off"] = "enforce"
+    """Before any model loads, ``fitrl train`` predicts memory per phase for the hardware it sees (as ``fitrl plan`` does): ``enforce`` refuses a config predicted not to fit, printing the plan and the cheapest change that fits; ``warn`` prints the same and goes on; ``off`` skips it."""
+    telemetry: bool = True
+    """Every step, per process and phase: host RSS, USS and peak RSS, node available memory, GPU allocated/reserved/peak, into metrics.jsonl (``mem/<process>/<phase>/...``) and the console line."""
+    uss_min_phase_s: float = 0.1
+    """USS (memory only this process holds) is read after phases lasting at least this long: a reading walks the page tables, ~3 ms with torch loaded."""
+    leak_warmup_steps: int = 5
+    """Steps ignored by leak detection (allocator pools, caches and compiled kernels settle first)."""
+    leak_window: int = 50
+    """Leak detection fits its trend over at most this many recent steps; it judges once it has min(30, this) steps after warm-up."""
+    leak_min_rate_mib: float = 1.0
+    """Growth (MiB per step, per process and phase) below which no leak is reported, unless memory would run out before ``trainer.max_steps`` at that rate."""
+    guard: bool = True
+    """Stop the run cleanly (abandon a read-only phase or finish an update, write an emergency checkpoint, explain) when the node's available memory or a GPU's free memory runs low, before the OS or Ray kills a process."""
+    guard_min_available_gib: Optional[float] = None
+    """Node available memory (GiB) under which the guard stops the run; unset: ``guard_min_available_fraction`` of the node's RAM."""
+    guard_min_available_fraction: float = 0.07
+    """Fraction of the node's RAM; the default stops before Ray's memory monitor, which kills workers at 95 % used."""
+    guard_gpu_max_fraction: float = 0.97
+    """Used fraction of a GPU (all processes on it) above which the guard stops the run."""
+
+    def __post_init__(self) -> None:
+        if self.leak_warmup_steps < 0 or self.leak_window < 10:
+            raise ConfigError("memory.leak_warmup_steps must be >= 0 and memory.leak_window >= 10")
+        if not 0 < self.guard_min_available_fraction < 1 or not 0 < self.guard_gpu_max_fraction <= 1:
+            raise ConfigError("memory.guard_min_available_fraction must be in (0, 1) and "
+                              "memory.guard_gpu_max_fraction in (0, 1]")

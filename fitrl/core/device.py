@@ -1,0 +1,16 @@
+"""``trainer.device`` to a torch device, the same answer for the planner, the driver and every rank."""
+
+from __future__ import annotations
+
+import torch
+
+from fitrl.core.errors import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when this process sees it, else CPU. ``cuda`` without CUDA is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return torch.device(name)

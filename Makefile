@@ -1,12 +1,13 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- build the venv, make a tiny local model, run GRPO on the toy task
-#   make test   -- build the venv, run the test suite
+#   make test   -- build the venv, run the test suite (what CI runs)
+#   make test-fast -- the fast tier: unit and single-process tests, about a minute
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fitrl-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-fast bench install clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/step_time.py

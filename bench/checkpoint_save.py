@@ -51,7 +51,7 @@ def _build(model_dir: str):
     import torch
 
     from fitrl.config.schema import FSDPConfig, ModelConfig, OptimConfig
-    from fitrl.models.parallelize import build_model
+    from fitrl.models.loading import build_model
     from fitrl.roles.actor import build_optimizer
 
     model = build_model("causal_lm", ModelConfig(path=model_dir), FSDPConfig(), torch.device("cpu"))

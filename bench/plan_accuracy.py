@@ -97,7 +97,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
     from fitrl.config import load_config
     from fitrl.data.batch import Batch
     from fitrl.roles.workers import PolicyWorker
-    from fitrl.rollout.hf import Sampling
+    from fitrl.config.schema import SamplingConfig
     from fitrl.telemetry.memory import peak_rss_bytes, reset_peak_rss, status_kib
 
     c = Case(**case)
@@ -109,7 +109,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
     lengths = torch.randint(c.prompt_len // 2, c.prompt_len + 1, (c.prompts // world,), generator=g).tolist()
     lengths[0] = c.prompt_len
     prompts = Batch(fields={"prompt_ids": [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]})
-    batch = worker.generate(prompts, Sampling(n=c.n, max_new_tokens=c.response_len, ignore_eos=True))
+    batch = worker.generate(prompts, SamplingConfig(n=c.n, max_tokens=c.response_len, ignore_eos=True))
     batch.update(worker.compute_logprob(batch))
     batch.update(advantages=torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
     # warm-up: one whole update, so AdamW states exist (the update frees its gradients) and the
@@ -173,11 +173,10 @@ def _measure(case: Case, model_dir: str, port: int, ctx) -> dict:
 
 def predict(case: Case, model_dir: str, malloc: str) -> dict:
     from fitrl.config import load_config
-    from fitrl.memory import Hardware, PlanInputs, plan_config
+    from fitrl.memory import Hardware, plan_config
 
-    cfg = load_config(str(ROOT / "examples" / "arith.yaml"), case.overrides(model_dir))
-    hw = Hardware.cpu(ranks_per_node=case.ranks)
-    plan = plan_config(cfg, hw, PlanInputs(hardware=hw, host_malloc=malloc))
+    cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [*case.overrides(model_dir), f"plan.host_malloc={malloc}"])
+    plan = plan_config(cfg, Hardware.cpu(ranks_per_node=case.ranks))
     trainer = plan.process("trainer")
     return {"logprob": trainer.host_peak("old_logprob"), "update": trainer.host_peak("update"),
             "plan": plan}

@@ -1,4 +1,4 @@
-"""Rank-0 initialisation vs every rank reading the checkpoint (DESIGN §1, story 5).
+"""Rank-0 initialisation vs every rank reading the checkpoint (docs/architecture.md, "Failure stories").
 
 N CPU ranks (gloo) build the small model under FSDP2. ``rank0``: rank 0 reads the checkpoint
 and broadcasts into the shards, the others build on the meta device; ``every_rank``: each rank
@@ -36,7 +36,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, warmup_dir: str,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from fitrl.config.schema import FSDPConfig, ModelConfig
-    from fitrl.models.parallelize import build_model
+    from fitrl.models.loading import build_model
 
     # Warm up with the tiny model of the same architecture, so the lazy imports and the
     # collective buffers are in the baseline and the measurement is the model's memory alone.

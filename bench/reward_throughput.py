@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from fitrl.config.schema import RewardConfig
-from fitrl.rewards.registry import RewardScorer
+from fitrl.roles.reward import RewardScorer
 
 
 def make_samples(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -60,8 +60,7 @@ def make_samples(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
 
 def run(num_workers: int, samples: list[tuple[list[str], list[str]]], timeout: float) -> dict:
     """Best of the passes (each on fresh samples: math-verify caches parses), with its CPU seconds."""
-    cfg = RewardConfig("math")
-    cfg.num_workers, cfg.timeout = num_workers, timeout          # ScorerOptions fields
+    cfg = RewardConfig("math", num_workers=num_workers, timeout=timeout)
     t0 = time.perf_counter()
     with RewardScorer(cfg) as scorer:
         scorer.score([r"\boxed{1}"], ["1"])                       # workers up, sympy imported
@@ -70,7 +69,7 @@ def run(num_workers: int, samples: list[tuple[list[str], list[str]]], timeout: f
         best, all_scores = None, []
         for responses, answers in samples:
             cpu0, t1 = _cpu(procs), time.perf_counter()
-            scores, _ = scorer.score(responses, answers)
+            scores = scorer.score(responses, answers).scores
             elapsed, cpu = time.perf_counter() - t1, _cpu(procs) - cpu0
             all_scores.append(scores)
             m = scorer.last_metrics

@@ -21,16 +21,10 @@ def _load(config: str | None, overrides: list[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from fitrl.memory.inputs import load_plan_config, plan_inputs_from_dict
-
-    # a planner-only `plan:` section / plan.* overrides (rollout engine, images) feed the memory plan
-    cfg, section = load_plan_config(args.config, args.overrides)
-    plan_inputs = plan_inputs_from_dict(section)
-    if "hardware" in section:
-        print("note: plan.hardware is read by `fitrl plan`; `fitrl train` plans for the hardware it runs on")
+    cfg = _load(args.config, args.overrides)  # its `plan:` section feeds the memory plan before the run
     from fitrl.trainer.run import train
 
-    train(cfg, plan_inputs=plan_inputs)
+    train(cfg)
     return 0
 
 
@@ -139,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from fitrl.config.schema import ConfigError
-    from fitrl.core.errors import RunStopped
-    from fitrl.workers.distributed import WorkerFailed
+    from fitrl.core.errors import RunStopped, WorkerFailed
 
     try:
         return args.fn(args)

@@ -5,23 +5,24 @@ import copy
 import pytest
 import torch
 
-from fitrl.config.schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimConfig
+from fitrl.config.schema import ActorConfig, AlgorithmConfig, FSDPConfig, ModelConfig, OptimConfig
 from fitrl.data.batch import Batch
-from fitrl.models.loading import load_causal_lm, load_tokenizer
+from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.roles.actor import Actor, WeightedMetrics, lr_factor
-from fitrl.rollout.hf import HFRollout, Sampling
+from fitrl.config.schema import SamplingConfig
+from fitrl.rollout.hf import HFRollout
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
     mcfg = ModelConfig(path=str(tiny_model_dir))
     tok = load_tokenizer(mcfg)
-    model = load_causal_lm(mcfg, torch.device("cpu"))
+    model = build_model("causal_lm", mcfg, FSDPConfig(), torch.device("cpu"))
     texts = ["What is 1 + 2?", "What is 7 + 5? Answer with a number.", "Hi", "What is 0 + 0?"]
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
     torch.manual_seed(0)
-    batch = HFRollout(model, tok).generate(Batch(fields={"prompt_ids": ids}), Sampling(n=2, max_new_tokens=6))
+    batch = HFRollout(model, tok).generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))
     assert len(batch) == 8
     g = torch.Generator().manual_seed(1)
     mask = batch["response_mask"].float()
@@ -70,8 +71,7 @@ def test_update_moves_weights_and_reports_metrics(setup):
 def test_update_frees_the_gradients(setup, tiny_model_dir):
     """No gradient outlives an update (4 bytes per parameter through rollout and log-probs), for
     the actor, over two mini-batches, and for the critic; the next update recreates them."""
-    from fitrl.config.schema import CriticConfig, FSDPConfig
-    from fitrl.models.parallelize import build_model
+    from fitrl.config.schema import CriticConfig
     from fitrl.roles.critic import Critic
 
     model, batch = setup

@@ -8,6 +8,8 @@ from fitrl.core.errors import RunStopped
 from fitrl.trainer.run import train
 from helpers import read_metrics, toy_config
 
+pytestmark = pytest.mark.slow  # multi-step runs or worker processes: not in the fast tier
+
 SMALL = ["trainer.max_steps=3", "trainer.val_before_train=false", "data.val_files=[]", "data.rollout_batch_size=4",
          "rollout.n=4", "actor.mini_batch_size=2", "actor.micro_batch_size=4", "critic.mini_batch_size=4",
          "critic.micro_batch_size=8"]

@@ -28,10 +28,9 @@ def test_repeat_interleave_keeps_groups_contiguous():
     assert b["x"][:, 0].tolist() == [0, 0, 0, 2, 2, 2]
 
 
-def test_index_and_select():
+def test_index():
     b = make(4).index([3, 1])
     assert b["s"] == ["s3", "s1"] and b["x"][:, 0].tolist() == [6, 2]
-    assert make(4).select(["s"]).keys() == ["s"]
 
 
 def test_mismatched_sizes_rejected():

@@ -13,7 +13,7 @@ from fitrl.checkpoint.layout import CheckpointError
 from fitrl.config import ConfigError
 from fitrl.data.batch import Batch
 from fitrl.roles.workers import PolicyWorker
-from fitrl.rollout.hf import Sampling
+from fitrl.config.schema import SamplingConfig
 from helpers import read_metrics, toy_config
 
 SMALL = ["data.rollout_batch_size=4", "rollout.n=4", "actor.mini_batch_size=2", "actor.micro_batch_size=8",
@@ -71,7 +71,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": f"What is {i} + 2?"}], add_generation_prompt=True,
                                        tokenize=False), add_special_tokens=False)["input_ids"] for i in range(4)]
     torch.manual_seed(0)
-    batch = worker.generate(Batch(fields={"prompt_ids": ids}), Sampling(n=2, max_new_tokens=6))
+    batch = worker.generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))
     batch.update(worker.compute_logprob(batch))
     batch.update(advantages=torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(1))
                  * batch["response_mask"])
@@ -139,6 +139,7 @@ def test_incompatible_or_corrupt_role_checkpoints_name_the_file(trained, tiny_mo
 
 # ----------------------------------------------------------------------------- through the trainer
 
+@pytest.mark.slow
 def test_keep_last_and_best_and_model_only(tiny_model_dir, tmp_path):
     from fitrl.trainer.run import train
 
@@ -167,6 +168,7 @@ def test_keep_last_and_best_and_model_only(tiny_model_dir, tmp_path):
     ["algorithm.adv_estimator=gae", "algorithm.kl_in_reward.enable=true", "algorithm.kl_in_reward.controller=adaptive",
      "critic.mini_batch_size=2", "critic.micro_batch_size=8", "critic.warmup_steps=1"],
 ], ids=["grpo", "gae-critic-adaptive-kl"])
+@pytest.mark.slow
 def test_resume_from_path_into_new_run_matches(tiny_model_dir, tmp_path, preset):
     """Resuming another run's step-2 checkpoint in a fresh run directory reproduces that run."""
     from fitrl.trainer.run import train

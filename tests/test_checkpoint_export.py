@@ -44,9 +44,9 @@ def trained_checkpoint(tiny_model_dir, tmp_path_factory):
 
 
 def _sampling():
-    from fitrl.rollout.hf import Sampling
+    from fitrl.config.schema import SamplingConfig
 
-    return Sampling(n=2, max_new_tokens=6)
+    return SamplingConfig(n=2, max_tokens=6)
 
 
 @pytest.mark.parametrize("dtype,atol", [(None, 0.0), ("bf16", 0.1)])

@@ -8,7 +8,7 @@ import torch
 from fitrl.checkpoint import layout
 from fitrl.data.batch import Batch
 from fitrl.roles.workers import PolicyWorker
-from fitrl.rollout.hf import Sampling
+from fitrl.config.schema import SamplingConfig
 from fitrl.workers.group import RoleHandle
 from helpers import read_metrics, toy_config
 
@@ -28,7 +28,7 @@ def batches(tiny_model_dir, tmp_path_factory):
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": f"What is {i} + 3?"}], add_generation_prompt=True,
                                        tokenize=False), add_special_tokens=False)["input_ids"] for i in range(4)]
     torch.manual_seed(0)
-    b = worker.generate(Batch(fields={"prompt_ids": ids}), Sampling(n=2, max_new_tokens=6))
+    b = worker.generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))
     b.update(worker.compute_logprob(b))
     b.update(advantages=torch.randn(len(b), 1, generator=torch.Generator().manual_seed(1)) * b["response_mask"])
     second = b.index(list(range(len(b))))

@@ -19,6 +19,8 @@ import pytest
 from fitrl.checkpoint import layout
 from helpers import read_metrics, toy_config
 
+pytestmark = pytest.mark.slow  # multi-step runs or worker processes: not in the fast tier
+
 HERE = Path(__file__).resolve().parent
 STEPS = 7
 COMMON = ["trainer.max_steps=%d" % STEPS, "checkpoint.save_freq=2", "trainer.val_freq=2",

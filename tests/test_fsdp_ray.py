@@ -9,7 +9,7 @@ import torch
 from fitrl.cli import judge_rise
 from fitrl.data.batch import Batch
 from fitrl.roles.workers import PolicyWorker
-from fitrl.rollout.hf import Sampling
+from fitrl.config.schema import SamplingConfig
 from fitrl.workers.group import RoleHandle
 from helpers import toy_config
 
@@ -29,7 +29,7 @@ def reference(tiny_model_dir, tmp_path_factory):
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
     torch.manual_seed(0)
-    batch = worker.generate(Batch(fields={"prompt_ids": ids}), Sampling(n=2, max_new_tokens=6))
+    batch = worker.generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))
     batch.update(worker.compute_logprob(batch))
     g = torch.Generator().manual_seed(1)
     batch.update(advantages=torch.randn(len(batch), 1, generator=g) * batch["response_mask"])
@@ -80,7 +80,7 @@ def test_hybrid_shard_two_nodes_of_two_ranks(tiny_model_dir, tmp_path, reference
 
     import torch.multiprocessing as mp
 
-    from fitrl.workers.distributed import free_port
+    from fitrl.distributed.process_group import free_port
     from fsdp_spawn import update_on_rank
 
     batch, ref_metrics, ref_state = reference

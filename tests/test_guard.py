@@ -52,7 +52,7 @@ def test_pressure_survives_pickling_with_its_fields():
 def test_one_low_rank_makes_every_rank_leave_the_same_safe_point():
     import torch.multiprocessing as mp
 
-    from fitrl.workers.distributed import free_port
+    from fitrl.distributed.process_group import free_port
     from fsdp_spawn import guard_check_on_rank
 
     ctx = mp.get_context("spawn")

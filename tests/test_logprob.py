@@ -192,7 +192,7 @@ def test_no_tensor_holds_more_than_a_chunk_of_logits(model):
 
 @pytest.mark.parametrize("root_reshards", [False, True])
 def test_fsdp2_root_sharded_model(tiny_model_dir, tmp_path, root_reshards):
-    """Under fully_shard (per layer + root, as fitrl.models.parallelize does) the head's weight is
+    """Under fully_shard (per layer + root, as fitrl.distributed.fsdp.shard does) the head's weight is
     a DTensor outside the forward; the chunked head runs inside it, so values and gradients equal
     the unsharded model's, also when the root reshards after forward (it does once generation
     has called set_reshard_after_forward(True)). Tied embeddings: both uses are one parameter."""

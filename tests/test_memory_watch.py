@@ -1,4 +1,4 @@
-"""Memory during a run (issue 5, parts 3-5) on the real loop with the tiny model: per-phase
+"""Memory during a run on the real loop with the tiny model: per-phase
 telemetry in metrics.jsonl, a leak injected into one phase found with its rate, and the guard
 stopping a run with an explanation and an emergency checkpoint that a new run resumes from."""
 
@@ -61,6 +61,7 @@ def test_telemetry_per_phase_in_metrics_and_console(tiny_model_dir, tmp_path):
     assert re.search(r"host peak \d+\.\d\dG \(\w+@rank0\) avail \d+\.\dG", out.getvalue())
 
 
+@pytest.mark.slow
 def test_leak_injected_into_one_phase_is_named_with_its_rate(tiny_model_dir, tmp_path, monkeypatch):
     leak_mib, held = 8, []
 
@@ -79,6 +80,7 @@ def test_leak_injected_into_one_phase_is_named_with_its_rate(tiny_model_dir, tmp
     assert {(e["process"], e["phase"]) for e in events} == {("rank0", "old_logprob")}
 
 
+@pytest.mark.slow
 def test_guard_abandons_a_read_only_phase_and_checkpoints_the_last_step(tiny_model_dir, tmp_path, monkeypatch):
     def strict_from_step_4(worker):  # the run's threshold raised above what any node has
         if worker.actor.num_updates == 3:
@@ -106,6 +108,7 @@ def test_guard_abandons_a_read_only_phase_and_checkpoints_the_last_step(tiny_mod
     assert [r["step"] for r in steps(read_metrics(tmp_path / "resumed"))][-2:] == [4, 5]
 
 
+@pytest.mark.slow
 def test_guard_finishes_an_update_then_stops_after_the_step(tiny_model_dir, tmp_path, monkeypatch):
     def strict_during_update_2(worker):
         if worker.actor.num_updates == 1:
@@ -119,6 +122,7 @@ def test_guard_finishes_an_update_then_stops_after_the_step(tiny_model_dir, tmp_
     assert [r["step"] for r in steps(read_metrics(tmp_path))] == [1, 2]
 
 
+@pytest.mark.slow
 def test_cli_threshold_above_the_node_stops_with_exit_1_and_a_loadable_checkpoint(tiny_model_dir, tmp_path, capsys):
     code = main(["train", EXAMPLE, f"actor.model.path={tiny_model_dir}", f"trainer.run_dir={tmp_path}",
                  "trainer.progress_bar=false", "trainer.max_steps=3", "memory.guard_min_available_gib=1e9", *SMALL])
@@ -134,6 +138,7 @@ def test_cli_threshold_above_the_node_stops_with_exit_1_and_a_loadable_checkpoin
     assert code == 0
 
 
+@pytest.mark.slow
 def test_clean_100_step_run_warns_nothing_and_holds_its_memory(tiny_model_dir, tmp_path):
     import statistics
 

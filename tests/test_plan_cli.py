@@ -1,4 +1,4 @@
-"""`fitrl plan`: the subcommand, the planner-only `plan:` section, a bare config.json."""
+"""`fitrl plan`: the subcommand, the config's `plan:` section, a bare config.json."""
 
 import argparse
 import io
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fitrl.config import ConfigError
-from fitrl.memory import add_plan_command, load_plan_config, plan_inputs_from_dict
-from fitrl.memory.cli import run_plan
-from fitrl.memory.inputs import parse_bytes
+from fitrl.config import ConfigError, load_config
+from fitrl.config.plan import parse_bytes
+from fitrl.memory import Hardware
+from fitrl.memory.cli import add_plan_command, run_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 STORY_MODELS = ROOT / "examples" / "failure_stories" / "models"
@@ -32,6 +32,7 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
+@pytest.mark.slow
 def test_bare_config_json_plans_and_fits(tmp_path, monkeypatch):
     """actor.model.path holding only config.json is enough; 8 x 80 GiB fit Qwen2.5-7B GRPO."""
     model = tmp_path / "qwen"
@@ -43,17 +44,17 @@ def test_bare_config_json_plans_and_fits(tmp_path, monkeypatch):
                  "actor.micro_batch_size=4", "actor.logprob_micro_batch_size=8",
                  "actor.model.gradient_checkpointing=true", "--gpu-memory", "80GiB", "--host-memory", "1TiB",
                  "--no-recommend")
-    cfg, section = load_plan_config(args.config, args.overrides)
-    section["hardware"] = {"gpus_per_node": 8, "gpu_memory": "80GiB", "host_memory": "1TiB"}
+    cfg = load_config(args.config, [*args.overrides, "plan.hardware.gpus_per_node=8",
+                                    "plan.hardware.gpu_memory=80GiB", "plan.hardware.host_memory=1TiB"])
     out = io.StringIO()
-    code = run_plan(cfg, plan_inputs_from_dict(section), recommend_changes=False,
-                    console=Console(file=out, width=200))
+    code = run_plan(cfg, Hardware.for_config(cfg), recommend_changes=False, console=Console(file=out, width=200))
     text = out.getvalue()
     assert code == 0, text
     assert "fits" in text and "update" in text and "trainer rank" in text
     assert args.fn.__name__ == "cmd_plan"
 
 
+@pytest.mark.slow
 def test_story_exit_status_and_recommendation(capsys):
     args = parse(str(ROOT / "examples" / "failure_stories" / "5_every_rank_reads_checkpoint.yaml"),
                  f"actor.model.path={STORY_MODELS / 'qwen2-vl-72b-instruct'}")
@@ -68,18 +69,38 @@ def test_plan_section_and_overrides(tmp_path):
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(f"base: {ROOT / 'examples' / 'arith.yaml'}\n"
                         "plan:\n  hardware: {gpus_per_node: 4, host_memory: 512GiB}\n  rollout: {engine: vllm}\n")
-    cfg, section = load_plan_config(str(cfg_path), ["plan.rollout.tensor_parallel_size=2", "rollout.n=16"])
-    inputs = plan_inputs_from_dict(section)
+    cfg = load_config(str(cfg_path), ["plan.rollout.tensor_parallel_size=2", "rollout.n=16"])
+    hardware = Hardware.for_config(cfg)
     assert cfg.rollout.n == 16 and cfg.data.max_prompt_length == 64  # from the base file
-    assert (inputs.hardware.gpus_per_node, inputs.hardware.host_memory) == (4, 512 * 1024**3)
-    assert (inputs.rollout.engine, inputs.rollout.tensor_parallel_size) == ("vllm", 2)
-    with pytest.raises(ConfigError, match="unknown planner key 'plan.rollout.gpu_mem'"):
-        plan_inputs_from_dict({"rollout": {"gpu_mem": 0.5}})
+    assert (hardware.gpus_per_node, hardware.host_memory) == (4, 512 * 1024**3)
+    assert (cfg.plan.rollout.engine, cfg.plan.rollout.tensor_parallel_size) == ("vllm", 2)
+    with pytest.raises(ConfigError, match="unknown config key 'plan.rollout.gpu_mem'"):
+        load_config(str(cfg_path), ["plan.rollout.gpu_mem=0.5"])
+    with pytest.raises(ConfigError, match="did you mean 'plan.rollout.engine'"):
+        load_config(str(cfg_path), ["plan.rollout.engin=vllm"])
     with pytest.raises(ConfigError, match="did you mean 'rollout.n'"):
-        load_plan_config(str(cfg_path), ["rollout.nn=4"])
+        load_config(str(cfg_path), ["rollout.nn=4"])
+    with pytest.raises(ConfigError, match="plan.hardware.host_memory='lots' is not a size"):
+        load_config(str(cfg_path), ["plan.hardware.host_memory=lots"])
+
+
+def test_hardware_flags_over_plan_hardware_over_trainer(tmp_path):
+    """Flags win over plan.hardware, which wins over trainer.*; a CPU run defaults to this machine's RAM."""
+    arith = str(ROOT / "examples" / "arith.yaml")
+    cfg = load_config(arith, ["trainer.nnodes=2", "trainer.devices_per_node=4", "trainer.backend=ray",
+                              "actor.micro_batch_size=1", "actor.mini_batch_size=8", "plan.hardware.nodes=3"])
+    hw = Hardware.for_config(cfg)
+    assert (hw.nodes, hw.gpus_per_node, hw.gpu_memory, hw.host_memory, hw.device) == (
+        3, 4, 80 * 1024**3, 2 * 1024**4, "cuda")
+    assert Hardware.for_config(cfg, nodes=5, gpu_memory=141 * 10**9).nodes == 5
+    cpu = Hardware.for_config(load_config(arith, ["trainer.device=cpu"]))
+    assert (cpu.device, cpu.gpu_memory) == ("cpu", 0) and cpu.host_memory == Hardware.cpu().host_memory
+    args = parse(arith, "--gpu-memory", "lots")
+    with pytest.raises(ConfigError, match="--gpu-memory='lots' is not a size"):
+        args.fn(args)
 
 
 def test_missing_config_json_is_a_config_error(tmp_path):
-    cfg, section = load_plan_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tmp_path}"])
+    cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tmp_path}"])
     with pytest.raises(ConfigError, match="no config.json"):
-        run_plan(cfg, plan_inputs_from_dict(section), recommend_changes=False, console=Console(file=io.StringIO()))
+        run_plan(cfg, Hardware.for_config(cfg), recommend_changes=False, console=Console(file=io.StringIO()))

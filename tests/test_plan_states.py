@@ -5,8 +5,8 @@ import torch
 
 from fitrl.memory.shapes import ModelShape, numel
 from fitrl.memory.states import frozen_states, next_power_of_two, shard_numel, tensors_bytes, trained_states
-from fitrl.config.schema import ModelConfig, OptimConfig
-from fitrl.models.loading import load_causal_lm
+from fitrl.config.schema import FSDPConfig, ModelConfig, OptimConfig
+from fitrl.models.loading import build_model
 from fitrl.roles.actor import build_optimizer
 
 STORY_MODELS = "examples/failure_stories/models"
@@ -27,7 +27,7 @@ def test_closed_forms_equal_real_model_and_adamw_states(fixture, request):
     real model after one optimizer step sum to exactly the closed forms."""
     path = request.getfixturevalue(fixture)
     shape = ModelShape.from_path(path)
-    model = load_causal_lm(ModelConfig(path=str(path)), torch.device("cpu"))
+    model = build_model("causal_lm", ModelConfig(path=str(path)), FSDPConfig(), torch.device("cpu"))
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     assert sorted(numel(s) for _, s in shape.tensors()) == sorted(p.numel() for p in model.parameters())
     opt = build_optimizer(model, OptimConfig(lr=1e-3))
@@ -40,7 +40,7 @@ def test_closed_forms_equal_real_model_and_adamw_states(fixture, request):
     real_opt = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                    if isinstance(v, torch.Tensor))
     assert st.optimizer == real_opt
-    bf16 = load_causal_lm(ModelConfig(path=str(path), dtype="bfloat16"), torch.device("cpu"))
+    bf16 = build_model("causal_lm", ModelConfig(path=str(path), dtype="bfloat16"), FSDPConfig(), torch.device("cpu"))
     assert frozen_states(shape, dtype="bfloat16").params == sum(p.numel() * 2 for p in bf16.parameters())
 
 
@@ -51,15 +51,15 @@ def test_fsdp2_shards_equal_closed_form(tiny_model_dir):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fitrl.config.schema import FSDPConfig
-    from fitrl.models.parallelize import shard
+    from fitrl.distributed.fsdp import shard
+    from fitrl.models.families import family_for
 
     shape = ModelShape.from_path(tiny_model_dir)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
-        shard(model, FSDPConfig(), torch.device("cpu"))
+        shard(model, FSDPConfig(), family_for(tiny_model_dir).blocks_to_shard(model), torch.device("cpu"))
         model.to_empty(device="cpu")
         local = sum(p.to_local().numel() for p in model.parameters())
         assert trained_states(shape, world=3).params == local * 4

@@ -1,12 +1,15 @@
-"""The five failure stories of DESIGN §1 at full size: `fitrl plan` predicts each failure and
-recommends a change that it then says fits (examples/failure_stories/)."""
+"""The five failure stories (docs/architecture.md, "Failure stories") at full size: `fitrl plan`
+predicts each failure and recommends a change that it then says fits (examples/failure_stories/)."""
 
 from pathlib import Path
 
 import pytest
 
-from fitrl.memory import load_plan_config, plan_config, plan_inputs_from_dict
+from fitrl.config import load_config
+from fitrl.memory import Hardware, plan_config
 from fitrl.memory.recommend import recommend
+
+pytestmark = pytest.mark.slow  # full-size plans with recommendations, seconds each: not in the fast tier
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "examples" / "failure_stories"
@@ -14,10 +17,9 @@ STORIES = ROOT / "examples" / "failure_stories"
 
 def story_plan(name, *overrides):
     path = next(STORIES.glob(f"{name}_*.yaml"))
-    model = ROOT / load_plan_config(str(path), overrides)[0].actor.model.path
-    cfg, section = load_plan_config(str(path), [*overrides, f"actor.model.path={model}"])
-    inputs = plan_inputs_from_dict(section)
-    return plan_config(cfg, inputs.hardware, inputs)
+    model = ROOT / load_config(str(path), overrides).actor.model.path
+    cfg = load_config(str(path), [*overrides, f"actor.model.path={model}"])
+    return plan_config(cfg, Hardware.for_config(cfg))
 
 
 # story, the failure (resource, phase, step), the change expected among the fixes

@@ -1,5 +1,6 @@
 """Activations and logits traced under FakeTensorMode (fitrl.memory.trace)."""
 
+import pytest
 import torch
 
 from fitrl.memory.shapes import ModelShape
@@ -12,13 +13,13 @@ def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
     0.1% (a few (B, T) index tensors differ)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fitrl.config.schema import ModelConfig
-    from fitrl.models.loading import load_causal_lm
+    from fitrl.config.schema import FSDPConfig, ModelConfig
+    from fitrl.models.loading import build_model
     from fitrl.ops.logprob import response_logprobs
 
     shape = ModelShape.from_path(tiny_model_dir)
     B, T, R = 4, 48, 32
-    model = load_causal_lm(ModelConfig(path=str(tiny_model_dir)), torch.device("cpu"))
+    model = build_model("causal_lm", ModelConfig(path=str(tiny_model_dir)), FSDPConfig(), torch.device("cpu"))
     model.train()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -37,6 +38,7 @@ def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
     assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-3 * real
 
 
+@pytest.mark.slow
 def test_depth_extrapolation_matches_a_traced_deeper_model():
     """Two and three traced layers predict five: linear with autograd, constant without."""
     shape = ModelShape.from_dict(dict(model_type="qwen2", hidden_size=256, num_hidden_layers=5, num_attention_heads=4,

@@ -7,13 +7,11 @@ import pytest
 import yaml
 from rich.console import Console
 
-import fitrl.memory.plan
-import fitrl.telemetry.memory
+import fitrl.trainer.preflight
 import fitrl.trainer.run
 from fitrl.cli import main
-from fitrl.memory.inputs import PlanInputs
-from fitrl.memory.preflight import detect_hardware, preflight
 from fitrl.core.errors import RunStopped
+from fitrl.trainer.preflight import detect_hardware, preflight
 from helpers import EXAMPLE, toy_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +33,7 @@ def console():
 @pytest.fixture
 def node_256gib(monkeypatch):
     """This machine's RAM as the plan reads it: the same verdict on any test machine."""
-    monkeypatch.setattr(fitrl.telemetry.memory, "node_total_bytes", lambda: 256 * 1024**3)
+    monkeypatch.setattr(fitrl.trainer.preflight, "node_total_bytes", lambda: 256 * 1024**3)
 
 
 @pytest.fixture
@@ -47,6 +45,7 @@ def no_loading(monkeypatch):
         monkeypatch.setattr(fitrl.trainer.run, name, loaded)
 
 
+@pytest.mark.slow
 def test_toy_config_fits_one_line_and_trains(tiny_model_dir, tmp_path):
     c, out = console()
     history = fitrl.trainer.run.train(toy_config(tiny_model_dir, tmp_path / "run", "memory.plan=enforce",
@@ -59,6 +58,7 @@ def test_toy_config_fits_one_line_and_trains(tiny_model_dir, tmp_path):
     assert "GPU –" in plan_lines[0] and "peak memory per phase" not in text
 
 
+@pytest.mark.slow
 def test_too_big_stops_before_anything_loads(tiny_model_dir, tmp_path, node_256gib, no_loading):
     c, out = console()
     with pytest.raises(RunStopped) as err:
@@ -96,8 +96,8 @@ def test_warn_prints_the_plan_and_goes_on(tmp_path, monkeypatch, node_256gib):
 def test_off_does_not_plan(tiny_model_dir, tmp_path, monkeypatch):
     def planner(*args, **kwargs):
         raise AssertionError("planned with memory.plan=off")
-    monkeypatch.setattr(fitrl.memory.plan, "plan_config", planner)
-    monkeypatch.setattr("fitrl.memory.preflight.detect_hardware", planner)
+    monkeypatch.setattr(fitrl.trainer.preflight, "plan_config", planner)
+    monkeypatch.setattr(fitrl.trainer.preflight, "detect_hardware", planner)
     c, out = console()
     cfg = toy_config(tiny_model_dir, tmp_path / "run", "memory.plan=off")  # YAML's false, read as 'off'
     assert cfg.memory.plan == "off" and preflight(cfg, c) is None
@@ -107,7 +107,7 @@ def test_off_does_not_plan(tiny_model_dir, tmp_path, monkeypatch):
 def test_planner_crash_is_one_line_and_training_goes_on(tiny_model_dir, tmp_path, monkeypatch):
     def planner(*args, **kwargs):
         raise RuntimeError("no model of this attention")
-    monkeypatch.setattr(fitrl.memory.plan, "plan_config", planner)
+    monkeypatch.setattr(fitrl.trainer.preflight, "plan_config", planner)
     c, out = console()
     history = fitrl.trainer.run.train(toy_config(tiny_model_dir, tmp_path / "run", "memory.plan=enforce",
                                                  "trainer.max_steps=1", "trainer.val_before_train=false",
@@ -126,27 +126,27 @@ def test_unmodelled_model_type_is_skipped(tmp_path):
 
 
 def test_detected_hardware_replaces_plan_hardware(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(fitrl.telemetry.memory, "node_total_bytes", lambda: 64 * 1024**3)
+    monkeypatch.setattr(fitrl.trainer.preflight, "node_total_bytes", lambda: 64 * 1024**3)
     cfg = toy_config(tiny_model_dir, tmp_path / "run", "trainer.device=cpu")
     hw = detect_hardware(cfg)
     assert (hw.device, hw.nodes, hw.gpus_per_node, hw.gpu_memory, hw.host_memory) == ("cpu", 1, 1, 0, 64 * 1024**3)
     ray = toy_config(tiny_model_dir, tmp_path / "run", "trainer.device=cpu", "trainer.backend=ray",
                      "trainer.devices_per_node=2", "actor.micro_batch_size=16", "actor.logprob_micro_batch_size=32")
     assert (detect_hardware(ray).nodes, detect_hardware(ray).gpus_per_node) == (1, 2)
-    inputs = PlanInputs()
-    inputs.hardware.host_memory = 2 * 1024**4  # a user's plan.hardware (for other machines)
-    inputs.images.per_prompt = 1
-    plan = preflight(toy_config(tiny_model_dir, tmp_path / "run", "memory.plan=enforce", "trainer.device=cpu"),
-                     console()[0], inputs)
-    assert plan.hardware.host_memory == 64 * 1024**3 and plan.inputs.hardware is plan.hardware
-    assert plan.inputs.images.per_prompt == 1
+    c, out = console()
+    plan = preflight(toy_config(tiny_model_dir, tmp_path / "run", "memory.plan=enforce", "trainer.device=cpu",
+                                "plan.hardware.host_memory=2TiB",  # a user's plan.hardware (for other machines)
+                                "plan.images.per_prompt=1"), c)
+    assert plan.hardware.host_memory == 64 * 1024**3
+    assert plan.cfg.plan.images.per_prompt == 1
+    assert "plan.hardware is read by `fitrl plan`" in out.getvalue()
 
 
-def test_cli_passes_the_plan_section(tmp_path, monkeypatch, capsys):
+def test_cli_passes_the_plan_section(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_train(cfg, console=None, plan_inputs=None):
-        seen.update(cfg=cfg, inputs=plan_inputs)
+    def fake_train(cfg, console=None):
+        seen.update(cfg=cfg)
         return []
     monkeypatch.setattr(fitrl.trainer.run, "train", fake_train)
     path = tmp_path / "run.yaml"
@@ -154,8 +154,8 @@ def test_cli_passes_the_plan_section(tmp_path, monkeypatch, capsys):
                                     "plan": {"rollout": {"engine": "vllm"}, "hardware": {"host_memory": "1TiB"}}}))
     assert main(["train", str(path), "plan.rollout.tensor_parallel_size=2"]) == 0
     assert seen["cfg"].rollout.n == 4
-    assert (seen["inputs"].rollout.engine, seen["inputs"].rollout.tensor_parallel_size) == ("vllm", 2)
-    assert "plan.hardware is read by `fitrl plan`" in capsys.readouterr().out
+    assert (seen["cfg"].plan.rollout.engine, seen["cfg"].plan.rollout.tensor_parallel_size) == ("vllm", 2)
+    assert seen["cfg"].plan.hardware.host_memory == "1TiB"  # carried, not read: preflight notes that it ignores it
     assert main(["train", str(path), "plan.rollout.engin=vllm"]) == 2  # a typo in the plan section is a config error
 
 

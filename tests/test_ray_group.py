@@ -16,14 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fitrl.core.errors import WorkerFailed
 from fitrl.data.batch import Batch
-from fitrl.workers.distributed import DistEnv, WorkerFailed
+from fitrl.distributed.process_group import DistEnv
 from fitrl.workers.group import RoleHandle, dispatch
 
 ray = pytest.importorskip("ray")
 
 from fitrl.workers.ray_group import (  # noqa: E402  (after the importorskip)
-    RayWorkerGroup, _with_prefix, describe_death, ensure_ray, rank_layout)
+    RayWorkerGroup, describe_death, ensure_ray, rank_layout)
+from fitrl.workers.ray_failures import with_prefix  # noqa: E402
 
 CPUS = 0.5  # per rank: a 2-rank group takes 1 of the cluster's 2 CPUs, so two groups fit at once
 
@@ -149,9 +151,9 @@ def test_worker_failed_message_and_pickle():
 
 
 def test_with_prefix_keeps_type_and_args():
-    e = _with_prefix(KeyError("k"), "toy rank 1: ")
+    e = with_prefix(KeyError("k"), "toy rank 1: ")
     assert isinstance(e, KeyError) and "toy rank 1: k" in str(e)
-    e = _with_prefix(OSError(2, "missing"), "toy rank 1: ")
+    e = with_prefix(OSError(2, "missing"), "toy rank 1: ")
     assert isinstance(e, OSError) and "toy rank 1: " in str(e)
 
 

@@ -16,15 +16,12 @@ import fitrl.rewards.functions
 import fitrl.rewards.rules
 from fitrl.config.schema import ConfigError, RewardConfig
 from fitrl.rewards.arith import arith_reward
-from fitrl.rewards.registry import RewardError, RewardScorer
+from fitrl.roles.reward import RewardError, RewardScorer
 
 
 def reward_cfg(function, kwargs=None, **options):
-    """A RewardConfig with scorer options set as attributes (they become RewardConfig fields later)."""
-    cfg = RewardConfig(function, dict(kwargs or {}))
-    for name, value in options.items():
-        setattr(cfg, name, value)
-    return cfg
+    """A RewardConfig (its options validated as the config loader would)."""
+    return RewardConfig(function, dict(kwargs or {}), **options)
 
 
 @pytest.mark.parametrize("module", [fitrl.rewards.arith, fitrl.rewards.answers, fitrl.rewards.rules,
@@ -47,19 +44,21 @@ def test_arith_reward_table(response, answer, score):
 
 
 def test_scorer_components_and_custom_file(tmp_path):
-    scores, comps = RewardScorer(reward_cfg("arith", num_workers=0)).score(["7", "x"], [7, 7])
+    out = RewardScorer(reward_cfg("arith", num_workers=0)).score(["7", "x"], [7, 7])
+    scores, comps = out.scores, out.components
     assert scores.tolist() == [1.0, 0.0] and comps["exact"].tolist() == [1.0, 0.0]
     f = tmp_path / "my_reward.py"
     f.write_text("def length_reward(response, answer, scale=1.0):\n    return scale * len(response)\n")
     scorer = RewardScorer(reward_cfg(f"{f}:length_reward", {"scale": 0.5}, num_workers=0))
-    assert scorer.score(["abcd"], [None])[0].tolist() == [2.0]
+    assert scorer.score(["abcd"], [None]).scores.tolist() == [2.0]
 
 
 def test_builtin_math_through_the_scorer():
     scorer = RewardScorer(reward_cfg("math", {"format_weight": 0.0, "accuracy_weight": 1.0}, num_workers=0))
-    scores, comps = scorer.score([r"\boxed{0.5}", "The answer is 3.", "no idea"], [r"\frac12", "4", "1"])
+    out = scorer.score([r"\boxed{0.5}", "The answer is 3.", "no idea"], [r"\frac12", "4", "1"])
+    scores, comps = out.scores, out.components
     assert scores.tolist() == [1.0, 0.0, 0.0] and comps["format"].tolist() == [1.0, 1.0, 0.0]
-    assert scorer.last_metrics["reward/errors"] == 0 and scorer.last_metrics["reward/timeouts"] == 0
+    assert out.health["reward/errors"] == 0 and out.health["reward/timeouts"] == 0
 
 
 def test_extras_reach_functions_that_ask_for_them(tmp_path):
@@ -70,12 +69,13 @@ def test_extras_reach_functions_that_ask_for_them(tmp_path):
                  "def no_extra(response, answer):\n    return 1.0\n")
     extras = [{"weight": 0.25}, {"weight": 0.5}]
     one = RewardScorer(reward_cfg(f"{f}:per_sample", {"bonus": 1.0}, num_workers=0))
-    assert one.score(["a", "b"], [0, 0], extras=extras)[0].tolist() == [1.25, 1.5]
+    assert one.score(["a", "b"], [0, 0], extras=extras).scores.tolist() == [1.25, 1.5]
     many = RewardScorer(reward_cfg(f"{f}:batched", batched=True, num_workers=0))
-    scores, comps = many.score(["a", "b"], [0, 0], extras=extras)
+    out = many.score(["a", "b"], [0, 0], extras=extras)
+    scores, comps = out.scores, out.components
     assert scores.tolist() == [0.25, 0.5] and comps["w"].tolist() == [1.0, 1.0]
     plain = RewardScorer(reward_cfg(f"{f}:no_extra", num_workers=0))       # extras are offered, not forced
-    assert plain.score(["a"], [0], extras=[{"weight": 9}])[0].tolist() == [1.0]
+    assert plain.score(["a"], [0], extras=[{"weight": 9}]).scores.tolist() == [1.0]
     with pytest.raises(ValueError, match="2 responses but 1 extras"):
         plain.score(["a", "b"], [0, 0], extras=[{}])
 
@@ -86,10 +86,10 @@ def test_raising_function_gets_fallback_counted_and_logged_once(tmp_path, caplog
                  "    return 1.0\n")
     scorer = RewardScorer(reward_cfg(f"{f}:picky", num_workers=0, fallback_score=-1.0))
     with caplog.at_level(logging.WARNING, logger="fitrl.rewards"):
-        scores, _ = scorer.score(["ok", "bad", "ok", "bad", "ok"], [1] * 5, [f"a.jsonl:{i}" for i in range(5)])
-        scorer.score(["bad", "ok", "ok"], [1] * 3)
+        scores = scorer.score(["ok", "bad", "ok", "bad", "ok"], [1] * 5, [f"a.jsonl:{i}" for i in range(5)]).scores
+        again = scorer.score(["bad", "ok", "ok"], [1] * 3)
     assert scores.tolist() == [1.0, -1.0, 1.0, -1.0, 1.0]
-    assert scorer.last_metrics["reward/errors"] == 1.0
+    assert again.health["reward/errors"] == 1.0
     logged = [r.getMessage() for r in caplog.records if "raised" in r.getMessage()]
     assert len(logged) == 1          # the same input (response, answer) is logged once per run
     assert "ValueError: cannot read" in logged[0] and "'bad'" in logged[0] and "a.jsonl:1" in logged[0]
@@ -112,7 +112,8 @@ def test_scorer_errors_are_loud(tmp_path):
         with pytest.raises(RewardError, match=message):
             RewardScorer(reward_cfg(f"{f}:{name}", num_workers=0)).score(["hi"], [1])
     nan = RewardScorer(reward_cfg(f"{f}:nan", num_workers=0, max_error_fraction=1.0))
-    assert nan.score(["hi"], [1])[0].tolist() == [0.0] and nan.last_metrics["reward/errors"] == 1.0
+    out = nan.score(["hi"], [1])
+    assert out.scores.tolist() == [0.0] and out.health["reward/errors"] == 1.0
     with pytest.raises(RewardError, match="nan raised ValueError: score is nan on response 'hi'"):
         RewardScorer(reward_cfg(f"{f}:nan", num_workers=0)).score(["hi"], [1])
     with pytest.raises(RewardError, match="batched reward function .*short returned 1 results for 2 responses"):
@@ -129,8 +130,9 @@ def test_a_failing_batched_call_fails_its_whole_batch_once(tmp_path, caplog):
     tolerant = RewardScorer(reward_cfg(f"{f}:boom", batched=True, num_workers=0, max_error_fraction=1.0,
                                        fallback_score=0.5))
     with caplog.at_level(logging.WARNING, logger="fitrl.rewards"):
-        assert tolerant.score(["a", "b", "c"], [1] * 3)[0].tolist() == [0.5] * 3
-    assert tolerant.last_metrics["reward/errors"] == 3.0
+        out = tolerant.score(["a", "b", "c"], [1] * 3)
+        assert out.scores.tolist() == [0.5] * 3
+    assert out.health["reward/errors"] == 3.0
     logged = [r.getMessage() for r in caplog.records if "fallback_score=0.5" in r.getMessage()]
     assert len(logged) == 1 and "a batch of 3 responses (the first: response 'a'" in logged[0]
 
@@ -163,19 +165,19 @@ def test_degenerate_answers_with_positive_reward_are_flagged_once(tmp_path, capl
     f.write_text("def generous(response, answer):\n    return 0.1\n")
     scorer = RewardScorer(reward_cfg(f"{f}:generous", num_workers=0))
     with caplog.at_level(logging.WARNING, logger="fitrl.rewards"):
-        scorer.score(["", "<think> </think><answer></answer>", "42", "\\boxed{}"], [0] * 4)
-        first = dict(scorer.last_metrics)
-        scorer.score(["", "x"], [0] * 2)
+        first = scorer.score(["", "<think> </think><answer></answer>", "42", "\\boxed{}"], [0] * 4).health
+        second = scorer.score(["", "x"], [0] * 2).health
     assert first["reward/degenerate"] == 0.75 and first["reward/degenerate_positive"] == 0.75
-    assert scorer.last_metrics["reward/degenerate_positive"] == 0.5
+    assert second["reward/degenerate_positive"] == 0.5
     warnings = [r.getMessage() for r in caplog.records if "format hacking" in r.getMessage()]
     assert len(warnings) == 1 and "3 of 3 empty or degenerate" in warnings[0]
     # The built-in math reward pays nothing for an empty box: no flag.
     math_scorer = RewardScorer(reward_cfg("math", num_workers=0))
-    math_scorer.score(["", "\\boxed{}", "<think></think>"], ["1"] * 3)
-    assert math_scorer.last_metrics["reward/degenerate_positive"] == 0.0
+    health = math_scorer.score(["", "\\boxed{}", "<think></think>"], ["1"] * 3).health
+    assert health["reward/degenerate_positive"] == 0.0
 
 
 def test_scores_are_float32_tensors():
-    scores, comps = RewardScorer(reward_cfg("arith", num_workers=0)).score(["7"], [7])
+    out = RewardScorer(reward_cfg("arith", num_workers=0)).score(["7"], [7])
+    scores, comps = out.scores, out.components
     assert scores.dtype == torch.float32 and all(v.dtype == torch.float32 for v in comps.values())

@@ -10,7 +10,9 @@ import time
 import pytest
 
 from fitrl.config.schema import RewardConfig
-from fitrl.rewards.registry import RewardError, RewardScorer
+from fitrl.roles.reward import RewardError, RewardScorer
+
+pytestmark = pytest.mark.slow  # worker processes: not in the fast tier
 
 LIMIT = 0.6        # seconds per call
 BEHAVIOURS = '''
@@ -59,37 +61,38 @@ def test_sleeping_forever_costs_at_most_the_limit_and_scoring_continues(scorer, 
     before = [w.proc for w in scorer.pool._workers]
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="fitrl.rewards"):
-        scores, comps = scorer.score(["a", "hang", "b", "hang", "c"], [1, 2, 3, 4, 5],
-                                     [f"t.jsonl:{i}" for i in range(5)])
+        out = scorer.score(["a", "hang", "b", "hang", "c"], [1, 2, 3, 4, 5], [f"t.jsonl:{i}" for i in range(5)])
+    scores, comps = out.scores, out.components
     elapsed = time.monotonic() - t0
     assert scores.tolist() == [1.0, -1.0, 3.0, -1.0, 5.0]          # the fallback, never a silent 0
     assert comps["extra"].tolist() == [0.0] * 5
-    assert scorer.last_metrics["reward/timeouts"] == 2.0 and scorer.last_metrics["reward/errors"] == 0.0
-    assert scorer.last_metrics["reward/worker_restarts"] == 2.0
+    assert out.health["reward/timeouts"] == 2.0 and out.health["reward/errors"] == 0.0
+    assert out.health["reward/worker_restarts"] == 2.0
     # Two workers, two hangs: at most one limit each in parallel, plus start-up slack on a slow machine.
     assert elapsed < 2 * LIMIT + 1.5, elapsed
     logged = [r.getMessage() for r in caplog.records if "timed out" in r.getMessage()]
     assert len(logged) == 2 and "'hang'" in logged[0] and "t.jsonl:1" in logged[0]
     # The hung workers were killed, and the pool scores on with their replacements.
     assert all(p.poll() is not None for p in before if p.pid not in worker_pids(scorer))
-    assert scorer.score(["a", "b"], [7, 8])[0].tolist() == [7.0, 8.0]
-    assert scorer.last_metrics["reward/timeouts"] == 0.0
+    out = scorer.score(["a", "b"], [7, 8])
+    assert out.scores.tolist() == [7.0, 8.0] and out.health["reward/timeouts"] == 0.0
 
 
 def test_every_call_is_bounded_even_when_all_hang(scorer):
     t0 = time.monotonic()
-    scores, _ = scorer.score(["hang"] * 4, [0] * 4)
-    assert scores.tolist() == [-1.0] * 4 and scorer.last_metrics["reward/timeouts"] == 4.0
+    out = scorer.score(["hang"] * 4, [0] * 4)
+    assert out.scores.tolist() == [-1.0] * 4 and out.health["reward/timeouts"] == 4.0
     # 4 calls over 2 workers: 2 rounds of one limit each, plus the replacements' start-up.
     assert time.monotonic() - t0 < 2 * LIMIT + 3.0
 
 
 def test_raising_and_dying_calls_get_the_fallback_and_are_reported(scorer, caplog):
     with caplog.at_level(logging.WARNING, logger="fitrl.rewards"):
-        scores, comps = scorer.score(["raise", "a", "exit", "b", "c"], [1] * 5, [f"e.jsonl:{i}" for i in range(5)],
-                                     extras=[{}, {"w": 2}, {}, {}, {}])
+        out = scorer.score(["raise", "a", "exit", "b", "c"], [1] * 5, [f"e.jsonl:{i}" for i in range(5)],
+                           extras=[{}, {"w": 2}, {}, {}, {}])
+    scores, comps = out.scores, out.components
     assert scores.tolist() == [-1.0, 1.0, -1.0, 1.0, 1.0] and comps["extra"].tolist() == [0, 2, 0, 0, 0]
-    assert scorer.last_metrics["reward/errors"] == 2.0 and scorer.last_metrics["reward/timeouts"] == 0.0
+    assert out.health["reward/errors"] == 2.0 and out.health["reward/timeouts"] == 0.0
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "KeyError: 'no such field'" in text and "'raise'" in text and "e.jsonl:0" in text
     assert "in behave" in text                                       # the worker's traceback comes along
@@ -107,13 +110,13 @@ def test_raising_and_dying_calls_get_the_fallback_and_are_reported(scorer, caplo
 def test_wrong_return_type_fails_naming_the_function(scorer, response, message):
     with pytest.raises(RewardError, match=message):
         scorer.score(["a", response], [1, 1])
-    assert scorer.score(["a"], [1])[0].tolist() == [1.0]               # the pool is still usable
+    assert scorer.score(["a"], [1]).scores.tolist() == [1.0]               # the pool is still usable
 
 
 def test_work_is_spread_over_the_workers(scorer):
     deadline = time.monotonic() + 10      # a worker replaced by an earlier test may still be starting
     while True:
-        pids = set(scorer.score(["pid"] * 16, [0] * 16)[0].tolist())
+        pids = set(scorer.score(["pid"] * 16, [0] * 16).scores.tolist())
         if len(pids) == 2 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -125,21 +128,22 @@ def test_pathological_math_is_cut_at_the_limit():
     with RewardScorer(reward_cfg("math", num_workers=2, timeout=1.0)) as s:
         responses = [r"\boxed{\frac{1}{2}}", r"\boxed{9^{9^{9^{9}}}}", "The answer is 0.5", r"\boxed{2}"]
         t0 = time.monotonic()
-        scores, comps = s.score(responses, ["0.5"] * 4)
+        out = s.score(responses, ["0.5"] * 4)
+        scores, comps = out.scores, out.components
         assert time.monotonic() - t0 < 1.0 + 5.0                     # includes the workers' start-up
-        assert scores.tolist() == pytest.approx([1.0, 0.0, 1.0, 0.1]) and s.last_metrics["reward/timeouts"] == 1.0
+        assert scores.tolist() == pytest.approx([1.0, 0.0, 1.0, 0.1]) and out.health["reward/timeouts"] == 1.0
         assert comps["accuracy"].tolist() == [1.0, 0.0, 1.0, 0.0]
         serial = RewardScorer(reward_cfg("math", num_workers=0))     # same verdicts without the pool
         keep = [0, 2, 3]
-        assert serial.score([responses[i] for i in keep], ["0.5"] * 3)[0].tolist() == [scores[i] for i in keep]
+        assert serial.score([responses[i] for i in keep], ["0.5"] * 3).scores.tolist() == [scores[i] for i in keep]
 
 
 def test_batched_call_is_bounded_as_one_call(tmp_path):
     f = tmp_path / "batch_hang.py"
     f.write_text("import time\ndef slow(responses, answers):\n    time.sleep(10**6)\n")
     with RewardScorer(reward_cfg(f"{f}:slow", batched=True, num_workers=1, timeout=LIMIT)) as s:
-        scores, _ = s.score(["a", "b", "c"], [0] * 3)
-        assert scores.tolist() == [0.0] * 3 and s.last_metrics["reward/timeouts"] == 3.0
+        out = s.score(["a", "b", "c"], [0] * 3)
+        assert out.scores.tolist() == [0.0] * 3 and out.health["reward/timeouts"] == 3.0
 
 
 def test_module_reference_resolves_in_the_workers(tmp_path, monkeypatch):
@@ -150,12 +154,12 @@ def test_module_reference_resolves_in_the_workers(tmp_path, monkeypatch):
                                     "    return float(response == answer) + bonus\n")
     monkeypatch.syspath_prepend(str(tmp_path))           # the workers get the driver's sys.path
     with RewardScorer(reward_cfg("my_rewards_pkg.scoring:exact", {"bonus": 0.5}, num_workers=1)) as s:
-        assert s.score(["a", "b"], ["a", "a"])[0].tolist() == [1.5, 0.5]
+        assert s.score(["a", "b"], ["a", "a"]).scores.tolist() == [1.5, 0.5]
 
 
 def test_close_stops_the_workers(tmp_path):
     s = RewardScorer(reward_cfg("arith", num_workers=2))
-    assert s.score(["7"], [7])[0].tolist() == [1.0]
+    assert s.score(["7"], [7]).scores.tolist() == [1.0]
     procs = [w.proc for w in s.pool._workers]
     s.close()
     assert all(p.poll() is not None for p in procs)

@@ -3,18 +3,20 @@
 import pytest
 import torch
 
-from fitrl.config.schema import ModelConfig
+from fitrl.config.schema import FSDPConfig, ModelConfig
 from fitrl.data.batch import Batch
-from fitrl.models.loading import load_causal_lm, load_tokenizer
+from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.ops.logprob import response_logprobs, token_logprobs
-from fitrl.rollout.hf import HFRollout, Sampling, SampleAndRecord, first_eos_mask
+from fitrl.config.schema import SamplingConfig
+from fitrl.core.padding import first_eos_mask
+from fitrl.rollout.hf import HFRollout, SampleAndRecord
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     cfg = ModelConfig(path=str(tiny_model_dir))
     tok = load_tokenizer(cfg)
-    model = load_causal_lm(cfg, torch.device("cpu"))
+    model = build_model("causal_lm", cfg, FSDPConfig(), torch.device("cpu"))
     return HFRollout(model, tok, micro_batch_size=5), tok
 
 
@@ -32,7 +34,7 @@ def test_first_eos_mask():
 def test_layout_and_fields(engine):
     rollout, tok = engine
     out = rollout.generate(prompts(tok, ["What is 1 + 2?", "Hi", "Compute 3 - 1 please."]),
-                           Sampling(temperature=1.0, n=4, max_new_tokens=6))
+                           SamplingConfig(temperature=1.0, n=4, max_tokens=6))
     assert len(out) == 12 and out["answer"][:5] == [0, 0, 0, 0, 1]
     B, L = out["input_ids"].shape
     R = out["responses"].shape[1]
@@ -48,7 +50,7 @@ def test_rollout_logprobs_equal_recompute(engine):
     rollout, tok = engine
     torch.manual_seed(3)
     out = rollout.generate(prompts(tok, ["What is 4 + 4?", "A longer prompt than the other one", "x"]),
-                           Sampling(temperature=0.7, n=3, max_new_tokens=8))
+                           SamplingConfig(temperature=0.7, n=3, max_tokens=8))
     lp, _ = response_logprobs(rollout.model, out["input_ids"], out["attention_mask"], out["position_ids"],
                               out["responses"].shape[1], temperature=0.7)
     mask = out["response_mask"].bool()
@@ -58,17 +60,17 @@ def test_rollout_logprobs_equal_recompute(engine):
 def test_greedy_is_deterministic(engine):
     rollout, tok = engine
     p = prompts(tok, ["What is 2 + 2?", "Hello there"])
-    a = rollout.generate(p, Sampling(temperature=0.0, max_new_tokens=5))
-    b = rollout.generate(p, Sampling(temperature=0.0, max_new_tokens=5))
+    a = rollout.generate(p, SamplingConfig(temperature=0.0, max_tokens=5))
+    b = rollout.generate(p, SamplingConfig(temperature=0.0, max_tokens=5))
     assert torch.equal(a["responses"], b["responses"])
 
 
 def test_top_k_and_top_p_restrict_the_support():
     scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     ids = torch.zeros(1, 1, dtype=torch.long)
-    k2 = SampleAndRecord(Sampling(top_k=2))(ids, scores.clone())
+    k2 = SampleAndRecord(SamplingConfig(top_k=2))(ids, scores.clone())
     assert torch.isinf(k2[0, 2:]).all() and torch.isfinite(k2[0, :2]).all()
-    p = SampleAndRecord(Sampling(top_p=0.7))(ids, scores.clone())  # 0.5 + 0.3 reaches 0.7
+    p = SampleAndRecord(SamplingConfig(top_p=0.7))(ids, scores.clone())  # 0.5 + 0.3 reaches 0.7
     assert torch.isfinite(p[0, :2]).all() and torch.isinf(p[0, 2:]).all()
 
 
@@ -107,12 +109,12 @@ def test_checkpoint_generation_config_cannot_change_sampling(tiny_model_dir, tmp
     (model_dir / "generation_config.json").write_text(json.dumps(gen))
     cfg = ModelConfig(path=str(model_dir))
     tok = load_tokenizer(cfg)
-    model = load_causal_lm(cfg, torch.device("cpu"))
+    model = build_model("causal_lm", cfg, FSDPConfig(), torch.device("cpu"))
     rollout = HFRollout(model, tok)
     seen = []
     original = model._get_logits_processor
     model._get_logits_processor = lambda *a, **k: seen.append(original(*a, **k)) or seen[-1]
-    out = rollout.generate(prompts(tok, ["What is 1 + 1?", "Hi"]), Sampling(temperature=1.0, n=8, max_new_tokens=6))
+    out = rollout.generate(prompts(tok, ["What is 1 + 1?", "Hi"]), SamplingConfig(temperature=1.0, n=8, max_tokens=6))
     assert [type(p).__name__ for p in seen[0]] == ["SampleAndRecord"]
     lp, _ = response_logprobs(model, out["input_ids"], out["attention_mask"], out["position_ids"],
                               out["responses"].shape[1])
@@ -123,7 +125,7 @@ def test_checkpoint_generation_config_cannot_change_sampling(tiny_model_dir, tmp
 def test_all_padding_columns_do_not_change_logprobs(engine):
     """Extra left padding and extra right response padding are trimmed before the forward."""
     rollout, tok = engine
-    out = rollout.generate(prompts(tok, ["What is 4 + 4?", "Hi"]), Sampling(n=2, max_new_tokens=5))
+    out = rollout.generate(prompts(tok, ["What is 4 + 4?", "Hi"]), SamplingConfig(n=2, max_tokens=5))
     R = out["responses"].shape[1]
     lp, _ = response_logprobs(rollout.model, out["input_ids"], out["attention_mask"], out["position_ids"], R)
     pad = rollout.pad_id

@@ -2,16 +2,16 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from fitrl.cli import judge_rise
 from fitrl.config import load_config
-from helpers import DATA, EXAMPLE, ROOT, read_metrics
+from helpers import EXAMPLE, ROOT, read_metrics
 from helpers import toy_config as config
 
+@pytest.mark.slow
 def test_grpo_steps_qwen2(tiny_model_dir, tmp_path):
     from fitrl.trainer.run import train
 
@@ -33,6 +33,7 @@ def test_grpo_steps_qwen2(tiny_model_dir, tmp_path):
     assert saved.trainer.max_steps == 3 and saved.rollout.n == 4
 
 
+@pytest.mark.slow
 def test_llama_with_kl_reference(tiny_llama_dir, tmp_path):
     from fitrl.trainer.run import train
 
@@ -45,6 +46,7 @@ def test_llama_with_kl_reference(tiny_llama_dir, tmp_path):
     assert steps[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 1
 
 
+@pytest.mark.slow
 def test_val_only(tiny_model_dir, tmp_path):
     from fitrl.trainer.run import train
 
@@ -54,6 +56,7 @@ def test_val_only(tiny_model_dir, tmp_path):
     assert len(records) == 1 and records[0]["step"] == 0 and "val/reward/mean" in records[0]
 
 
+@pytest.mark.slow
 def test_toy_task_reward_rises(tiny_model_dir, tmp_path):
     """The demo's promise at a smaller scale: 40 steps of GRPO raise the reward beyond noise."""
     from fitrl.trainer.run import train
@@ -100,6 +103,7 @@ def test_cli_help_lists_subcommands():
         assert sub in proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_train_end_to_end(tmp_path):
     model = tmp_path / "m"
     assert run_cli("make-tiny-model", str(model), "--arch", "llama").returncode == 0

@@ -32,6 +32,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: Optional[str] = None
                       max_shard_bytes: int = 5 * 2**30) -> dict:
     """Write the actor of ``checkpoint`` (a ``step_N`` dir, or a run dir: its newest) to ``out_dir``.
     ``dtype``: ``fp32``/``bf16``/``fp16`` (default: as saved). Returns a summary."""
+    # torch and the DCP reader load here, not when the CLI builds its parser
     import torch
     from safetensors.torch import save_file
 

@@ -44,6 +44,7 @@ RESUME_SAFE = [
     "*micro_batch_size", "*micro_batch_token_budget", "actor.logprob_chunk_size",
     "*.model.path", "*.model.tokenizer_path", "*.model.gradient_checkpointing", "*.model.attn_implementation",
     "memory.*",  # planning, telemetry and guard settings never change what is trained
+    "plan.*",    # what-if inputs of the planner; a checkpoint saved before the section existed has none
 ]
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.index.json")
 

@@ -43,12 +43,22 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> FitrlConf
     layers.append((OVERRIDES, _parse_overrides(overrides)))
     for label, data in layers:
         _merge(merged, data, label, origins)
-    return _build(FitrlConfig, merged, "", origins)
+    return _checked(_build(FitrlConfig, merged, "", origins))
 
 
 def config_from_dict(data: dict[str, Any], source: str = "") -> FitrlConfig:
     """Validate a nested dict (as read from YAML) into a :class:`FitrlConfig`."""
-    return _build(FitrlConfig, data, "", {"": source} if source else {})
+    return _checked(_build(FitrlConfig, data, "", {"": source} if source else {}))
+
+
+def _checked(cfg: FitrlConfig) -> FitrlConfig:
+    """Registry-backed names (estimator, losses, KL estimators, reward) against their registries."""
+    # Imported here, not at the top: the registries import torch (~2 s), which a config whose
+    # keys or types are wrong should not wait for.
+    from fitrl.config.choices import check_choices
+
+    check_choices(cfg)
+    return cfg
 
 
 def _read_file_chain(path: str, seen: tuple[str, ...]) -> list[tuple[str, dict]]:

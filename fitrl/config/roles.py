@@ -4,7 +4,7 @@ critic, and rollout sampling. Field docstrings are what ``fitrl config --doc`` p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 from fitrl.core.errors import ConfigError
 
@@ -170,6 +170,8 @@ class RefConfig:
 
 @dataclass
 class SamplingConfig:
+    """How one generate call samples: what every rollout engine takes (training and validation)."""
+
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy decoding."""
     top_p: float = 1.0
@@ -178,22 +180,43 @@ class SamplingConfig:
     """Sample among the k most likely tokens (0 disables)."""
     n: int = 1
     """Responses sampled per prompt."""
+    max_tokens: Optional[int] = None
+    """New tokens per response at most; unset: ``rollout.max_response_length``."""
+    ignore_eos: bool = False
+    """Never stop at EOS: every response is ``max_tokens`` long (benchmarks, memory tests)."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.val.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.val.top_p must be in (0, 1], got {self.top_p}")
-        if self.n < 1:
-            raise ConfigError(f"rollout.val.n must be >= 1, got {self.n}")
-        if self.top_k < 0:
-            raise ConfigError(f"rollout.val.top_k must be >= 0 (0 disables), got {self.top_k}")
+        check_sampling(self, "rollout.val")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def check_sampling(s, prefix: str, training: bool = False) -> None:
+    """The one set of sampling checks, for ``rollout.*`` (training) and ``rollout.val.*``."""
+    if training and s.temperature <= 0:
+        raise ConfigError(
+            f"{prefix}.temperature must be > 0 for training (policy-gradient log-probs need a"
+            " sampling distribution); use rollout.val.temperature=0 for greedy validation"
+        )
+    if s.temperature < 0:
+        raise ConfigError(f"{prefix}.temperature must be >= 0 (0 = greedy), got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise ConfigError(f"{prefix}.top_p must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise ConfigError(f"{prefix}.top_k must be >= 0 (0 disables), got {s.top_k}")
+    if not training and s.n < 1:  # training's n is checked with the batch sizes
+        raise ConfigError(f"{prefix}.n must be >= 1, got {s.n}")
+    if getattr(s, "max_tokens", None) is not None and s.max_tokens < 1:
+        raise ConfigError(f"{prefix}.max_tokens must be >= 1 (or unset), got {s.max_tokens}")
 
 
 @dataclass
 class RolloutConfig:
     engine: Literal["hf"] = "hf"
-    """Generation engine: ``hf`` (transformers ``generate``; CPU and GPU)."""
+    """Generation engine: ``hf`` (transformers ``generate``; CPU and GPU). Engines implement
+    :class:`fitrl.rollout.engine.RolloutEngine`; see docs/architecture.md for adding one."""
     n: int = 8
     """Responses sampled per prompt during training (the GRPO group size)."""
     temperature: float = 1.0
@@ -212,14 +235,17 @@ class RolloutConfig:
     """Sampling for validation (greedy, one response per prompt, by default)."""
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ConfigError(
-                "rollout.temperature must be > 0 for training (policy-gradient log-probs need a"
-                " sampling distribution); use rollout.val.temperature=0 for greedy validation"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"rollout.top_k must be >= 0 (0 disables), got {self.top_k}")
+        check_sampling(self, "rollout", training=True)
         if self.max_response_length < 1 or self.micro_batch_size < 1:
             raise ConfigError("rollout.max_response_length and rollout.micro_batch_size must be >= 1")
+
+    def sampling(self) -> SamplingConfig:
+        """Training-time sampling as the engines take it."""
+        return SamplingConfig(self.temperature, self.top_p, self.top_k, self.n, self.max_response_length,
+                              self.ignore_eos)
+
+    def val_sampling(self) -> SamplingConfig:
+        """Validation sampling, its length bounded by ``max_response_length`` unless set."""
+        v = self.val
+        return SamplingConfig(v.temperature, v.top_p, v.top_k, v.n, v.max_tokens or self.max_response_length,
+                              v.ignore_eos)

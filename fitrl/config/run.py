@@ -3,6 +3,7 @@ checkpoints and memory. Field docstrings are what ``fitrl config --doc`` prints.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -93,6 +94,16 @@ class RewardConfig:
     """Stop the run when more than this fraction of one batch's responses raise (a broken function, not a hard sample); 1.0 never stops. Timeouts do not count."""
     batched: bool = False
     """The function takes lists: ``fn(responses, answers, **kwargs)`` returns one result per response (one call per batch)."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+        if not self.timeout > 0:
+            raise ConfigError(f"reward.timeout must be > 0 seconds, got {self.timeout}")
+        if not 0.0 <= self.max_error_fraction <= 1.0:
+            raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
+        if not math.isfinite(self.fallback_score):
+            raise ConfigError(f"reward.fallback_score must be a finite number, got {self.fallback_score}")
 
 
 @dataclass

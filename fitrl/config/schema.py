@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fitrl.config.plan import PlanConfig
 from fitrl.config.roles import (ActorConfig, CriticConfig, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
                                  RefConfig, RolloutConfig, SamplingConfig)
 from fitrl.config.run import (AlgorithmConfig, CheckpointConfig, FilterGroupsConfig, KLRewardConfig, MemoryConfig,
@@ -25,8 +26,8 @@ from fitrl.core.errors import ConfigError
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
            "FSDPConfig", "FilterGroupsConfig", "FitrlConfig", "KLRewardConfig", "MemoryConfig", "ModelConfig",
-           "OptimConfig", "OverlongConfig", "RefConfig", "RewardConfig", "RolloutConfig", "SamplingConfig",
-           "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes", "derived_batch_numbers"]
+           "OptimConfig", "OverlongConfig", "PlanConfig", "RefConfig", "RewardConfig", "RolloutConfig",
+           "SamplingConfig", "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes", "derived_batch_numbers"]
 
 
 @dataclass
@@ -51,6 +52,8 @@ class FitrlConfig:
     """Saving, keeping and resuming checkpoints (under ``<run dir>/checkpoints``)."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """The memory plan before the run, telemetry and leak detection during it, the guard at the edge."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """What the memory planner reads beyond the run's keys: ``fitrl plan``'s hardware, and what-if inputs (``plan.rollout``: a vLLM engine's memory settings, ``plan.images``) that become ``rollout.*`` and ``data.*`` keys when the vLLM and vision-language engines land. The trainer ignores ``plan.hardware`` (it detects the hardware it runs on)."""
 
     @property
     def world_size(self) -> int:
@@ -84,14 +87,9 @@ class FitrlConfig:
                                   f"trainer.val_freq={t.val_freq} does not divide checkpoint.save_freq={c.save_freq}: "
                                   f"set trainer.val_freq={c.save_freq}")
 
-    @property
-    def uses_reference(self) -> bool:
-        """A reference model is built only when some KL term needs it."""
-        return self.algorithm.use_kl_loss or self.algorithm.kl_in_reward.enable
-
 
 def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
-    """Divisibility of the batch sizes (DESIGN §3), with what to change when it fails."""
+    """Divisibility of the batch sizes (docs/architecture.md, "Batch sizes"), with what to change when it fails."""
     rbs, n = cfg.data.rollout_batch_size, cfg.rollout.n
     mini, micro = cfg.actor.mini_batch_size, cfg.actor.micro_batch_size
     for name, value in [("data.rollout_batch_size", rbs), ("rollout.n", n),

@@ -9,7 +9,7 @@ handles a loose tensor and a worker group can scatter/gather without knowing the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -59,11 +59,6 @@ class Batch:
                 raise ValueError(f"tensor {k!r} has batch size {v.shape[0]}, batch has {len(self)}")
             self.tensors[k] = v
         return self
-
-    def select(self, keys: Iterable[str]) -> "Batch":
-        keys = list(keys)
-        return Batch({k: self.tensors[k] for k in keys if k in self.tensors},
-                     {k: self.fields[k] for k in keys if k in self.fields}, dict(self.meta))
 
     def index(self, idx: Sequence[int] | torch.Tensor | slice) -> "Batch":
         if isinstance(idx, slice):

@@ -1,17 +1,17 @@
-"""Memory you can see before the run: ``fitrl plan`` (DESIGN §4, issue 5 part 1).
+"""Memory you can see before the run: the planner behind ``fitrl plan`` and ``fitrl train``'s pre-flight check.
 
-``plan_config(cfg, Hardware(...), PlanInputs(...))`` returns a :class:`Plan`: per process kind
-and phase, device and host memory by component, the verdict, and (``recommend``) changes
-ranked by speed cost with their predicted effect. Model states and KV cache are closed forms
-(:mod:`.states`, :mod:`.shapes`); activations and logits come from tracing the real log-prob
-code under FakeTensorMode (:mod:`.trace`); every other constant is in :mod:`.calibration`.
-Importing this package does not import torch.
+``plan_config(cfg, Hardware.for_config(cfg))`` returns a :class:`Plan`: per process kind and
+phase, device and host memory by component, and the verdict; :func:`fitrl.memory.recommend.recommend`
+ranks changes by speed cost with their predicted effect. The planner reads the resolved config,
+its ``plan:`` section included (:mod:`fitrl.config.plan`). Model states and KV cache are closed
+forms (:mod:`.states`, :mod:`.shapes`); activations and logits come from tracing the real
+log-prob code under FakeTensorMode (:mod:`.trace`); every other constant is in
+:mod:`.calibration`. See docs/architecture.md, "Memory model". Importing this package does not
+import torch (``fitrl --help`` imports it through :mod:`.cli`).
 """
 
-from fitrl.memory.cli import add_plan_command
-from fitrl.memory.inputs import Hardware, Images, PlanInputs, RolloutEngine, load_plan_config, plan_inputs_from_dict
-from fitrl.memory.plan import PHASES, Plan, plan_config
+from fitrl.memory.model import PHASES, Hardware, Plan
+from fitrl.memory.plan import plan_config
 from fitrl.memory.shapes import ModelShape
 
-__all__ = ["add_plan_command", "Hardware", "Images", "PlanInputs", "RolloutEngine", "load_plan_config",
-           "plan_inputs_from_dict", "PHASES", "Plan", "plan_config", "ModelShape"]
+__all__ = ["PHASES", "Hardware", "Plan", "plan_config", "ModelShape"]

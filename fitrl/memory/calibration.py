@@ -19,7 +19,7 @@ HOST_MARGIN = 0.85
 # --------------------------------------------------------------------------- processes (host RSS)
 CPU_PROCESS_RUNTIME = int(0.36 * GIB)
 """Measured: RSS of a CPU trainer process with torch, transformers and fitrl imported, a
-tokenizer and a (tiny) model built, before any model state: 0.35-0.37 GiB (DESIGN §4: ~0.3)."""
+tokenizer and a (tiny) model built, before any model state: 0.35-0.37 GiB."""
 CPU_RANK_EXTRA = 0
 """Measured: a gloo rank with FSDP2 (process group, device mesh, DTensor) adds nothing visible
 (tiny model: 0.363 GiB per rank of 2, 0.360 GiB alone)."""
@@ -34,7 +34,7 @@ REWARD_WORKER_HOST = 65 * MIB
 """Measured in fitrl.rewards.pool: one reward worker process, 60-70 MB."""
 VLLM_PROCESS_RUNTIME = int(3.0 * GIB)
 """Assumed: host RSS of a vLLM engine process besides weights (CUDA, vLLM, compiled graphs);
-story 2 of DESIGN §1 reports ~20 GB per engine worker while loading a 7B (16.6 GB of bf16 weights)."""
+failure story 2 (docs/architecture.md, "Failure stories") reports ~20 GB per engine worker while loading a 7B (16.6 GB of bf16 weights)."""
 
 # --------------------------------------------------------------------------- device (GPU)
 CUDA_CONTEXT = int(0.75 * GIB)

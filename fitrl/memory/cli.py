@@ -1,15 +1,22 @@
 """``fitrl plan CONFIG [overrides] --nodes N --gpus-per-node G --gpu-memory 80GiB --host-memory 2TiB``.
 
-Wired into the main parser by ``fitrl.cli`` through :func:`add_plan_command`. Exit status: 0
-when the plan fits, 1 when it does not, 2 on a configuration error (raised as ConfigError).
+Wired into the main parser by ``fitrl.cli`` through :func:`add_plan_command`. The config is loaded
+as for any command (its ``plan:`` section included); the flags override ``plan.hardware``. Exit
+status: 0 when the plan fits, 1 when it does not, 2 on a configuration error (raised as ConfigError).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+from typing import Optional
 
-from fitrl.config import ConfigError
+from fitrl.config import ConfigError, FitrlConfig, load_config
+from fitrl.config.plan import parse_bytes
+from fitrl.memory.model import Hardware
+from fitrl.memory.plan import plan_config
+from fitrl.memory.recommend import recommend
+from fitrl.memory.report import print_plan
+from fitrl.memory.shapes import ModelShape
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -18,12 +25,13 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         description="Predict peak GPU memory per device and host memory per node for each phase of a run, "
                     "say whether it fits (GPU <= 90%%, host <= 85%%), and rank changes that make it fit. "
                     "Needs only the model's config.json (actor.model.path may hold nothing else).")
-    p.add_argument("config", nargs="?", help="YAML config (may carry a planner-only `plan:` section)")
+    p.add_argument("config", nargs="?", help="YAML config (its `plan:` section: hardware, rollout engine, images)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.micro_batch_size=2 or plan.rollout.engine=vllm")
     p.add_argument("--nodes", type=int, help="nodes (default: plan.hardware.nodes, else trainer.nnodes)")
-    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: plan.hardware, else trainer.devices_per_node)")
-    p.add_argument("--gpu-memory", help="memory of one device, e.g. 80GiB (default 80GiB)")
-    p.add_argument("--host-memory", help="RAM of one node, e.g. 2TiB (default 2TiB)")
+    p.add_argument("--gpus-per-node", type=int,
+                   help="devices per node (default: plan.hardware.gpus_per_node, else trainer.devices_per_node)")
+    p.add_argument("--gpu-memory", help="memory of one device, e.g. 80GiB (default: plan.hardware.gpu_memory, else 80GiB)")
+    p.add_argument("--host-memory", help="RAM of one node, e.g. 2TiB (default: plan.hardware.host_memory, else 2TiB)")
     p.add_argument("--device", choices=["cuda", "cpu"],
                    help="plan a CUDA run (default) or a CPU run (default with trainer.device=cpu; host = this machine's RAM)")
     p.add_argument("--no-recommend", action="store_true", help="skip the recommendations (faster)")
@@ -32,31 +40,18 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fitrl.memory.inputs import load_plan_config, plan_inputs_from_dict
-
-    cfg, section = load_plan_config(args.config, args.overrides)
-    hw = section.setdefault("hardware", {})
-    for flag, key in (("nodes", "nodes"), ("gpus_per_node", "gpus_per_node"), ("gpu_memory", "gpu_memory"),
-                      ("host_memory", "host_memory"), ("device", "device")):
-        if getattr(args, flag) is not None:
-            hw[key] = getattr(args, flag)
-    hw.setdefault("nodes", cfg.trainer.nnodes)
-    hw.setdefault("gpus_per_node", cfg.trainer.devices_per_node)
-    if cfg.trainer.device == "cpu":
-        hw.setdefault("device", "cpu")
-    if hw.get("device") == "cpu":  # a CPU run: this machine's RAM unless told
-        hw.setdefault("host_memory", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        hw.setdefault("gpu_memory", 0)
-    inputs = plan_inputs_from_dict(section)
-    return run_plan(cfg, inputs, recommend_changes=not args.no_recommend)
+    cfg = load_config(args.config, args.overrides)
+    hardware = Hardware.for_config(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                   gpu_memory=_size(args.gpu_memory, "--gpu-memory"),
+                                   host_memory=_size(args.host_memory, "--host-memory"), device=args.device)
+    return run_plan(cfg, hardware, recommend_changes=not args.no_recommend)
 
 
-def run_plan(cfg, inputs, recommend_changes: bool = True, console=None) -> int:
-    from fitrl.memory.plan import plan_config
-    from fitrl.memory.recommend import recommend
-    from fitrl.memory.report import print_plan
-    from fitrl.memory.shapes import ModelShape
+def _size(text: Optional[str], flag: str) -> Optional[int]:
+    return None if text is None else parse_bytes(text, flag)
 
+
+def run_plan(cfg: FitrlConfig, hardware: Hardware, recommend_changes: bool = True, console=None) -> int:
     try:
         shape = ModelShape.from_path(cfg.actor.model.path)
     except FileNotFoundError:
@@ -64,7 +59,7 @@ def run_plan(cfg, inputs, recommend_changes: bool = True, console=None) -> int:
                           "the model's config.json (nothing else)") from None
     except ValueError as e:
         raise ConfigError(f"actor.model.path={cfg.actor.model.path!r}: {e}") from None
-    plan = plan_config(cfg, inputs.hardware, inputs, shape=shape)
+    plan = plan_config(cfg, hardware, shape=shape)
     recs, combo = recommend(plan) if recommend_changes else ([], None)
     print_plan(plan, recs, combo, console)
     return 0 if plan.fits else 1

@@ -1,263 +1,46 @@
-"""The memory plan: per process kind and phase, peak device memory and host memory by component.
+"""The entry point: :func:`plan_config` composes the processes of a run into a :class:`Plan`.
 
-Processes: ``trainer`` (one per device: actor, reference and critic shards, and today the HF
-rollout engine in the same process), ``engine`` (a vLLM engine's own process, planner-only),
-``driver`` (node 0), and ``node`` (what belongs to no rank: Ray, the object store, reward
-workers). Phases follow one RL step (DESIGN §2) plus load, validation and checkpoint save;
-the plan is the steady state (from step 2: AdamW states exist; gradients only inside the
-update, which frees them after its last optimizer step), and a phase's peak is the sum of what
-is resident in it and its largest transient. A node's host peak sums its processes; a device's
-peak sums what shares it (trainer rank and colocated engine).
+The trainer ranks' phases come from :mod:`.trainer`, the vLLM engine, the driver and the node's
+services from :mod:`.services`; the types they share are in :mod:`.model`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 from fitrl.config import FitrlConfig
 from fitrl.memory import calibration as C
-from fitrl.memory.inputs import Hardware, PlanInputs
+from fitrl.memory.model import Hardware, Plan, Run
+from fitrl.memory.services import driver_and_node_plans, vllm_plan
 from fitrl.memory.shapes import ModelShape
-from fitrl.memory.states import States, frozen_states, trained_states
-
-PHASES = ("load", "rollout", "weight_sync", "old_logprob", "ref_logprob", "update", "validation", "checkpoint_save")
-ACTOR_PHASES = {"rollout", "weight_sync", "old_logprob", "update", "validation", "checkpoint_save"}
+from fitrl.memory.trainer import trainer_plan
 
 
-@dataclass
-class Usage:
-    gpu: dict[str, int] = field(default_factory=dict)   # component -> bytes on one device
-    host: dict[str, int] = field(default_factory=dict)  # component -> bytes of host memory
+def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape] = None) -> Plan:
+    """The memory plan of ``cfg`` on ``hardware`` (``cfg.plan.hardware`` is not read here: see
+    :meth:`Hardware.for_config`); ``shape``: the actor's, when already read."""
+    # lazy: fitrl.config.choices imports fitrl.algo and so torch, which `fitrl --help` must not wait for
+    from fitrl.config.choices import algorithm_needs
 
-    def add(self, where: str, component: str, nbytes: float) -> None:
-        if nbytes > 0:
-            d = self.gpu if where == "gpu" else self.host
-            d[component] = d.get(component, 0) + int(nbytes)
-
-
-@dataclass
-class ProcessPlan:
-    kind: str
-    per_node: int                      # processes of this kind on the busiest node
-    phases: dict[str, Usage]
-
-    def host_peak(self, phase: Optional[str] = None) -> int:
-        return max(sum(self.phases[p].host.values()) for p in ([phase] if phase else self.phases))
-
-    def gpu_peak(self, phase: Optional[str] = None) -> int:
-        return max(sum(self.phases[p].gpu.values()) for p in ([phase] if phase else self.phases))
-
-
-@dataclass
-class Problem:
-    resource: str      # "gpu" | "host"
-    phase: str
-    need: int
-    limit: int
-    step: int = 0      # > 0: reached only at this step (host growth)
-
-
-@dataclass
-class Plan:
-    cfg: FitrlConfig
-    hardware: Hardware
-    inputs: PlanInputs
-    shape: ModelShape
-    processes: list[ProcessPlan]
-    notes: list[str]
-    growth_per_step: int = 0           # host bytes per node added every step (anchor behaviours)
-
-    def process(self, kind: str) -> ProcessPlan:
-        return next(p for p in self.processes if p.kind == kind)
-
-    def device(self, phase: str) -> dict[str, int]:
-        """One device's memory in ``phase``: everything that shares it, by component."""
-        out: dict[str, int] = {}
-        for p in self.processes:
-            if p.kind in ("trainer", "engine") and phase in p.phases:
-                for k, v in p.phases[phase].gpu.items():
-                    out[k] = out.get(k, 0) + v * (1 if p.kind == "trainer" else self.engines_per_device)
-        return out
-
-    @property
-    def engines_per_device(self) -> float:
-        return 1.0 / self.inputs.rollout.tensor_parallel_size
-
-    def node_host(self, phase: str) -> dict[str, int]:
-        """Node 0's host memory in ``phase`` (rank 0, the driver and Ray's head live there)."""
-        out: dict[str, int] = {}
-        for p in self.processes:
-            if phase in p.phases:
-                for k, v in p.phases[phase].host.items():
-                    out[k] = out.get(k, 0) + v * (1 if p.kind in ("driver", "node", "rank0") else p.per_node)
-        return out
-
-    @property
-    def phases(self) -> list[str]:
-        """The phases this run has (no reference phase without KL, no weight sync for HF generate ...)."""
-        cfg = self.cfg
-        ck = getattr(cfg, "checkpoint", None)
-        skip = {"ref_logprob": not cfg.uses_reference,
-                "old_logprob": not cfg.algorithm.recompute_old_logprob,
-                "weight_sync": self.inputs.rollout.engine != "vllm",
-                "validation": not cfg.data.val_files,
-                "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
-        return [ph for ph in PHASES if not skip.get(ph, False)]
-
-    def peaks(self) -> dict[str, tuple[int, int]]:
-        return {ph: (sum(self.device(ph).values()), sum(self.node_host(ph).values())) for ph in self.phases}
-
-    @property
-    def gpu_limit(self) -> int:
-        return int(self.hardware.gpu_memory * C.GPU_MARGIN)
-
-    @property
-    def host_limit(self) -> int:
-        return int(self.hardware.host_memory * C.HOST_MARGIN)
-
-    def problems(self) -> list[Problem]:
-        out = []
-        cuda = self.hardware.device == "cuda"
-        steps = self.inputs.steps or self.cfg.trainer.max_steps
-        for ph, (gpu, host) in self.peaks().items():
-            if cuda and gpu > self.gpu_limit:
-                out.append(Problem("gpu", ph, gpu, self.gpu_limit))
-            if host > self.host_limit:
-                out.append(Problem("host", ph, host, self.host_limit))
-        if self.growth_per_step and not any(p.resource == "host" for p in out):
-            # the anchor's growth: host in a phase at step k = its steady peak + (k - 1) * growth
-            ph, host = max(((ph, h) for ph, (_, h) in self.peaks().items()), key=lambda x: x[1])
-            k = (self.host_limit - host) // self.growth_per_step + 2
-            if k <= steps:  # reported where it grows: each rollout
-                out.append(Problem("host", "rollout", host + (k - 1) * self.growth_per_step, self.host_limit, step=k))
-        return out
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems()
-
-
-# ---------------------------------------------------------------------------------- inputs
-
-@dataclass
-class Run:
-    """Numbers derived once from the config and hardware."""
-    cfg: FitrlConfig
-    hw: Hardware
-    inp: PlanInputs
-    shape: ModelShape
-    ref_shape: Optional[ModelShape]
-
-    @property
-    def cuda(self) -> bool:
-        return self.hw.device == "cuda"
-
-    @property
-    def fsdp(self) -> bool:
-        return self.cfg.trainer.backend == "ray"
-
-    @property
-    def world(self) -> int:
-        return self.hw.nodes * self.hw.gpus_per_node if self.fsdp else 1
-
-    def shard_world(self, strategy: str) -> int:
-        return self.hw.gpus_per_node if strategy == "hybrid" and self.hw.nodes > 1 else self.world
-
-    @property
-    def compute_dtype(self) -> str:
-        a = self.cfg.actor
-        return "bfloat16" if self.fsdp and a.fsdp.mixed_precision else a.model.dtype
-
-    @property
-    def prompt_len(self) -> int:
-        return self.cfg.data.max_prompt_length
-
-    @property
-    def response_len(self) -> int:
-        return self.cfg.rollout.max_response_length
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.response_len
-
-    @property
-    def seqs_per_rank(self) -> int:
-        return max(1, self.cfg.data.rollout_batch_size * self.cfg.rollout.n // self.world)
-
-    def micro(self, size: int) -> int:
-        """Sequences in one forward: the count, or the token budget's worth of full-length ones."""
-        budget = self.cfg.actor.micro_batch_token_budget
-        b = max(1, budget // self.seq_len) if budget else size
-        return min(b, self.seqs_per_rank)
-
-    def image_bytes_per_seq(self) -> int:
-        im = self.inp.images
-        if not im.per_prompt or self.shape.vision is None:
-            return 0
-        return int(im.per_prompt * self.shape.vision.pixel_values_bytes(im.effective_pixels))
-
-    def batch_bytes(self, seqs: int) -> int:
-        """A rollout batch of ``seqs`` sequences as fitrl holds it (closed form, plus pixel values)."""
-        return seqs * (self.seq_len * C.BATCH_BYTES_PER_TOKEN + self.response_len * C.BATCH_BYTES_PER_RESPONSE_TOKEN
-                       + self.image_bytes_per_seq())
-
-
-def role_states(run: Run) -> dict[str, tuple[States, object]]:
-    """Per-rank states of each role built, with its fsdp config."""
-    cfg, pin = run.cfg, run.cuda
-    roles: dict[str, tuple[States, object]] = {}
-    a = cfg.actor.fsdp
-    n = run.shard_world(a.strategy)
-    roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pin and a.cpu_offload and run.fsdp), a)
-    if cfg.uses_reference:
-        r = cfg.ref.fsdp
-        dtype = (cfg.ref.model or cfg.actor.model).dtype
-        roles["ref"] = (frozen_states(run.ref_shape or run.shape, run.shard_world(r.strategy), dtype,
-                                      pinned=pin and r.cpu_offload and run.fsdp), r)
-    if cfg.algorithm.adv_estimator == "gae":
-        c = cfg.critic.fsdp
-        roles["critic"] = (trained_states(run.shape, run.shard_world(c.strategy), "float32",
-                                          pinned=pin and c.cpu_offload and run.fsdp), c)
-    return roles
-
-
-def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
-    """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
-    if not run.cuda or (fsdp.cpu_offload and run.fsdp):
-        return False, False
-    active = {"actor": ACTOR_PHASES, "ref": {"ref_logprob"}, "critic": {"old_logprob", "update"}}[role]
-    on = phase in active or not fsdp.offload_params
-    return on, phase == "update" or not fsdp.offload_optimizer
-
-
-# ---------------------------------------------------------------------------------- entry point
-
-def plan_config(cfg: FitrlConfig, hardware: Hardware, inputs: Optional[PlanInputs] = None,
-                shape: Optional[ModelShape] = None) -> Plan:
-    """The memory plan of ``cfg`` on ``hardware`` (``inputs.hardware`` is ignored here)."""
-    inputs = inputs or PlanInputs()
     shape = shape or ModelShape.from_path(cfg.actor.model.path)
     ref_shape = ModelShape.from_path(cfg.ref.model.path) if cfg.ref.model and cfg.ref.model.path else None
-    run = Run(cfg, hardware, inputs, shape, ref_shape)
+    spec = algorithm_needs(cfg)
+    run = Run(cfg, hardware, shape, ref_shape, spec)
     notes: list[str] = []
-    from fitrl.memory.services import driver_and_node_plans, vllm_plan
-    from fitrl.memory.trainer import trainer_plan
-
     processes = [trainer_plan(run, notes)]
     growth = 0
-    if inputs.rollout.engine == "vllm":
+    if cfg.plan.rollout.engine == "vllm":
         engine, growth = vllm_plan(run, notes)
         processes.append(engine)
     processes += driver_and_node_plans(run)
     if not run.fsdp:  # one process: trainer, driver and node share it
         processes = [p for p in processes if p.kind != "rank0"]
     _image_notes(run, notes)
-    return Plan(cfg, hardware, inputs, shape, processes, notes, growth)
+    return Plan(cfg, hardware, shape, spec, processes, notes, growth)
 
 
 def _image_notes(run: Run, notes: list[str]) -> None:
-    v, im = run.shape.vision, run.inp.images
+    v, im = run.shape.vision, run.cfg.plan.images
     if v is None or not im.per_prompt:
         return
     px = im.effective_pixels

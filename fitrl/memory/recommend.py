@@ -1,20 +1,20 @@
 """Recommendations: single changes to the config, ranked by what they cost in speed, each
 re-planned so its effect is a prediction in GiB, not advice.
 
-Every candidate is a list of dotted overrides (``plan.*`` ones change the planner-only inputs).
+Every candidate is a list of dotted overrides (``plan.*`` ones change the what-if inputs).
 Those that remove a problem, or are faster and keep the plan fitting, are reported in speed
 order; when no single one fits, the cheapest ones are combined greedily until the plan fits.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from fitrl.config import ConfigError
 from fitrl.config.loader import config_from_dict, config_to_dict
-from fitrl.memory.plan import Plan, plan_config
+from fitrl.memory.model import Plan
+from fitrl.memory.plan import plan_config
 
 
 @dataclass
@@ -46,7 +46,7 @@ def _get(cfg, key: str):
 
 def candidates(plan: Plan) -> list[Change]:
     """Changes in order of speed cost: faster first, then free, then slower, then task changes."""
-    cfg, e, out = plan.cfg, plan.inputs.rollout, []
+    cfg, e, out = plan.cfg, plan.cfg.plan.rollout, []
     ray = cfg.trainer.backend == "ray"
     cuda = plan.hardware.device == "cuda"
 
@@ -63,7 +63,7 @@ def candidates(plan: Plan) -> list[Change]:
         out.append(Change([("actor.fsdp.init", "rank0")], "faster: one checkpoint read per job, not per rank",
                           "actor.fsdp.init every_rank -> rank0"))
     if cuda:
-        roles = ["actor", "ref"] if cfg.uses_reference else ["actor"]
+        roles = ["actor", "ref"] if plan.spec.reference else ["actor"]
         on = [(f"{r}.fsdp.{k}", False) for r in roles for k in ("cpu_offload", "offload_params", "offload_optimizer")
               if not (r == "ref" and k == "offload_optimizer") and _get(cfg, f"{r}.fsdp.{k}")]
         if len(on) > 1:
@@ -73,7 +73,7 @@ def candidates(plan: Plan) -> list[Change]:
                 if role == "ref" and k == "offload_optimizer":
                     continue
                 flip(f"{role}.fsdp.{k}", "faster: no host<->device copies", False)
-    if cfg.uses_reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
+    if plan.spec.reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
         out.append(Change([("ref.model", {"path": (cfg.ref.model or cfg.actor.model).path, "dtype": "bfloat16"})],
                           "faster (bf16 forward of the frozen model)", "ref.model.dtype float32 -> bfloat16"))
     if e.engine == "vllm" and e.free_cache_engine:
@@ -105,14 +105,14 @@ def candidates(plan: Plan) -> list[Change]:
     if cuda and ray:
         flip("actor.fsdp.offload_optimizer", "slower: optimizer states copied each update", True)
         flip("actor.fsdp.offload_params", "slower: weights copied each phase", True)
-        if cfg.uses_reference:
+        if plan.spec.reference:
             flip("ref.fsdp.offload_params", "slower: reference weights copied each step", True)
     rbs, mini = cfg.data.rollout_batch_size, cfg.actor.mini_batch_size
     if rbs > 1 and rbs % 2 == 0:
         changes = [("data.rollout_batch_size", rbs // 2)] + ([("actor.mini_batch_size", mini // 2)]
                                                              if mini > rbs // 2 or (rbs // 2) % mini else [])
         out.append(Change(changes, "fewer prompts per step (training change)", f"data.rollout_batch_size {rbs} -> {rbs // 2}"))
-    im = plan.inputs.images
+    im = cfg.plan.images
     if plan.shape.vision is not None and im.per_prompt and im.max_pixels > 262144:
         out.append(Change([("plan.images.max_pixels", im.max_pixels // 4)], "lower image resolution (task change)",
                           f"max_pixels {im.max_pixels:,} -> {im.max_pixels // 4:,}"))
@@ -121,15 +121,8 @@ def candidates(plan: Plan) -> list[Change]:
 
 def _apply(plan: Plan, change: Change) -> Optional[Plan]:
     data = config_to_dict(plan.cfg)
-    inputs = copy.deepcopy(plan.inputs)
     for key, value in change.overrides:
         parts = key.split(".")
-        if parts[0] == "plan":
-            obj = inputs
-            for p in parts[1:-1]:
-                obj = getattr(obj, p)
-            setattr(obj, parts[-1], value)
-            continue
         node = data
         for p in parts[:-1]:
             if not isinstance(node.get(p), dict):
@@ -140,7 +133,7 @@ def _apply(plan: Plan, change: Change) -> Optional[Plan]:
         cfg = config_from_dict(data)
     except ConfigError:
         return None  # e.g. a micro-batch that no longer divides the mini-batch
-    return plan_config(cfg, plan.hardware, inputs, shape=plan.shape)
+    return plan_config(cfg, plan.hardware, shape=plan.shape)
 
 
 def _overshoot(plan: Plan) -> int:

@@ -3,13 +3,14 @@ worst phase, the verdict, and the recommendations with their predicted effect.""
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
 
 from fitrl.memory import calibration as C
-from fitrl.memory.plan import Plan
+from fitrl.memory.model import Plan
 from fitrl.memory.recommend import Recommendation, as_overrides
 
 
@@ -116,8 +117,6 @@ def _host_effect(r: Recommendation) -> str:
 def print_plan(plan: Plan, recs: list[Recommendation], combo: Optional[Recommendation],
                console: Optional[Console] = None) -> None:
     if console is None:  # wide tables when piped (rich would wrap them at 80 columns)
-        import sys
-
         console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(describe_run(plan), highlight=False)
     console.print(phase_table(plan))

@@ -4,13 +4,13 @@ belongs to a node (Ray, its object store, reward workers, rank 0's checkpoint co
 from __future__ import annotations
 
 from fitrl.memory import calibration as C
-from fitrl.memory.plan import PHASES, ProcessPlan, Run, Usage
+from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage
 from fitrl.memory.states import DTYPE_BYTES, full_weights
 
 
 def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
     """A vLLM engine per tensor_parallel_size devices (planner-only model); returns (plan, host growth/step)."""
-    e, shape, hw = run.inp.rollout, run.shape, run.hw
+    e, shape, hw = run.cfg.plan.rollout, run.shape, run.hw
     tp = e.tensor_parallel_size
     weights = full_weights(shape, "bfloat16", tp)
     pool = int(e.gpu_memory_utilization * hw.gpu_memory) * tp  # one engine spans tp devices
@@ -32,7 +32,7 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
             u.add("host", "runtime", C.VLLM_PROCESS_RUNTIME)
         awake = ph in ("rollout", "validation") or e.sleep_level == 0
         # loading streams the checkpoint through the node's page cache (its RSS shows those shared
-        # pages: ~runtime + weights per engine, DESIGN §1 story 2); they are counted once per node
+        # pages: ~runtime + weights per engine, failure story 2); they are counted once per node
         if awake:
             u.add("gpu", "engine (weights, kv cache)", pool // tp)
         elif ph == "weight_sync":
@@ -55,7 +55,7 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
 def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
     cfg, hw = run.cfg, run.hw
     seqs_step = cfg.data.rollout_batch_size * cfg.rollout.n
-    im = run.inp.images
+    im = run.cfg.plan.images
     decoded = int(im.per_prompt * im.effective_pixels * C.IMAGE_DECODED_BYTES_PER_PIXEL) if run.shape.vision else 0
     driver, node, rank0 = {}, {}, {}
     for ph in PHASES:
@@ -74,11 +74,11 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
             if ph != "load":
                 seqs = seqs_step if ph != "validation" else cfg.data.val_batch_size * cfg.rollout.val.n
                 store = min(C.RAY_OBJECT_COPIES * run.batch_bytes(seqs) // hw.nodes,
-                            int(run.inp.object_store_fraction * hw.host_memory))
+                            int(run.cfg.plan.object_store_fraction * hw.host_memory))
                 n.add("host", "object store", store)
         if ph == "load" and run.fsdp and cfg.actor.fsdp.init == "rank0":
             r0.add("host", "checkpoint copy", full_weights(run.shape, cfg.actor.model.dtype))
-        if ph == "load" and (run.fsdp or not run.cuda or run.inp.rollout.engine == "vllm"):
+        if ph == "load" and (run.fsdp or not run.cuda or run.cfg.plan.rollout.engine == "vllm"):
             # the checkpoint file mapped by safetensors (page cache shared by a node's readers)
             on_disk = run.shape.raw.get("torch_dtype") or run.shape.raw.get("dtype")
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))

@@ -168,14 +168,6 @@ class ModelShape:
     def layer_params(self) -> int:
         return sum(_numel(s) for _, s in self.layer_tensors(0))
 
-    @property
-    def vision_params(self) -> int:
-        return sum(_numel(s) for _, s in self.vision.tensors()) if self.vision else 0
-
-    @property
-    def largest_tensor(self) -> int:
-        return max(_numel(s) for _, s in self.tensors())
-
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V of every layer for one token: 2 * L * n_kv * d_head * bytes (56 KiB for Qwen2.5-7B in bf16)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes

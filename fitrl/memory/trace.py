@@ -52,6 +52,7 @@ def transient_bytes(spec: TraceSpec, layers: int) -> int:
 
 @lru_cache(maxsize=512)
 def _traced(spec: TraceSpec, layers: int) -> int:
+    # lazy: torch, MemTracker and transformers take seconds to import; `fitrl --help` must not wait for them
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -73,7 +74,7 @@ def _traced(spec: TraceSpec, layers: int) -> int:
         pos = torch.arange(T).expand(B, T)
         tracker = MemTracker()
         if spec.phase == "update":
-            if spec.checkpointing:  # as fitrl.models.parallelize does
+            if spec.checkpointing:  # as fitrl.models.loading does
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fitrl.memory import calibration as C
-from fitrl.memory.plan import PHASES, ProcessPlan, Run, Usage, resident, role_states
+from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage, resident, role_states
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
 from fitrl.memory.trace import trace_spec, transient_bytes
 
@@ -27,9 +27,10 @@ def _logits_part(run: Run, batch: int, grad: bool) -> int:
 
 
 def _vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool) -> int:
-    """Vision tower (analytic, DESIGN §4's per-layer formula at its width): per patch token and
-    block ``12e + 8I`` bytes-in-dtype without checkpointing, ``2e`` with it; one block's working set without grad."""
-    v, im = run.shape.vision, run.inp.images
+    """Vision tower (analytic: the per-layer activation formula of docs/architecture.md, "Memory model", at
+    its width): per patch token and block ``12e + 8I`` bytes-in-dtype without checkpointing, ``2e`` with
+    it; one block's working set without grad."""
+    v, im = run.shape.vision, run.cfg.plan.images
     if v is None or not im.per_prompt:
         return 0
     tokens = seqs * im.per_prompt * v.patches(im.effective_pixels)
@@ -44,7 +45,7 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
     cfg, cuda, dev = run.cfg, run.cuda, "gpu" if run.cuda else "host"
     roles = role_states(run)
     cb = DTYPE_BYTES[run.compute_dtype]
-    eng = run.inp.rollout
+    eng = run.cfg.plan.rollout
     phases = {}
     for ph in PHASES:
         u = Usage()
@@ -86,7 +87,7 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
             tr = _trace(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
                         checkpointing=grad and cfg.actor.model.gradient_checkpointing,
                         entropy_grad=grad and cfg.actor.entropy_coeff != 0)
-            if not cuda and run.inp.host_malloc == "glibc":
+            if not cuda and run.cfg.plan.host_malloc == "glibc":
                 tr = _cpu_transient(tr, grad, cfg.actor.model.gradient_checkpointing)
             logits = min(tr, _logits_part(run, b, grad))
             _logits_note(run, ph, b, notes)
@@ -102,7 +103,7 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
         if ph == "checkpoint_save":
             _checkpoint(run, u, roles)
         phases[ph] = u
-    if not cuda and run.inp.host_malloc == "glibc":
+    if not cuda and run.cfg.plan.host_malloc == "glibc":
         _cpu_retention(phases)
     if cuda and eng.engine == "hf":
         notes.append("rollout engine: transformers generate inside each trainer rank, on the actor's weights "

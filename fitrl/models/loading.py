@@ -1,7 +1,21 @@
-"""Loading real Hugging Face checkpoints from local directories.
+"""Loading real Hugging Face checkpoints from local directories, and building a role's model on one rank.
 
 The demo's tiny models and a user's Qwen2.5-7B go through exactly this code; nothing here
 reaches a hub (``local_files_only``), so a wrong path fails fast with a clear message.
+
+:func:`build_model` asks the checkpoint's model family (:mod:`fitrl.models.families`) how to
+build the model and which blocks to shard. Without a process group (the in-process backend) a
+model is simply loaded. Under ``torch.distributed`` (the Ray backend) the order is fixed, as
+in torchtitan:
+
+  1. every rank builds the architecture on the ``meta`` device (no memory);
+     with ``init=rank0`` only rank 0 also reads the checkpoint (one full copy on the host);
+     with ``init=every_rank`` every rank reads it (one full copy per rank: the slow path, kept
+     as an option; see docs/architecture.md, "Failure stories");
+  2. gradient checkpointing is switched on (it wraps layers, so before sharding);
+  3. the family's blocks, then the root, are sharded with FSDP2 (:func:`fitrl.distributed.fsdp.shard`);
+  4. meta ranks allocate their shards and rank 0 broadcasts the weights and buffers into them
+     (:func:`fitrl.distributed.fsdp.broadcast_from_rank0`).
 """
 
 from __future__ import annotations
@@ -9,11 +23,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from fitrl.config.schema import ModelConfig
+from fitrl.config.schema import FSDPConfig, ModelConfig
 from fitrl.core.errors import ConfigError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from fitrl.distributed.collectives import distributed, rank
+from fitrl.distributed.fsdp import broadcast_from_rank0, shard
+from fitrl.models.families import family_for
 
 
 def check_model_dir(path: str, what: str = "actor.model.path") -> Path:
@@ -28,6 +44,7 @@ def check_model_dir(path: str, what: str = "actor.model.path") -> Path:
 
 
 def load_tokenizer(model: ModelConfig):
+    # transformers imported on use: importing this module (the trainer's config checks) stays cheap
     from transformers import AutoTokenizer
 
     path = model.tokenizer_path or model.path
@@ -37,9 +54,39 @@ def load_tokenizer(model: ModelConfig):
     return tok
 
 
-def load_causal_lm(model: ModelConfig, device: torch.device, *, what: str = "actor.model.path") -> torch.nn.Module:
-    """A causal LM on ``device`` without sharding (see :mod:`fitrl.models.parallelize` for FSDP2)."""
-    from fitrl.config.schema import FSDPConfig
-    from fitrl.models.parallelize import build_model
+def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.device, *,
+                what: str = "actor.model.path", nnodes: int = 1) -> nn.Module:
+    """The role's model on this rank: plain when there is no process group, FSDP2-sharded otherwise.
 
-    return build_model("causal_lm", model, FSDPConfig(), device, what=what)
+    ``kind``: ``"causal_lm"`` (policy, reference) or ``"value"`` (critic); ``what`` names the
+    config key of ``model.path`` in error messages; ``nnodes`` shapes a hybrid-shard mesh."""
+    check_model_dir(model.path, what)
+    family = family_for(model.path)
+    from_pretrained, from_config = family.builders(kind, model)
+    if not distributed():
+        m = from_pretrained().to(device)
+        _enable_checkpointing(m, model)
+        return m
+
+    rank0_init = fsdp.init == "rank0"
+    full_state, source = None, None
+    if rank0_init:
+        with torch.device("meta"):
+            m = from_config()
+        if rank() == 0:
+            source = from_pretrained()  # the one full copy, on the host
+            full_state = source.state_dict()
+    else:
+        m = from_pretrained()
+    _enable_checkpointing(m, model)
+    shard(m, fsdp, family.blocks_to_shard(m), device, nnodes=nnodes)
+    if rank0_init:
+        broadcast_from_rank0(m, full_state, source, device, cpu_offload=fsdp.cpu_offload)
+        del full_state, source
+    return m
+
+
+def _enable_checkpointing(m: nn.Module, model: ModelConfig) -> None:
+    if model.gradient_checkpointing:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.config.use_cache = False

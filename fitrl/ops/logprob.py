@@ -1,6 +1,6 @@
 """Log-probabilities and entropy of sampled tokens, computed in chunks of tokens.
 
-Logits are often the true memory peak (DESIGN §4). One fp32 ``tokens x vocab`` copy at
+Logits are often the true memory peak (docs/architecture.md, "Memory model"). One fp32 ``tokens x vocab`` copy at
 T=4,096 and V=152,064 is 2.3 GiB; a naive ``log_softmax`` + gather + entropy holds about four
 (logits, log-probs, probs, their product: 9.3 GiB measured) and with backward about five
 (11.6 GiB). ``response_logprobs`` never builds the full logits: the lm_head receives the
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
-from fitrl.core.padding import position_ids_from_mask, trim_padding
+from fitrl.core.padding import trim_padding
 
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):

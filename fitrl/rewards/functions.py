@@ -12,6 +12,7 @@ No torch here: reward worker processes import this module, and torch would cost 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -43,6 +44,24 @@ def canonical_spec(spec: str) -> str:
         where, name = spec.rsplit(":", 1)
         return f"{Path(where).resolve()}:{name}"
     return spec
+
+
+def check_reward_spec(spec: str) -> None:
+    """The cheap checks of ``reward.function`` (no user code runs): a built-in name, or a
+    ``file.py:function`` whose file exists, or ``package.module:function``."""
+    if spec in BUILTIN_REWARDS:
+        return
+    if ":" not in spec:
+        near = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"unknown reward function reward.function={spec!r}{hint} (valid: {', '.join(sorted(BUILTIN_REWARDS))}, "
+                          "or 'path/to/file.py:function' / 'package.module:function')")
+    where, name = spec.rsplit(":", 1)
+    if not where or not name:
+        raise ConfigError(f"reward.function={spec!r} must look like 'path/to/file.py:function' or "
+                          "'package.module:function'")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise ConfigError(f"reward.function: file not found: {where}")
 
 
 def resolve_reward_fn(spec: str) -> Callable[..., Any]:

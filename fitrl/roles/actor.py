@@ -17,7 +17,7 @@ from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, ag
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
 from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
-from fitrl.models.parallelize import all_reduce_max, all_reduce_sum
+from fitrl.distributed.collectives import all_reduce_max, all_reduce_sum
 from fitrl.ops.logprob import response_logprobs
 from fitrl.telemetry.guard import GUARD
 

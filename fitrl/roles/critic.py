@@ -14,7 +14,7 @@ import torch
 from fitrl.algo.losses import Denominators, value_loss
 from fitrl.config.schema import CriticConfig
 from fitrl.data.batch import Batch
-from fitrl.models.parallelize import all_reduce_sum
+from fitrl.distributed.collectives import all_reduce_sum
 from fitrl.core.padding import trim_padding
 from fitrl.telemetry.guard import GUARD
 from fitrl.roles.actor import WeightedMetrics, build_optimizer, clip_gradients, lr_factor

@@ -1,10 +1,10 @@
 """Workers: what one rank of a role holds, composed from pieces.
 
-``PolicyWorker`` = a policy model + an :class:`Actor` (training) + an :class:`HFRollout`
-(generation) sharing the same module, so generation always sees the latest weights without a
-copy. ``ReferenceWorker`` = a frozen model computing log-probs. ``CriticWorker`` = a value
+``PolicyWorker`` = a policy model + an :class:`Actor` (training) + the rollout engine that
+``rollout.engine`` names (:class:`~fitrl.rollout.engine.RolloutEngine`; the default ``hf`` engine
+shares the trained module, so generation sees the latest weights without a copy). ``ReferenceWorker`` = a frozen model computing log-probs. ``CriticWorker`` = a value
 model + a :class:`Critic`. No role flags. Under the Ray backend each rank's model is an
-FSDP2-sharded module (:mod:`fitrl.models.parallelize`); the code here is the same.
+FSDP2-sharded module (:func:`fitrl.models.loading.build_model`); the code here is the same.
 """
 
 from __future__ import annotations
@@ -14,23 +14,19 @@ from contextlib import contextmanager
 import torch
 
 from fitrl.checkpoint.sharded import load_role, save_role
-from fitrl.config.schema import ConfigError, FitrlConfig, FSDPConfig
+from fitrl.config.schema import FitrlConfig, FSDPConfig, SamplingConfig
+from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
-from fitrl.models.loading import load_tokenizer
-from fitrl.models.parallelize import build_model, full_state_dict, move_model, move_optimizer_state
+from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
+from fitrl.models.families import family_for
+from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
-from fitrl.rollout.hf import HFRollout, Sampling
+from fitrl.roles.critic import Critic
+from fitrl.rollout import build_engine
+from fitrl.rollout.layout import gather_rollouts
 from fitrl.telemetry.guard import GUARD
 from fitrl.workers.group import dispatch
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    return torch.device(name)
 
 
 class OffloadBetweenPhases:
@@ -74,13 +70,18 @@ class PolicyWorker:
                                  nnodes=cfg.trainer.nnodes)
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length)
-        self.rollout = HFRollout(self.model, self.tokenizer, micro_batch_size=cfg.rollout.micro_batch_size)
+        family = family_for(cfg.actor.model.path)
+        self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, position_ids=family.position_ids)
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer)
 
-    @dispatch("dp")
-    def generate(self, prompts: Batch, sampling: Sampling) -> Batch:
+    @dispatch("dp", gather=gather_rollouts)  # ranks generate to different widths
+    def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
         with self.offload.phase():
-            return self.rollout.generate(prompts, sampling).to("cpu")
+            self.rollout.wake()
+            try:
+                return self.rollout.generate(prompts, sampling).to("cpu")
+            finally:
+                self.rollout.sleep()
 
     @dispatch("dp")
     def compute_logprob(self, batch: Batch) -> Batch:
@@ -91,8 +92,10 @@ class PolicyWorker:
     def update(self, batch: Batch) -> dict[str, float]:
         seqs = self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world_size
         with self.offload.phase(needs_optimizer=True):
-            return self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
-                                     temperature=self.cfg.rollout.temperature)
+            metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
+                                        temperature=self.cfg.rollout.temperature)
+        self.rollout.push_weights()  # the next rollout samples from the updated policy
+        return metrics
 
     @dispatch("all")
     def num_parameters(self) -> int:
@@ -149,8 +152,6 @@ class ReferenceWorker:
 
 class CriticWorker:
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
-        from fitrl.roles.critic import Critic
-
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)

@@ -1,15 +1,8 @@
-"""Rollout with Hugging Face ``generate`` (CPU and GPU).
+"""Rollout with Hugging Face ``generate`` (CPU and GPU): the default :class:`RolloutEngine`.
 
-Layout of the returned batch, for B = prompts x n sequences, P = longest prompt, R = longest
-response actually generated (<= max_response_length):
-
-  input_ids       (B, P+R)  prompt left-padded | response right-padded
-  attention_mask  (B, P+R)  1 on real prompt tokens and on response tokens up to EOS
-  position_ids    (B, P+R)  counting real tokens only (what generate used)
-  responses       (B, R)
-  response_mask   (B, R)    1 up to and including the first EOS
-  finished        (B,)      1 when the response emitted EOS (0: cut at max_new_tokens)
-  rollout_logprobs (B, R)   log-prob of each sampled token at the sampling temperature
+It generates with the trained module itself (under FSDP2 its full weights are gathered once per
+call), so it never holds a second copy and weight pushes, sleep and wake are no-ops. The batch
+layout it returns is documented in :mod:`fitrl.rollout.engine`.
 
 Sampling (temperature, top-k, top-p) is applied by our own logits processor, and HF's own
 processors are switched off: a checkpoint's ``generation_config.json`` (Qwen ships top_k=20,
@@ -20,30 +13,17 @@ truncation, which is what the trainer recomputes (as veRL does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from fitrl.data.batch import Batch
-from fitrl.models.parallelize import gathered_for_generation
+from fitrl.config.schema import SamplingConfig
 from fitrl.core.padding import first_eos_mask, left_pad, pad_right, position_ids_from_mask
+from fitrl.data.batch import Batch
+from fitrl.distributed.fsdp import gathered_for_generation
+from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.telemetry.guard import GUARD
-
-
-@dataclass
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    max_new_tokens: int = 32
-    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class SampleAndRecord(LogitsProcessor):
@@ -54,7 +34,7 @@ class SampleAndRecord(LogitsProcessor):
     one vocabulary row per sequence instead of all R steps' logits.
     """
 
-    def __init__(self, sampling: Sampling, eos_ids: list[int] = ()):
+    def __init__(self, sampling: SamplingConfig, eos_ids: list[int] = ()):
         self.sampling = sampling
         self.eos_ids = list(eos_ids)
         self.pending: Optional[torch.Tensor] = None  # (B, V) fp32 log-probs of the last step
@@ -99,26 +79,13 @@ class SampleAndRecord(LogitsProcessor):
         return torch.stack(self.logprobs[:num_generated], dim=1)
 
 
-def first_eos_mask(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """(B, R) -> 1 up to and including the first EOS (works when pad == eos too)."""
-    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
-    eos_before = is_eos.long().cumsum(-1) - is_eos.long()  # EOS strictly before position t
-    return (eos_before == 0).long()
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if seq:
-            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq):] = 1
-    return ids, mask
-
-
-class HFRollout:
-    def __init__(self, model: torch.nn.Module, tokenizer, *, micro_batch_size: int = 64):
+@ROLLOUT_ENGINES.register("hf")
+class HFRollout(RolloutEngine):
+    def __init__(self, model: torch.nn.Module, tokenizer, *, micro_batch_size: int = 64,
+                 position_ids: Callable[[torch.Tensor], torch.Tensor] = position_ids_from_mask):
+        """``position_ids``: the model family's positions for a (B, P+R) attention mask."""
         self.model = model
+        self.position_ids = position_ids
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -127,8 +94,12 @@ class HFRollout:
         # global defaults (top_k=50): replace the checkpoint's and pass neutral values below.
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
+    @classmethod
+    def from_config(cls, model, tokenizer, cfg, *, position_ids) -> "HFRollout":
+        return cls(model, tokenizer, micro_batch_size=cfg.micro_batch_size, position_ids=position_ids)
+
     @torch.no_grad()
-    def generate(self, prompts: Batch, sampling: Sampling) -> Batch:
+    def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
         """prompts: fields ``prompt_ids`` (list[list[int]]) and any per-prompt fields, which are
         repeated ``n`` times so each sequence carries its prompt's answer, uid, ..."""
         device = next(self.model.parameters()).device
@@ -151,8 +122,8 @@ class HFRollout:
         finally:
             self.model.train(was_training)
         resp_len = max(r.shape[1] for r in responses)
-        responses = torch.cat([_pad_right(r, resp_len, self.pad_id) for r in responses])
-        logprobs = torch.cat([_pad_right(lp, resp_len, 0.0) for lp in logprobs])
+        responses = torch.cat([pad_right(r, resp_len, self.pad_id) for r in responses])
+        logprobs = torch.cat([pad_right(lp, resp_len, 0.0) for lp in logprobs])
         response_mask = first_eos_mask(responses, self.eos_ids)
         input_ids = torch.cat([prompt_ids.to(device), responses], dim=1)
         attention_mask = torch.cat([prompt_mask.to(device), response_mask], dim=1)
@@ -160,19 +131,19 @@ class HFRollout:
             tensors={
                 "input_ids": input_ids,
                 "attention_mask": attention_mask,
-                "position_ids": position_ids_from_mask(attention_mask),
+                "position_ids": self.position_ids(attention_mask),
                 "responses": responses,
                 "response_mask": response_mask,
                 "finished": torch.isin(responses, torch.tensor(self.eos_ids, device=device)).any(-1).long(),
                 "rollout_logprobs": logprobs * response_mask,
             },
             fields={k: v for k, v in seqs.fields.items()},
-            meta={**prompts.meta, "layout": "rollout", "pad_id": self.pad_id},
+            meta={**prompts.meta, "pad_id": self.pad_id},
         )
         out.fields["response_text"] = self.decode(responses, response_mask)
         return out
 
-    def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: Sampling):
+    def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig):
         recorder = SampleAndRecord(sampling, self.eos_ids)
         config = GenerationConfig(
             do_sample=not sampling.greedy,
@@ -181,7 +152,7 @@ class HFRollout:
             **(dict(temperature=1.0, top_k=0, top_p=1.0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
                     eta_cutoff=0.0) if not sampling.greedy else {}),
             repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0,
-            max_new_tokens=sampling.max_new_tokens,
+            max_new_tokens=sampling.max_tokens,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
             bos_token_id=None,
@@ -202,10 +173,6 @@ class HFRollout:
             toks = [t for t, keep in zip(row, m) if keep and t not in eos]
             texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
         return texts
-
-
-def _pad_right(t: torch.Tensor, width: int, value) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

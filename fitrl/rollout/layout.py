@@ -38,3 +38,8 @@ def concat_rollouts(batches: list[Batch], pad_id: int = 0) -> Batch:
         out.append(Batch(tensors, b.fields, b.meta))
     return Batch.concat(out)
 
+
+
+def gather_rollouts(results: list[Batch]) -> Batch:
+    """Joins the rollouts of data-parallel ranks (each generated to its own widths)."""
+    return concat_rollouts(results, pad_id=results[0].meta.get("pad_id", 0))

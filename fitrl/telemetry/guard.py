@@ -1,4 +1,4 @@
-"""The memory guard (issue 5, part 5): stop cleanly before the OS or Ray kills a process.
+"""The memory guard: stop cleanly before the OS or Ray kills a process (docs/architecture.md, "Memory model").
 
 Each process of a run has one :data:`GUARD`. Readings are taken at *safe points*: between the
 micro-batches of read-only phases (generation, log-probs, reference, values), where leaving
@@ -24,8 +24,10 @@ from typing import Optional
 
 import torch
 
+from fitrl.distributed.collectives import all_reduce_max
 from fitrl.telemetry import memory as mem
 from fitrl.telemetry.memory import GIB
+from fitrl.telemetry.phases import RECORDER
 
 HOST, GPU = 1, 2  # verdict codes, all-reduced with max: GPU pressure outranks host pressure
 POLL_INTERVAL_S = 0.25  # tight loops: a reading (~30 us of /proc) at most this often
@@ -73,8 +75,6 @@ class MemoryGuard:
 
     def configure(self, memory_cfg, process: Optional[str] = None) -> None:
         """From a ``MemoryConfig`` (``cfg.memory``); also sets this process's recorder."""
-        from fitrl.telemetry.phases import RECORDER
-
         RECORDER.enabled, RECORDER.uss_min_s = memory_cfg.telemetry, memory_cfg.uss_min_phase_s
         gib = memory_cfg.guard_min_available_gib
         self.settings = GuardSettings(
@@ -114,8 +114,6 @@ class MemoryGuard:
             return
         pressure = self.reading()
         if collective and _group_size() > 1:
-            from fitrl.models.parallelize import all_reduce_max
-
             local = 0 if pressure is None else (GPU if pressure.kind == "gpu" else HOST)
             verdict = all_reduce_max(local, device or torch.device("cpu"))
             if verdict and pressure is None:

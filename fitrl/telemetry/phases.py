@@ -1,4 +1,4 @@
-"""Per-phase memory records of one process (issue 5, part 3).
+"""Per-phase memory records of one process.
 
 Every process of a run (the driver, each Ray rank) has one :data:`RECORDER`. A phase is what
 the driver times (``rollout``, ``old_logprob``, ``ref``, ``values``, ``critic_update``,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -81,9 +81,6 @@ class PhaseMemory:
                       f"{prefix}/gpu_reserved_gib": self.gpu_reserved / GIB,
                       f"{prefix}/gpu_peak_gib": self.gpu_peak / GIB})
         return m
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 StepReport = dict[str, dict[str, PhaseMemory]]

@@ -15,14 +15,13 @@ import torch
 
 from fitrl.algo.filtering import group_is_informative
 from fitrl.algo.shaping import overlong_penalty
-from fitrl.config.schema import FitrlConfig
+from fitrl.config.schema import FitrlConfig, SamplingConfig
+from fitrl.core.errors import RunStopped
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
-from fitrl.rewards.registry import RewardScorer
-from fitrl.rollout.hf import Sampling
+from fitrl.roles.reward import RewardScorer, Scored
 from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
-from fitrl.core.errors import RunStopped
 from fitrl.workers.group import RoleHandle
 
 log = logging.getLogger("fitrl.trainer")
@@ -55,7 +54,7 @@ class CollectStats:
 
 class RolloutCollector:
     def __init__(self, cfg: FitrlConfig, policy: RoleHandle, reward: RewardScorer, data: PromptDataset,
-                 sampler: PromptSampler, sampling: Sampling, needs_baseline: bool, pad_id: int):
+                 sampler: PromptSampler, sampling: SamplingConfig, needs_baseline: bool, pad_id: int):
         self.cfg, self.policy, self.reward = cfg, policy, reward
         self.data, self.sampler, self.sampling = data, sampler, sampling
         self.needs_baseline, self.pad_id = needs_baseline, pad_id
@@ -97,9 +96,10 @@ class RolloutCollector:
                 log.warning("%s; continuing with a partial batch", why)
                 return concat_rollouts(kept, self.pad_id), stats
 
-    def _add_reward_metrics(self, stats: CollectStats, prefix: str = "") -> None:
+    @staticmethod
+    def _add_reward_health(stats: CollectStats, scored: Scored, prefix: str = "") -> None:
         """Timeouts, errors and degenerate answers, summed over the step's scoring calls."""
-        for k, v in self.reward.last_metrics.items():
+        for k, v in scored.health.items():
             key = k.replace("reward/", f"reward/{prefix}", 1)
             stats.metrics[key] = stats.metrics.get(key, 0.0) + v
 
@@ -109,20 +109,20 @@ class RolloutCollector:
         with timer.phase("rollout"):
             batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
         with timer.phase("reward"):
-            scores, components = self.reward.score(batch["response_text"], batch["answer"], batch["source"],
-                                                   extras=batch["extra"])
-            self._add_reward_metrics(stats)
-            batch.update(scores=self._shape(batch, scores))
-            for k, v in components.items():
+            scored = self.reward.score(batch["response_text"], batch["answer"], batch["source"],
+                                       extras=batch["extra"])
+            self._add_reward_health(stats, scored)
+            batch.update(scores=self._shape(batch, scored.scores))
+            for k, v in scored.components.items():
                 batch.update(**{f"reward_component/{k}": v})
         if self.needs_baseline:
             with timer.phase("baseline_rollout"):
-                greedy = self.policy.generate(prompts, Sampling(temperature=0.0, n=1,
-                                                                max_new_tokens=self.sampling.max_new_tokens))
-                base, _ = self.reward.score(greedy["response_text"], greedy["answer"], greedy["source"],
-                                            extras=greedy["extra"])
-                self._add_reward_metrics(stats, prefix="baseline_")
-                base = self._shape(greedy, base)
+                greedy = self.policy.generate(prompts, SamplingConfig(temperature=0.0, n=1,
+                                                                      max_tokens=self.sampling.max_tokens))
+                base = self.reward.score(greedy["response_text"], greedy["answer"], greedy["source"],
+                                         extras=greedy["extra"])
+                self._add_reward_health(stats, base, prefix="baseline_")
+                base = self._shape(greedy, base.scores)
                 batch.update(baseline_scores=base.repeat_interleave(self.sampling.n))
         return batch
 

@@ -1,4 +1,5 @@
-"""The RL loop as visible dataflow (DESIGN §2). Each phase is one timed call on a role.
+"""The RL loop as visible dataflow (docs/architecture.md, "One step's data flow"). Each phase is
+one timed call on a role.
 
 The driver never assumes one process: roles are reached through :class:`RoleHandle`, data
 moves as :class:`Batch`, and what the driver computes itself (rewards, advantages) is cheap
@@ -7,8 +8,6 @@ per-sequence math.
 
 from __future__ import annotations
 
-import gc
-import inspect
 import time
 from pathlib import Path
 from typing import Optional
@@ -16,28 +15,21 @@ from typing import Optional
 import torch
 from rich.console import Console
 
-from fitrl.algo.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, scores_to_token_rewards
-from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
+from fitrl.algo.advantages import compute_advantages, scores_to_token_rewards
+from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalized_rewards
 from fitrl.checkpoint.layout import Checkpoint
 from fitrl.checkpoint.manager import CheckpointManager
+from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import FitrlConfig
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
-from fitrl.rewards.registry import RewardScorer
-from fitrl.rollout.hf import Sampling
-from fitrl.telemetry.guard import MemoryPressure
-from fitrl.telemetry.memory import host_memory, trim_heap
+from fitrl.roles.reward import RewardScorer
+from fitrl.telemetry.memory import host_memory
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.collect import RolloutCollector, group_index, prompts_batch
-from fitrl.core.errors import RunStopped
 from fitrl.trainer.logging import MetricsWriter, format_step_line, make_progress
 from fitrl.trainer.memory_watch import MemoryWatch
 from fitrl.workers.group import RoleHandle
-
-
-def estimator_inputs(name: str) -> set[str]:
-    """The keyword inputs an advantage estimator takes (``values`` means it needs a critic)."""
-    return set(inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters)
 
 
 def response_stats(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,16 +68,14 @@ class RLTrainer:
         self.train_data, self.val_data, self.reward = train_data, val_data, reward
         self.run_dir, self.console = run_dir, console
         self.writer = MetricsWriter(run_dir / "metrics.jsonl")
-        algo, r = cfg.algorithm, cfg.rollout
-        self.train_sampling = Sampling(r.temperature, r.top_p, r.top_k, r.n, r.max_response_length, r.ignore_eos)
-        v = r.val
-        self.val_sampling = Sampling(v.temperature, v.top_p, v.top_k, v.n, r.max_response_length)
+        algo = cfg.algorithm
+        self.train_sampling, self.val_sampling = cfg.rollout.sampling(), cfg.rollout.val_sampling()
         self.collector = None
         if train_data is not None:
             sampler = PromptSampler(len(train_data), cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.trainer.seed)
             self.collector = RolloutCollector(
                 cfg, policy, reward, train_data, sampler, self.train_sampling,
-                needs_baseline="baseline_scores" in estimator_inputs(algo.adv_estimator), pad_id=pad_id)
+                needs_baseline=algorithm_needs(cfg).baseline, pad_id=pad_id)
         kr = algo.kl_in_reward
         self.kl_in_reward = KL_ESTIMATORS.get(kr.estimator) if kr.enable else None
         self.kl_ctrl = (AdaptiveKLController(kr.coef, kr.target_kl, kr.horizon) if kr.controller == "adaptive"
@@ -94,64 +84,55 @@ class RLTrainer:
         self.start_step = 0  # the step a resumed run continues after
         self.history: list[dict[str, float]] = list(history or [])
         self.memory = MemoryWatch(cfg, {"policy": policy, **({"ref": ref} if ref else {}),
-                                        **({"critic": critic} if critic else {})}, console)
+                                        **({"critic": critic} if critic else {})}, console,
+                                  write=self.writer.write, save=self.emergency_save)
 
     def fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         if t.val_only or (t.val_before_train and self.start_step == 0):
-            try:
+            with self.memory.catch():
                 self.validate(step=self.start_step)
-            except MemoryPressure as p:
-                raise RunStopped(self.memory.explain(p.with_traceback(None), step_done=True, checkpoint=None,
-                                                     step=self.start_step)) from None
+            self.memory.stop_if_crossed(self.start_step, step_done=True, state=None)
         if t.val_only:
             return self.history
         with make_progress(self.console, t.progress_bar) as progress:
             task = progress.add_task("train", total=t.max_steps, completed=self.start_step)
             for step in range(self.start_step + 1, t.max_steps + 1):
-                metrics, pressure = self.run_step(step)
+                metrics = self.run_step(step)
                 self.record(step, metrics)
                 if step % t.log_freq == 0 or step == t.max_steps:
                     progress.console.print(format_step_line(step, metrics), highlight=False)
-                if pressure is not None:  # crossed where nothing could stop: the step is complete
-                    self.stop_for_memory(pressure, step, step_done=True, state=self.state_dict(step))
+                # a crossing noted where nothing could stop (update, validation): the step is complete
+                self.memory.stop_if_crossed(step, step_done=True, state=self.state_dict(step), metrics=self.history[-1])
                 if step != t.max_steps:
                     self.maybe_save(step, metrics)
                 progress.advance(task)
         final = {}
         if self.val_data is not None and t.max_steps:
-            try:
+            with self.memory.catch():
                 final = self.validate(step=t.max_steps)
-            except MemoryPressure as p:
-                self.stop_for_memory(p.with_traceback(None), t.max_steps, step_done=True,
-                                     state=self.state_dict(t.max_steps))
+            self.memory.stop_if_crossed(t.max_steps, step_done=True, state=self.state_dict(t.max_steps),
+                                        metrics=self.history[-1] if self.history else {})
         if t.max_steps > self.start_step:
             self.maybe_save(t.max_steps, {**self.history[-1], **final} if self.history else final)
         return self.history
 
-    def run_step(self, step: int) -> tuple[dict[str, float], Optional[MemoryPressure]]:
-        """One RL step, its validation when due, and its memory. A guard stop in a read-only
-        phase abandons the step (the run ends here, checkpointed as the previous step); one the
-        step could only note is returned, to act on once the step is recorded."""
+    def run_step(self, step: int) -> dict[str, float]:
+        """One RL step, its validation when due, and its memory. A guard crossing in a read-only
+        phase abandons the step (the run ends here, checkpointed as the previous step)."""
         at_start = self.state_dict(step - 1)
-        pressure = None
-        try:
+        with self.memory.catch():
             metrics = self.train_step(step)
-        except MemoryPressure as p:
-            pressure = p.with_traceback(None)  # drop the frames that hold the step's batch
-        if pressure is not None:
-            self.stop_for_memory(pressure, step, step_done=False, state=at_start)
+        self.memory.stop_if_crossed(step, step_done=False, state=at_start)
         val_freq = self.cfg.trainer.val_freq
-        try:
-            if val_freq and step % val_freq == 0 and step != self.cfg.trainer.max_steps:
+        if val_freq and step % val_freq == 0 and step != self.cfg.trainer.max_steps:
+            with self.memory.catch():
                 metrics.update(self.validate(step))
-        except MemoryPressure as p:
-            pressure = p.with_traceback(None)
-        mem, deferred, events = self.memory.end_step(step)
+        mem, events = self.memory.end_step(step)
         metrics.update(mem)
         for event in events:  # leak warnings, kept beside the step they were raised at
             self.writer.write(event)
-        return metrics, pressure or deferred
+        return metrics
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
         # metrics first: a checkpoint of step k implies metrics.jsonl holds step k
@@ -171,26 +152,10 @@ class RLTrainer:
             with PhaseTimer().phase("checkpoint_save", guarded=False):
                 self.checkpoints.save(step, self.roles(), self.state_dict(step), metrics)
 
-    def stop_for_memory(self, pressure: MemoryPressure, step: int, *, step_done: bool, state: dict) -> None:
-        """The guard's stop: free what the step held, write an emergency checkpoint of the last
-        complete step, raise :class:`RunStopped` with the explanation."""
-        gc.collect()  # the abandoned step's batch and activations
-        trim_heap()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        done = step if step_done else step - 1
-        path = None
-        if self.checkpoints is not None:
-            try:
-                metrics = self.history[-1] if self.history and step_done else {}
-                path = self.checkpoints.save(done, self.roles(), state, metrics)
-            except Exception as e:  # the message says so; earlier checkpoints are untouched (atomic saves)
-                self.console.print(f"[red]emergency checkpoint of step {done} failed:[/] {type(e).__name__}: {e}")
-        self.writer.write({"step": step, "event": "memory_guard_stop", "kind": pressure.kind,
-                           "phase": pressure.phase, "process": pressure.process,
-                           "available_gib": pressure.available / 2**30, "checkpoint": str(path) if path else None})
-        raise RunStopped(self.memory.explain(pressure, step_done=step_done, checkpoint=str(path) if path else None,
-                                             step=step))
+    def emergency_save(self, step: int, state: dict, metrics: dict) -> Optional[Path]:
+        if self.checkpoints is None:
+            return None
+        return self.checkpoints.save(step, self.roles(), state, metrics)
 
     def state_dict(self, step: int) -> dict:
         """The driver's part of a checkpoint (RNG states are added by the manager)."""
@@ -248,12 +213,12 @@ class RLTrainer:
         return metrics
 
     def apply_kl_penalty(self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor):
-        """PPO-style KL in the reward: r_t -= beta * KL_t, beta from the (adaptive) controller."""
-        kl = self.kl_in_reward(batch["old_logprobs"], batch["ref_logprobs"]) * mask  # (B, R)
+        """PPO-style KL in the reward, its coefficient from the (adaptive) controller."""
         beta = self.kl_ctrl.value
-        seq_kl = kl.sum(-1).mean().item()
+        rewards, seq_kl = kl_penalized_rewards(token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
+                                               self.kl_in_reward, beta)
         self.kl_ctrl.update(seq_kl, n_steps=len(batch))
-        return token_rewards - beta * kl, {"kl_in_reward/kl": seq_kl, "kl_in_reward/coef": beta}
+        return rewards, {"kl_in_reward/kl": seq_kl, "kl_in_reward/coef": beta}
 
     def step_metrics(self, batch: Batch, mask: torch.Tensor, stats) -> dict[str, float]:
         components = {k.split("/", 1)[1]: v for k, v in batch.tensors.items() if k.startswith("reward_component/")}
@@ -289,11 +254,12 @@ class RLTrainer:
         for i in range(0, len(indices), self.cfg.data.val_batch_size):
             prompts = prompts_batch(self.val_data, indices[i:i + self.cfg.data.val_batch_size], f"val{step}.{i}")
             out = self.policy.generate(prompts, self.val_sampling)
-            s, c = self.reward.score(out["response_text"], out["answer"], out["source"], extras=out["extra"])
-            for k, v in self.reward.last_metrics.items():
+            scored = self.reward.score(out["response_text"], out["answer"], out["source"], extras=out["extra"])
+            for k, v in scored.health.items():
                 health[k] = health.get(k, 0.0) + v
             length, trunc = response_stats(out)
-            scores.append(s); comps.append(c); lengths.append(length); truncated.append(trunc)
+            scores.append(scored.scores); comps.append(scored.components); lengths.append(length)
+            truncated.append(trunc)
         m = sequence_metrics(torch.cat(scores), {k: torch.cat([c[k] for c in comps]) for k in comps[0]},
                              torch.cat(lengths), torch.cat(truncated), prefix="val/")
         m.update({f"val/{k}": v for k, v in health.items()})

@@ -1,30 +1,41 @@
 """The driver's view of memory during a run: telemetry, leak warnings, guard stops.
 
 Once per step :meth:`MemoryWatch.end_step` drains every process's per-phase records (the
-driver's own, and each Ray rank's through its group), turns them into ``mem/...`` metrics,
-feeds the leak detector, and returns a guard crossing that no safe point could act on (one
-during an update). :func:`explain` writes the stop message: which memory, where, what held
-it, and which settings would help.
+driver's own, and each Ray rank's through its group), turns them into ``mem/...`` metrics and
+feeds the leak detector. Guard stops are handled here too, so the loop only marks where a stop
+may happen (docs/architecture.md, "Memory during the run"):
+
+- ``with watch.catch(): ...`` notes a guard crossing instead of raising it. Afterwards
+  ``watch.stop_if_crossed(step, step_done=...)`` ends the run: a crossing in a read-only phase
+  abandons the step (the emergency checkpoint is the previous step); one after the update, or
+  one an update could only defer, stops once the step is recorded.
+- :meth:`explain` writes the stop message: which memory, where, what held it, which settings help.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
-from typing import Optional
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
 
 from rich.console import Console
 
 from fitrl.config.schema import FitrlConfig
+from fitrl.core.errors import RunStopped
 from fitrl.telemetry.guard import GUARD, MemoryPressure
 from fitrl.telemetry.leaks import LeakDetector
-from fitrl.telemetry.memory import GIB, read_memory
+from fitrl.telemetry.memory import GIB, read_memory, trim_heap
 from fitrl.telemetry.phases import RECORDER, PhaseMemory, StepReport
 from fitrl.workers.group import RoleHandle
 
 log = logging.getLogger(__name__)
 
-# Settings that lower each phase's memory, cheapest in speed first (DESIGN §4's knobs).
+# Settings that lower each phase's memory, cheapest in speed first.
 KNOBS = {
     "rollout": ["rollout.micro_batch_size (sequences generated at once)", "rollout.max_response_length",
                 "data.rollout_batch_size or rollout.n (sequences per step)"],
@@ -64,16 +75,16 @@ def report_metrics(report: StepReport) -> dict[str, float]:
     return m
 
 
-def peak_where(report: StepReport, field: str) -> tuple[float, str, str]:
-    """(GiB, process, phase) of the largest ``field`` in the report."""
-    best = max(((getattr(rec, field), proc, phase) for proc, phases in report.items() for phase, rec in phases.items()),
-               default=(0, "", ""))
-    return best[0] / GIB, best[1], best[2]
+EmergencySave = Callable[[int, dict, dict], Optional[Path]]
+"""``save(step, driver_state, metrics)``: writes the checkpoint of a complete step, returns its path."""
 
 
 class MemoryWatch:
-    def __init__(self, cfg: FitrlConfig, roles: dict[str, RoleHandle], console: Console):
+    def __init__(self, cfg: FitrlConfig, roles: dict[str, RoleHandle], console: Console, *,
+                 write: Callable[[dict], None] = lambda record: None, save: Optional[EmergencySave] = None):
         self.cfg, self.roles, self.console = cfg, roles, console
+        self.write, self.save = write, save  # metrics.jsonl records; the emergency checkpoint
+        self.crossed: Optional[MemoryPressure] = None
         m = cfg.memory
         self.remote = cfg.trainer.backend == "ray"
         # In-process, the driver hosts rank 0 of every role: its records are rank 0's.
@@ -97,11 +108,24 @@ class MemoryWatch:
                     pressure = pressure or deferred
         return {k: v for k, v in report.items() if v}, pressure
 
-    def end_step(self, step: int) -> tuple[dict[str, float], Optional[MemoryPressure], list[dict]]:
-        """This step's memory metrics, a guard crossing to act on now (after the step), and the
-        leak warnings raised (as records for metrics.jsonl)."""
+    @contextmanager
+    def catch(self) -> Iterator[None]:
+        """Notes a guard crossing in the block instead of raising it (:meth:`stop_if_crossed` acts).
+
+        The exception is dropped here, with its traceback: its frames hold the abandoned step's
+        batch, which the stop frees before it writes a checkpoint.
+        """
+        try:
+            yield
+        except MemoryPressure as p:
+            self.crossed = self.crossed or p.with_traceback(None)
+
+    def end_step(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        """This step's memory metrics and the leak warnings raised (as records for metrics.jsonl);
+        a crossing an update deferred is noted for :meth:`stop_if_crossed`."""
         GUARD.note()
         report, pressure = self.collect()
+        self.crossed = self.crossed or pressure
         self.last = report or self.last
         metrics = report_metrics(report)
         events = []
@@ -112,7 +136,32 @@ class MemoryWatch:
                 self.console.print(f"[yellow]warning:[/] {w.message()}", highlight=False)
                 events.append({"step": step, "event": "memory_leak", **dataclasses.asdict(w), "message": w.message()})
             metrics["mem/leak_warnings"] = float(self.warnings)
-        return metrics, pressure, events
+        return metrics, events
+
+    def stop_if_crossed(self, step: int, *, step_done: bool, state: Optional[dict], metrics: Optional[dict] = None):
+        """Ends the run with :class:`RunStopped` if a crossing was noted: frees what the step held,
+        writes the emergency checkpoint of the last complete step (``state``: the driver's state
+        then; None writes none), records the stop in metrics.jsonl and explains it."""
+        pressure, self.crossed = self.crossed, None
+        if pressure is None:
+            return
+        gc.collect()  # the abandoned step's batch and activations
+        trim_heap()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        done = step if step_done else step - 1
+        path = None
+        if state is not None and self.save is not None:
+            try:
+                path = self.save(done, state, metrics or {})
+            except Exception as e:  # the message says so; earlier checkpoints are untouched (atomic saves)
+                self.console.print(f"[red]emergency checkpoint of step {done} failed:[/] {type(e).__name__}: {e}")
+        if state is not None:
+            self.write({"step": step, "event": "memory_guard_stop", "kind": pressure.kind, "phase": pressure.phase,
+                        "process": pressure.process, "available_gib": pressure.available / 2**30,
+                        "checkpoint": str(path) if path else None})
+        raise RunStopped(self.explain(pressure, step_done=step_done, checkpoint=str(path) if path else None,
+                                      step=step))
 
     def explain(self, p: MemoryPressure, *, step_done: bool, checkpoint: Optional[str], step: int) -> str:
         """The stop message: memory kind, phase and process, what held it, knobs, the checkpoint."""

@@ -13,12 +13,15 @@ from rich.console import Console
 
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config import ConfigError, FitrlConfig, save_config
+from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import check_critic_batch_sizes, derived_batch_numbers
+from fitrl.core.device import resolve_device
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.loading import check_model_dir, load_tokenizer
-from fitrl.rewards.registry import RewardScorer
-from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker, resolve_device
-from fitrl.trainer.loop import RLTrainer, estimator_inputs
+from fitrl.roles.reward import RewardScorer
+from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker
+from fitrl.trainer.loop import RLTrainer
+from fitrl.trainer.preflight import preflight
 from fitrl.workers.group import InProcessWorkerGroup, RoleHandle
 
 
@@ -79,16 +82,14 @@ def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack,
     return RoleHandle(group)
 
 
-def train(cfg: FitrlConfig, console: Console | None = None, plan_inputs=None) -> list[dict[str, float]]:
+def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, float]]:
     console = console or Console(soft_wrap=True)
     _quiet_transformers()
     seed_everything(cfg.trainer.seed)
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     check_model_dir(cfg.actor.model.path)
-    from fitrl.memory.preflight import preflight
-
-    preflight(cfg, console, plan_inputs)  # memory.plan: stops a run predicted not to fit before anything loads
+    preflight(cfg, console)  # memory.plan: stops a run predicted not to fit before anything loads
     with ExitStack() as stack:
         # Cheap checks before any model is loaded: a typo in the reward or data fails in seconds.
         reward = stack.enter_context(RewardScorer(cfg.reward))
@@ -107,10 +108,11 @@ def train(cfg: FitrlConfig, console: Console | None = None, plan_inputs=None) ->
                               highlight=False)
                 return history
 
+        needs = algorithm_needs(cfg)
         policy = make_group(PolicyWorker, cfg, "policy", stack)
-        ref = make_group(ReferenceWorker, cfg, "ref", stack, colocate_with=policy) if cfg.uses_reference else None
+        ref = make_group(ReferenceWorker, cfg, "ref", stack, colocate_with=policy) if needs.reference else None
         critic = None
-        if "values" in estimator_inputs(cfg.algorithm.adv_estimator):
+        if needs.critic:
             check_critic_batch_sizes(cfg, world_size=cfg.world_size)
             critic = make_group(CriticWorker, cfg, "critic", stack, colocate_with=policy)
 

@@ -3,7 +3,9 @@
 A worker class marks each public method with how a call is spread over its ranks:
 
   @dispatch("dp")   the Batch argument is split evenly over ranks; the Batch results are
-                    concatenated in rank order, dict results (metrics) averaged.
+                    concatenated in rank order, dict results (metrics) averaged. A method whose
+                    results need their own joining declares it: ``@dispatch("dp", gather=fn)``
+                    (rollouts of different widths), so this layer knows no batch layout.
   @dispatch("all")  every rank gets the same arguments; rank 0's result is returned.
 
 The driver holds a :class:`RoleHandle` and calls ``policy.generate(batch, ...)`` the same way
@@ -13,7 +15,7 @@ whatever the backend: in-process (one worker, the embedded default) or one proce
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from fitrl.data.balance import equal_count_shards
 from fitrl.data.batch import Batch
@@ -21,12 +23,12 @@ from fitrl.data.batch import Batch
 DISPATCH_ATTR = "_fitrl_dispatch"
 
 
-def dispatch(mode: str) -> Callable:
+def dispatch(mode: str, gather: Optional[Callable[[list[Any]], Any]] = None) -> Callable:
     if mode not in ("dp", "all"):
         raise ValueError(f"dispatch mode must be 'dp' or 'all', got {mode!r}")
 
     def mark(fn: Callable) -> Callable:
-        setattr(fn, DISPATCH_ATTR, mode)
+        setattr(fn, DISPATCH_ATTR, (mode, gather))
         return fn
     return mark
 
@@ -70,12 +72,13 @@ class RoleHandle:
 
     def __getattr__(self, name: str):
         fn = getattr(self._group.worker_cls, name, None)
-        mode = getattr(fn, DISPATCH_ATTR, None)
-        if mode is None:
+        marks = getattr(fn, DISPATCH_ATTR, None)
+        if marks is None:
             raise AttributeError(f"{self._group.worker_cls.__name__}.{name} is not a dispatched worker method")
-        return lambda *args, **kwargs: self._call(name, mode, args, kwargs)
+        mode, join = marks
+        return lambda *args, **kwargs: self._call(name, mode, join or gather, args, kwargs)
 
-    def _call(self, name: str, mode: str, args: tuple, kwargs: dict):
+    def _call(self, name: str, mode: str, join: Callable[[list[Any]], Any], args: tuple, kwargs: dict):
         n = self._group.world_size
         if mode == "all":
             return self._group.call_all(name, [args] * n, kwargs)[0]
@@ -88,7 +91,7 @@ class RoleHandle:
             order = equal_count_shards(batch["attention_mask"].sum(-1).tolist(), n)
             batch = batch.index(order)
         shards = batch.chunk(n) if n > 1 else [batch]
-        result = gather(self._group.call_all(name, [(s, *rest) for s in shards], kwargs))
+        result = join(self._group.call_all(name, [(s, *rest) for s in shards], kwargs))
         if order is not None and isinstance(result, Batch):
             result = result.index(sorted(range(len(order)), key=order.__getitem__))  # caller's order
         return result
@@ -97,10 +100,6 @@ class RoleHandle:
 def gather(results: list[Any]) -> Any:
     first = results[0]
     if isinstance(first, Batch):
-        if first.meta.get("layout") == "rollout":  # ranks generated to different widths
-            from fitrl.rollout.layout import concat_rollouts
-
-            return concat_rollouts(results, pad_id=first.meta.get("pad_id", 0))
         return Batch.concat(results)
     if isinstance(first, dict):
         return {k: sum(r[k] for r in results) / len(results) for k in first}

@@ -29,6 +29,10 @@ world_size=2, colocate_with=policy_group, name="ref")`` puts ref rank *i* in pol
 bundle (same node, same GPU), with its own process group; the bundles are released when the
 last group sharing them shuts down.
 
+The pieces live beside this module: :mod:`fitrl.workers.ray_placement` (bundles, rank
+numbering), :mod:`fitrl.workers.ray_actor` (what runs in each actor) and
+:mod:`fitrl.workers.ray_failures` (what a failure on a rank means).
+
 Failures: a Python exception on a rank is re-raised on the driver with its original type, the
 message prefixed ``"<role> rank <r> (node <ip>) in '<method>': "`` and the remote traceback
 chained. A dead actor (crash, ``os._exit``, segfault, Ray's memory monitor, a lost node) raises
@@ -60,18 +64,24 @@ NCCL picks the network by itself; set ``NCCL_SOCKET_IFNAME`` (and for gloo
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
-import re
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from fitrl.workers.distributed import DistEnv, WorkerFailed, default_backend, free_port, init_distributed
+from fitrl.core.errors import WorkerFailed
+from fitrl.distributed.process_group import DistEnv, default_backend, free_port
+from fitrl.telemetry.guard import MemoryPressure
+from fitrl.telemetry.phases import current_phase
 from fitrl.workers.group import WorkerGroup
+from fitrl.workers.ray_actor import remote
+from fitrl.workers.ray_failures import (ANSI_RE, RemoteTraceback, describe_death, is_death, is_memory_pressure,
+                                        with_prefix)
+from fitrl.workers.ray_placement import Placement, RankSlot, rank_layout
 
-__all__ = ["RayWorkerGroup", "WorkerFailed", "ensure_ray", "rank_layout", "describe_death"]
+__all__ = ["RayWorkerGroup", "RankSlot", "ensure_ray", "rank_layout", "describe_death"]
+
+# ray is imported inside the functions that use it: importing this module needs no ray.
 
 log = logging.getLogger(__name__)
 
@@ -104,238 +114,6 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
     else:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
 
-
-@dataclass(frozen=True)
-class RankSlot:
-    """Where one rank runs: bundle ``bundle`` of placement group ``pg`` on node ``node_id``."""
-
-    pg: int
-    bundle: int
-    node_id: str
-    local_rank: int
-    local_world_size: int
-
-
-def rank_layout(bundle_nodes: list[list[str]]) -> list[RankSlot]:
-    """Ranks numbered node by node: ``bundle_nodes[pg][bundle]`` is the node of each bundle.
-
-    Nodes are taken in order of first appearance (the node of the first bundle holds rank 0);
-    within a node, bundles keep their order.
-
-    >>> [(s.pg, s.bundle, s.local_rank, s.local_world_size) for s in rank_layout([["a", "b", "a"]])]
-    [(0, 0, 0, 2), (0, 2, 1, 2), (0, 1, 0, 1)]
-    """
-    by_node: dict[str, list[tuple[int, int]]] = {}
-    for p, nodes in enumerate(bundle_nodes):
-        for b, node in enumerate(nodes):
-            by_node.setdefault(node, []).append((p, b))
-    return [RankSlot(p, b, node, i, len(slots)) for node, slots in by_node.items() for i, (p, b) in enumerate(slots)]
-
-
-# Ray's wording for a worker killed by its memory monitor (the "OOM killer" in a crash message is
-# only one of the possible causes it lists, so it must not match).
-_OOM_RE = re.compile(r"NODE_OUT_OF_MEMORY|running low on memory|killed due to memory pressure", re.I)
-_EXIT_RE = re.compile(r"Worker exit type: (\S+) Worker exit detail: (.*?)(?: Some common causes|\n|$)")
-_MEM_RE = re.compile(r"was ([\d.]+\s*\w*B used / [\d.]+\s*\w*B limit)")
-_ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def is_death(exc: BaseException) -> bool:
-    """Did this error from ``ray.get`` mean the actor's process is gone?"""
-    import ray.exceptions as rex
-
-    return isinstance(exc, (rex.RayActorError, rex.OutOfMemoryError, rex.WorkerCrashedError,
-                            rex.NodeDiedError, rex.LocalRayletDiedError))
-
-
-def describe_death(exc: BaseException, node_ip: str = "?") -> tuple[str, str]:
-    """``(kind, cause)`` for an actor death reported by Ray; kind is ``oom``, ``node_died``,
-    ``killed``, ``unavailable`` or ``crashed``."""
-    import ray.exceptions as rex
-
-    text = _ANSI_RE.sub("", str(exc))
-    if isinstance(exc, rex.OutOfMemoryError) or _OOM_RE.search(text):
-        mem = _MEM_RE.search(text)
-        return "oom", "killed by the memory monitor (host OOM)" + (f": node memory {mem.group(1)}" if mem else "")
-    if isinstance(exc, (rex.NodeDiedError, rex.LocalRayletDiedError)) or getattr(exc, "preempted", False) \
-            or re.search(r"NODE_DIED|node (?:\S+ )?(?:has )?died", text, re.I):
-        return "node_died", "its node died or was preempted"
-    if "ray.kill" in text:
-        return "killed", "killed by ray.kill"
-    if isinstance(exc, rex.ActorUnavailableError):
-        return "unavailable", "unreachable (network trouble or an overloaded node)"
-    m = _EXIT_RE.search(text)
-    how = f" ({m.group(1)}: {m.group(2).strip()})" if m else ""
-    return "crashed", (f"crashed{how} - the process ended without a Python exception: a segfault, os._exit, "
-                       f"or the kernel OOM killer (check `dmesg` on {node_ip})")
-
-
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised on a rank, chained under the re-raised one."""
-
-    def __str__(self) -> str:
-        return "\n" + self.args[0]
-
-
-def _with_prefix(exc: BaseException, prefix: str) -> BaseException:
-    """A copy of ``exc`` (same type) whose message starts with ``prefix``."""
-    try:
-        new = copy.copy(exc)
-        if isinstance(new, OSError) and new.strerror:  # str() reads errno/strerror, not args
-            new.strerror = prefix + new.strerror
-        elif exc.args and isinstance(exc.args[0], str):
-            new.args = (prefix + exc.args[0], *exc.args[1:])
-        else:
-            new = type(exc)(prefix + str(exc))
-        if prefix in str(new):
-            return new
-    except Exception:  # a type that will not copy or rebuild: keep its text, lose its type
-        pass
-    return RuntimeError(f"{prefix}{type(exc).__name__}: {exc}")
-
-
-def _is_memory_pressure(exc: BaseException) -> bool:
-    from fitrl.telemetry.guard import MemoryPressure
-
-    return isinstance(getattr(exc, "cause", None) or exc, MemoryPressure)
-
-
-class _RankActor:
-    """What runs in each Ray actor: join the process group, then build and serve the worker."""
-
-    def __init__(self, role: str, env: DistEnv, backend: str, num_threads: int, dist_timeout_s: Optional[float],
-                 worker_cls: type, args: tuple, kwargs: dict):
-        import ray
-        import torch
-
-        self.role, self.rank = role, env.rank
-        from fitrl.telemetry.guard import GUARD
-
-        GUARD.process = f"{role}.rank{env.rank}"  # thresholds come from the worker's config
-        self.node_ip = ray.util.get_node_ip_address()
-        self.worker = None
-        self.init_error: Optional[BaseException] = None
-        # The failure is kept, not raised: a raising __init__ kills the actor, and its type would
-        # reach the driver only as text. ready() re-raises it as a normal method error.
-        try:
-            os.environ["OMP_NUM_THREADS"] = str(num_threads)
-            torch.set_num_threads(num_threads)
-            device_index = None
-            if "nccl" in backend:
-                # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is then device 0;
-                # with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every GPU stays visible.
-                ids = ray.get_gpu_ids()
-                device_index = int(ids[0]) if ids and torch.cuda.device_count() > 1 else 0
-            init_distributed(env, backend, device_index=device_index, timeout_s=dist_timeout_s)
-            self.worker = worker_cls(*args, rank=env.rank, world_size=env.world_size, **kwargs)
-        except Exception as e:
-            self.init_error = e
-
-    def __repr__(self) -> str:  # Ray prints this in logs and errors
-        return f"{self.role}[rank {self.rank}]"
-
-    def ready(self) -> dict:
-        if self.init_error is not None:
-            raise self.init_error
-        import torch
-
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return {"node_ip": self.node_ip, "pid": os.getpid(), "device": device}
-
-    def call(self, method: str, args: tuple, kwargs: dict, phase: Optional[str] = None) -> Any:
-        """Run a worker method; within a driver phase, record its memory and let the guard name it."""
-        if phase is None:
-            return getattr(self.worker, method)(*args, **kwargs)
-        from fitrl.telemetry.guard import GUARD
-        from fitrl.telemetry.phases import RECORDER
-
-        GUARD.phase = phase
-        try:
-            with RECORDER.phase(phase):
-                return getattr(self.worker, method)(*args, **kwargs)
-        finally:
-            GUARD.phase = None
-            GUARD.note()  # a crossing no safe point acted on (an update) waits for the step's end
-
-    def memory_report(self) -> tuple[dict, Any]:
-        """This rank's per-phase memory since the last report, and a guard crossing left to act on."""
-        from fitrl.telemetry.guard import GUARD
-        from fitrl.telemetry.phases import RECORDER
-
-        return RECORDER.drain(), GUARD.take_deferred()
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-_REMOTE: dict[str, Any] = {}
-
-
-def _remote(name: str):
-    """Ray-decorated objects, made on first use so that importing this module needs no ray."""
-    if not _REMOTE:
-        import ray
-
-        _REMOTE["actor"] = ray.remote(max_restarts=0, max_task_retries=0)(_RankActor)
-        _REMOTE["port"] = ray.remote(num_cpus=0, max_retries=0)(free_port)
-    return _REMOTE[name]
-
-
-class _Placement:
-    """Bundles reserved for ``world_size`` ranks, shared by colocated groups (refcounted)."""
-
-    def __init__(self, world_size: int, nnodes: int, devices_per_node: int, bundle: dict, timeout_s: float,
-                 role: str):
-        import ray
-        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-
-        self.world_size, self.bundle, self.users = world_size, dict(bundle), 0
-        have = ray.cluster_resources()
-        short = {k: v * world_size for k, v in bundle.items() if have.get(k, 0) < v * world_size}
-        if short:  # nodes may still be joining, so wait anyway, but say why it may take long
-            log.warning("%s needs %s but the cluster has %s in all; waiting up to %.0f s for more nodes",
-                        role, short, {k: have.get(k, 0) for k in short}, timeout_s)
-        if nnodes == 1:
-            self.pgs = [placement_group([bundle] * world_size, strategy="PACK", name=f"fitrl-{role}")]
-        else:
-            self.pgs = [placement_group([bundle] * devices_per_node, strategy="STRICT_PACK",
-                                        name=f"fitrl-{role}-node{i}") for i in range(nnodes)]
-        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=timeout_s)
-        if len(ready) < len(self.pgs):
-            for pg in self.pgs:
-                remove_placement_group(pg)
-            total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-            raise RuntimeError(
-                f"could not place {role}: {nnodes} node(s) x {devices_per_node} bundle(s) of {bundle} "
-                f"were not free within {timeout_s:.0f} s (cluster: {len(ray.nodes())} node(s), {total} in all, "
-                f"{free} free). Start more nodes, lower trainer.devices_per_node / the CPUs per worker, or "
-                f"share another role's bundles with colocate_with=")
-        nodes = []
-        for pg in self.pgs:
-            table = placement_group_table(pg)["bundles_to_node_id"]
-            nodes.append([table[b] for b in range(len(pg.bundle_specs))])
-        self.slots = rank_layout(nodes)
-        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        self.node_ips = [ips.get(s.node_id, "?") for s in self.slots]
-        if nnodes > 1 and len({s.node_id for s in self.slots}) < nnodes:
-            log.warning("%s: %d per-node placement groups landed on only %d node(s); ranks still work, but "
-                        "LOCAL_WORLD_SIZE differs from devices_per_node", role, nnodes,
-                        len({s.node_id for s in self.slots}))
-        self._remove = remove_placement_group
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.users <= 0 and self.pgs:
-            for pg in self.pgs:
-                try:
-                    self._remove(pg)
-                except Exception as e:  # the cluster may already be gone
-                    log.debug("removing placement group failed: %s", e)
-            self.pgs = []
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -378,7 +156,7 @@ class RayWorkerGroup(WorkerGroup):
         self.failure_grace_s = failure_grace_s
         self._actors: list = []
         self._failed: Optional[str] = None
-        self._placement: Optional[_Placement] = None
+        self._placement: Optional[Placement] = None
 
         if colocate_with is not None:
             other = colocate_with._placement
@@ -391,7 +169,7 @@ class RayWorkerGroup(WorkerGroup):
             placement = other
         else:
             bundle = {"CPU": num_cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
-            placement = _Placement(world_size, nnodes, devices_per_node, bundle, placement_timeout_s, name)
+            placement = Placement(world_size, nnodes, devices_per_node, bundle, placement_timeout_s, name)
         placement.users += 1
         self._placement = placement
         self.node_ips: list[str] = list(placement.node_ips)
@@ -402,7 +180,7 @@ class RayWorkerGroup(WorkerGroup):
             if node0 == ray.get_runtime_context().get_node_id():
                 port = free_port()
             else:
-                port = ray.get(_remote("port").options(
+                port = ray.get(remote("port").options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node0, soft=False)).remote())
             self.master_addr, self.master_port = self.node_ips[0], port
             backend = backend or default_backend(use_gpu)
@@ -411,7 +189,7 @@ class RayWorkerGroup(WorkerGroup):
                 env = DistEnv(rank, world_size, slot.local_rank, slot.local_world_size, self.master_addr, port)
                 strategy = PlacementGroupSchedulingStrategy(placement.pgs[slot.pg],
                                                             placement_group_bundle_index=slot.bundle)
-                actor = _remote("actor").options(num_cpus=0, num_gpus=GPU_SHARE if use_gpu else 0,
+                actor = remote("actor").options(num_cpus=0, num_gpus=GPU_SHARE if use_gpu else 0,
                                                  scheduling_strategy=strategy)
                 self._actors.append(actor.remote(name, env, backend, threads, dist_timeout_s,
                                                  worker_cls, args, kwargs))
@@ -432,8 +210,6 @@ class RayWorkerGroup(WorkerGroup):
         args = per_rank_args
         if self.world_size > 1 and all(a is per_rank_args[0] for a in per_rank_args):
             args = [ray.put(per_rank_args[0])] * self.world_size  # one copy in the object store, not n
-        from fitrl.telemetry.phases import current_phase
-
         phase = current_phase()  # the ranks record their memory under the driver's phase
         return self._collect([a.call.remote(method, x, kwargs, phase) for a, x in zip(self._actors, args)], method)
 
@@ -462,7 +238,7 @@ class RayWorkerGroup(WorkerGroup):
                     errors[rank] = e
                     if is_death(e):  # no point waiting: gather what else failed with it, then stop
                         deadline = time.monotonic() + min(1.0, self.failure_grace_s)
-                    elif deadline is None and not _is_memory_pressure(e):
+                    elif deadline is None and not is_memory_pressure(e):
                         # a guard stop is not a hang: the other ranks finish their (collective-free)
                         # phase or leave at the same safe point, and the group stays usable
                         deadline = time.monotonic() + self.failure_grace_s
@@ -483,12 +259,10 @@ class RayWorkerGroup(WorkerGroup):
             others.update({r: f"{type(getattr(e, 'cause', e)).__name__} (after the death)"
                            for r, e in errors.items() if r not in deaths})
             err = WorkerFailed(self.name, rank, self.node_ips[rank], method, cause,
-                               _ANSI_RE.sub("", str(deaths[rank])), kind=kind, other_ranks=others)
+                               ANSI_RE.sub("", str(deaths[rank])), kind=kind, other_ranks=others)
             self._failed = f"{self.name} rank {rank} {cause}"
             self.shutdown()
             return err
-        from fitrl.telemetry.guard import MemoryPressure
-
         causes = {r: (e.cause if isinstance(e, rex.RayTaskError) else e) for r, e in errors.items()}
         pressure = [c for r, c in sorted(causes.items()) if isinstance(c, MemoryPressure)]
         if pressure and not stuck:  # every rank left the phase together: the group is intact
@@ -502,9 +276,9 @@ class RayWorkerGroup(WorkerGroup):
                        f"collective; the group was shut down] ")
             self._failed = f"rank {rank} raised in {method!r} while ranks {stuck} hung"
             self.shutdown()
-        new = _with_prefix(cause, prefix)
+        new = with_prefix(cause, prefix)
         if isinstance(e, rex.RayTaskError):
-            new.__cause__ = RemoteTraceback(_ANSI_RE.sub("", str(e)))  # the remote frames
+            new.__cause__ = RemoteTraceback(ANSI_RE.sub("", str(e)))  # the remote frames
         return new
 
     # -- lifetime -----------------------------------------------------------------------------

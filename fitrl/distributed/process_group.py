@@ -1,7 +1,4 @@
-"""Process-group set-up shared by the worker backends, and the error a dead worker raises.
-
-Import-light on purpose (no torch, no ray at import time): the CLI catches
-:class:`WorkerFailed` without paying for either.
+"""Process-group set-up shared by the worker backends: where a rank sits and how it joins.
 
 Every rank of a role joins one ``torch.distributed`` process group before its worker is built,
 so the worker (FSDP2, collectives) finds the usual environment::
@@ -12,16 +9,20 @@ so the worker (FSDP2, collectives) finds the usual environment::
 
 Backend: gloo on CPU, NCCL on GPU (the device is set from the local rank before the group
 exists, so NCCL binds the right GPU).
+
+A dead worker raises :class:`fitrl.core.errors.WorkerFailed` (defined on the ground floor).
 """
 
 from __future__ import annotations
 
+# Import-light on purpose: no torch (and no ray) at module level. The driver side of a worker
+# group (fitrl.workers.ray_group, reached from the CLI's ``train``) only describes ranks and picks
+# ports with this module, without wanting torch; torch is imported inside init_distributed, which
+# runs on the ranks.
 import os
 import socket
 from dataclasses import dataclass
 from typing import Optional
-
-from fitrl.core.errors import WorkerFailed  # noqa: F401  (raised by the backends; defined on the ground floor)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The reward scorer: the configured function over a batch, bounded in time and loud when off.
+"""The reward role: the configured function over a batch, bounded in time and loud when off.
 
 ``reward.function`` is resolved and its signature checked at start-up (a typo fails before any
 model loads). Calls run in a pool of worker processes (:mod:`fitrl.rewards.pool`), each under
@@ -13,19 +13,17 @@ measured every call (``reward/degenerate_positive``) and warned about once: form
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from fitrl.config.schema import ConfigError, RewardConfig
+from fitrl.config.schema import RewardConfig
 from fitrl.rewards.answers import is_degenerate
-from fitrl.rewards.functions import (BUILTIN_REWARDS, RewardError, RewardFunction, read_batch, read_result,
-                                     resolve_reward_fn)
+from fitrl.rewards.functions import RewardError, RewardFunction, read_batch, read_result
 from fitrl.rewards.pool import Outcome, RewardPool
 
-__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardScorer", "ScorerOptions", "resolve_reward_fn"]
+__all__ = ["RewardError", "RewardScorer", "Scored"]
 
 logger = logging.getLogger("fitrl.rewards")
 MAX_LOGGED_FAILURES = 20
@@ -33,63 +31,41 @@ MAX_LOGGED_FAILURES = 20
 
 
 @dataclass
-class ScorerOptions:
-    """How the reward function is run. Read from ``RewardConfig`` with these names and defaults."""
+class Scored:
+    """What one scoring call returns: totals, components and the call's health, together."""
 
-    num_workers: int = 2
-    """Reward worker processes (each ~60 MB of host memory). 0 scores in the driver process,
-    where nothing bounds a call's time: for debugging, or rewards that cannot hang."""
-    timeout: float = 10.0
-    """Wall-clock seconds one reward call may take (one response; the whole batch when
-    ``batched``); past it the worker is killed and replaced and the call scores ``fallback_score``."""
-    fallback_score: float = 0.0
-    """Score of a call that timed out or raised; counted in ``reward/timeouts`` / ``reward/errors``."""
-    max_error_fraction: float = 0.5
-    """Stop the run when more than this fraction of one batch's responses raise (a broken function,
-    not a hard sample); 1.0 never stops. Timeouts do not count."""
-    batched: bool = False
-    """The function takes lists, ``fn(responses, answers, **kwargs)``, and returns one result per response."""
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 0:
-            raise ConfigError(f"reward.num_workers must be >= 0, got {self.num_workers}")
-        if not self.timeout > 0:
-            raise ConfigError(f"reward.timeout must be > 0 seconds, got {self.timeout}")
-        if not 0.0 <= self.max_error_fraction <= 1.0:
-            raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
-        if not math.isfinite(self.fallback_score):
-            raise ConfigError(f"reward.fallback_score must be a finite number, got {self.fallback_score}")
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "ScorerOptions":
-        return cls(**{f.name: getattr(cfg, f.name, f.default) for f in fields(cls)})
+    scores: torch.Tensor
+    """(B,) float32 total reward per response."""
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each component the function returned, (B,) each (0 where a call failed)."""
+    health: dict[str, float] = field(default_factory=dict)
+    """``reward/timeouts``, ``reward/errors``, ``reward/degenerate``, ``reward/degenerate_positive``,
+    ``reward/worker_restarts`` of this call (counts, or fractions of the batch)."""
 
 
 class RewardScorer:
     """Scores a batch with the function ``cfg.function``; ``close()`` stops its worker processes."""
 
     def __init__(self, cfg: RewardConfig):
-        self.options = ScorerOptions.from_config(cfg)
+        self.options = cfg
         self.name = cfg.function
         self.fn = RewardFunction.load(cfg.function, dict(cfg.kwargs), batched=self.options.batched)
         self.pool: Optional[RewardPool] = None
         if self.options.num_workers:
             self.pool = RewardPool(self.fn.spec, self.fn.kwargs, batched=self.options.batched,
                                    num_workers=self.options.num_workers, timeout=self.options.timeout)
-        self.last_metrics: dict[str, float] = {}
         self._logged: dict[str, set] = {"timeout": set(), "error": set()}
         self._warned_degenerate = False
 
     def score(self, responses: list[str], answers: list[Any], sources: Optional[list[str]] = None, *,
-              extras: Optional[list[dict]] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Returns scores (B,) and each component (B,); sets ``last_metrics``."""
+              extras: Optional[list[dict]] = None) -> Scored:
+        """Scores, components and health of one batch of responses."""
         n = len(responses)
         for what, col in (("answers", answers), ("sources", sources), ("extras", extras)):
             if col is not None and len(col) != n:
                 raise ValueError(f"score(): {n} responses but {len(col)} {what}")
         if n == 0:
-            self.last_metrics = {}
-            return torch.zeros(0), {}
+            return Scored(torch.zeros(0))
         extras = extras if extras is not None else [{} for _ in range(n)]
         if self.options.batched:
             calls = [((list(responses), list(answers)), {"extras": list(extras)} if self.fn.takes_extra else {})]
@@ -123,9 +99,9 @@ class RewardScorer:
             raise RewardError(f"reward function {self.name} raised {_first_line(outcomes[i].detail)} on "
                               f"{_sample(i, responses, answers, sources)}; {errors} of {n} responses raised, more "
                               f"than reward.max_error_fraction={self.options.max_error_fraction}")
-        self._measure(totals, responses, failed, restarts_before)
-        return (torch.tensor(totals, dtype=torch.float32),
-                {k: torch.tensor(v, dtype=torch.float32) for k, v in components.items()})
+        health = self._measure(totals, responses, failed, restarts_before)
+        return Scored(torch.tensor(totals, dtype=torch.float32),
+                      {k: torch.tensor(v, dtype=torch.float32) for k, v in components.items()}, health)
 
     def _unbatch(self, out: Outcome, n: int) -> list[Outcome]:
         if out.status != "ok":
@@ -151,11 +127,11 @@ class RewardScorer:
                        self.options.fallback_score, out.detail.rstrip())
 
     def _measure(self, totals: list[float], responses: list[str], failed: dict[str, list[int]],
-                 restarts_before: int) -> None:
+                 restarts_before: int) -> dict[str, float]:
         n = max(len(responses), 1)
         degenerate = [i for i, r in enumerate(responses) if is_degenerate(r)]
         paid = [i for i in degenerate if totals[i] > 0]
-        self.last_metrics = {
+        health = {
             "reward/timeouts": float(len(failed["timeout"])),
             "reward/errors": float(len(failed["error"])),
             "reward/degenerate": len(degenerate) / n,
@@ -169,6 +145,7 @@ class RewardScorer:
                            "(no letter or digit outside markup), e.g. %r scored %g: it pays for format alone, "
                            "which the policy will learn (format hacking); see reward/degenerate_positive",
                            self.name, len(paid), len(degenerate), responses[i][:200], totals[i])
+        return health
 
     def close(self) -> None:
         """Stops the worker processes (also done when the scorer is garbage-collected)."""

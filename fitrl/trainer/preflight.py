@@ -1,10 +1,12 @@
-"""``fitrl train``'s memory plan before any model loads (issue 5 part 2).
+"""``fitrl train``'s memory plan before any model loads.
 
 :func:`preflight` plans the run for the hardware this process sees (as ``fitrl plan`` would with
 that hardware) and, per ``memory.plan``: ``enforce`` stops a run predicted not to fit, printing
 the plan and the cheapest change that fits; ``warn`` prints the same and goes on; ``off`` skips
 it. A run that fits gets one line. The planner is a prediction, not a gate on its own bugs: any
 failure inside it other than a configuration error is reported in one line and training goes on.
+The config's ``plan.rollout``, ``plan.images`` and the rest are read as ``fitrl plan`` reads them;
+``plan.hardware`` is not (it describes other machines, for ``fitrl plan``).
 
 Cost: 1-2 s on a 2-core CPU for ``examples/arith.yaml`` (measured 1.7 s, most of it importing PyTorch's ``MemTracker``
 and tracing the tiny model's micro-steps under ``FakeTensorMode``); recommendations are searched
@@ -18,11 +20,19 @@ import logging
 import time
 from typing import Optional
 
+import torch
 from rich.console import Console
 
 from fitrl.config import ConfigError, FitrlConfig
+from fitrl.core.device import resolve_device
+from fitrl.core.errors import RunStopped
 from fitrl.memory import calibration as C
-from fitrl.memory.inputs import Hardware, PlanInputs
+from fitrl.memory.model import Hardware, Plan
+from fitrl.memory.plan import plan_config
+from fitrl.memory.recommend import as_overrides, recommend
+from fitrl.memory.report import print_plan
+from fitrl.memory.shapes import ModelShape
+from fitrl.telemetry.memory import node_total_bytes
 
 log = logging.getLogger(__name__)
 
@@ -30,48 +40,38 @@ log = logging.getLogger(__name__)
 def detect_hardware(cfg: FitrlConfig) -> Hardware:
     """The hardware this run will use, read from this process.
 
-    Device: ``trainer.device`` (``auto``: CUDA when this process sees it, as the run resolves it);
-    nodes and devices per node: ``trainer.nnodes`` x ``trainer.devices_per_node`` under
-    ``trainer.backend=ray``, one under ``inprocess``; device memory: CUDA device 0's; host memory:
-    this machine's RAM. Under Ray every node is taken to be like the driver's (a running cluster's
-    other nodes are not asked): plan other machines with ``fitrl plan --host-memory ...``.
+    Device: ``trainer.device`` (``auto``: CUDA when this process sees it, as the run resolves it;
+    ``cuda`` without CUDA is a ConfigError, as in the run); nodes and devices per node:
+    ``trainer.nnodes`` x ``trainer.devices_per_node`` under ``trainer.backend=ray``, one under
+    ``inprocess``; device memory: CUDA device 0's; host memory: this machine's RAM. Under Ray every
+    node is taken to be like the driver's (a running cluster's other nodes are not asked): plan
+    other machines with ``fitrl plan --host-memory ...``.
     """
-    from fitrl.roles.workers import resolve_device  # raises ConfigError for cuda without CUDA, as the run would
-    from fitrl.telemetry.memory import node_total_bytes
-
     t = cfg.trainer
     device = resolve_device(t.device).type
     per_node = t.devices_per_node if t.backend == "ray" else 1
-    gpu_memory = 0
-    if device == "cuda":
-        import torch
-
-        gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
     return Hardware(nodes=t.nnodes if t.backend == "ray" else 1, gpus_per_node=per_node, gpu_memory=gpu_memory,
                     host_memory=node_total_bytes(), device=device)
 
 
-def preflight(cfg: FitrlConfig, console: Optional[Console] = None, inputs: Optional[PlanInputs] = None):
-    """Plan ``cfg`` on this machine before any model loads; returns the :class:`~fitrl.memory.plan.Plan`
+def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[Plan]:
+    """Plan ``cfg`` on this machine before any model loads; returns the :class:`~fitrl.memory.model.Plan`
     (None with ``memory.plan=off`` or when the planner could not plan this run).
 
-    ``inputs``: the planner-only ``plan:`` section (rollout engine, images); its ``hardware`` is
-    replaced by the detected one (``plan.hardware`` describes other machines, for ``fitrl plan``).
     Raises :class:`~fitrl.core.errors.RunStopped` with ``memory.plan=enforce`` when it does not fit.
     """
     mode = cfg.memory.plan
     if mode == "off":
         return None
     console = console or Console(soft_wrap=True)
+    if any(v is not None for v in dataclasses.asdict(cfg.plan.hardware).values()):
+        console.print("note: plan.hardware is read by `fitrl plan`; `fitrl train` plans for the hardware it runs on",
+                      highlight=False)
     start = time.perf_counter()
     try:
-        from fitrl.memory.plan import plan_config
-        from fitrl.memory.recommend import recommend
-        from fitrl.memory.shapes import ModelShape
-
         hardware = detect_hardware(cfg)
-        inputs = dataclasses.replace(inputs or PlanInputs(), hardware=hardware)
-        plan = plan_config(cfg, hardware, inputs, shape=ModelShape.from_path(cfg.actor.model.path))
+        plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path))
         # Recommendations re-plan the run once per candidate change: only worth it when it does not fit.
         recs, combo = ([], None) if plan.fits else recommend(plan, first_fit=True)
     except ConfigError:
@@ -85,20 +85,16 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None, inputs: Optio
         console.print(fits_line(plan), highlight=False)
         return plan
 
-    from fitrl.memory.report import print_plan
-
     print_plan(plan, recs, combo, _wide(console))
     best = next((r for r in recs if r.fits), combo)
     if mode == "enforce":
-        from fitrl.core.errors import RunStopped
-
         raise RunStopped(stop_message(plan, best))
     console.print(f"[bold yellow]warning[/]: {problem_text(plan)}; going on because memory.plan=warn",
                   highlight=False)
     return plan
 
 
-def fits_line(plan) -> str:
+def fits_line(plan: Plan) -> str:
     """``memory plan: fits, peak host 0.5 of 23.5 GiB per node (update), GPU – ...``: one line for a run that fits."""
     peaks = plan.peaks()
     host_phase = max(peaks, key=lambda ph: peaks[ph][1])
@@ -112,7 +108,7 @@ def fits_line(plan) -> str:
     return f"memory plan: fits, {host}, {gpu}; `fitrl plan` on this config shows the table"
 
 
-def problem_text(plan) -> str:
+def problem_text(plan: Plan) -> str:
     """The worst problem in words: resource, phase, need > limit, the process that takes most of it."""
     problems = plan.problems()
     p = max(problems, key=lambda q: q.need / q.limit)
@@ -131,10 +127,8 @@ def problem_text(plan) -> str:
     return text + (f"; also over in {', '.join(others)}" if others else "")
 
 
-def stop_message(plan, best) -> str:
+def stop_message(plan: Plan, best) -> str:
     """The RunStopped message: the problem, the cheapest change that fits, the override."""
-    from fitrl.memory.recommend import as_overrides
-
     lines = [problem_text(plan)]
     if best is not None:
         lines.append(f"cheapest change that fits: {' '.join(as_overrides(best.change))} ({best.change.cost})")
@@ -144,7 +138,7 @@ def stop_message(plan, best) -> str:
     return "\n".join(lines)
 
 
-def _largest_process(plan, resource: str, phase: str) -> str:
+def _largest_process(plan: Plan, resource: str, phase: str) -> str:
     """``trainer rank x 8 (1,500.0 GiB)``: the process kind with the most of ``resource`` in ``phase``."""
     names = {"trainer": "trainer rank", "engine": "rollout engine", "driver": "driver",
              "node": "node services", "rank0": "rank 0's load/save copies"}

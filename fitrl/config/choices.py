@@ -1,0 +1,40 @@
+"""Every registry-backed name in a config, checked when the config loads.
+
+Estimators, policy losses, loss aggregations, KL estimators and built-in reward functions live in
+registries next to their code (:mod:`fitrl.algo`, :mod:`fitrl.rewards`); a misspelt name fails
+here with the valid choices, before a run directory exists or a model loads (``fitrl train``,
+``fitrl plan`` and ``fitrl config`` alike). The rollout engine is a ``Literal`` of the schema, so
+the loader itself rejects an unknown one.
+
+Importing this module imports the registries and so torch (~2 s): the loader imports it only once
+the config's keys and types are valid, so structural mistakes still answer at once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fitrl.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgorithmSpec, algorithm_spec
+from fitrl.rewards.functions import check_reward_spec
+
+if TYPE_CHECKING:
+    from fitrl.config.schema import FitrlConfig
+
+
+def check_choices(cfg: "FitrlConfig") -> None:
+    """Raise ConfigError on the first registry-backed name that is not registered."""
+    a = cfg.algorithm
+    algorithm_needs(cfg)  # the advantage estimator
+    POLICY_LOSSES.check(a.policy_loss)
+    LOSS_AGGREGATIONS.check(a.loss_agg_mode)
+    LOSS_AGGREGATIONS.check(cfg.critic.loss_agg_mode, "critic.loss_agg_mode")
+    KL_ESTIMATORS.check(a.kl_estimator)
+    KL_ESTIMATORS.check(a.kl_in_reward.estimator, "algorithm.kl_in_reward.estimator")
+    check_reward_spec(cfg.reward.function)
+
+
+def algorithm_needs(cfg: "FitrlConfig") -> AlgorithmSpec:
+    """Which roles and extra rollouts this run's algorithm needs (critic, greedy baseline,
+    reference): the one declaration the role builder, the collector and the planner read."""
+    a = cfg.algorithm
+    return algorithm_spec(a.adv_estimator, kl_loss=a.use_kl_loss, kl_in_reward=a.kl_in_reward.enable)

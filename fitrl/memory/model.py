@@ -1,0 +1,290 @@
+"""The planner's types: the hardware a plan is for, a run's derived numbers, memory by component
+per process and phase, and the plan with its verdict.
+
+Processes: ``trainer`` (one per device: actor, reference and critic shards, and today the HF
+rollout engine in the same process), ``engine`` (a vLLM engine's own process, planner-only),
+``driver`` (node 0), ``node`` (what belongs to no rank: Ray, the object store, reward workers)
+and ``rank0`` (rank 0's extra load and save copies). Phases follow one RL step plus load,
+validation and checkpoint save; the plan is the steady state (from step 2: AdamW states exist;
+gradients only inside the update, which frees them after its last optimizer step), and a phase's
+peak is the sum of what is resident in it and its largest transient. A node's host peak sums its
+processes; a device's peak sums what shares it (trainer rank and colocated engine). See
+docs/architecture.md, "Memory model".
+
+The phase modules (:mod:`.trainer`, :mod:`.services`) build :class:`ProcessPlan` objects from a
+:class:`Run`; :func:`fitrl.memory.plan.plan_config` composes them into a :class:`Plan`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from fitrl.config import ConfigError, FitrlConfig
+from fitrl.config.plan import parse_bytes
+from fitrl.memory import calibration as C
+from fitrl.memory.shapes import ModelShape
+from fitrl.memory.states import States, frozen_states, trained_states
+
+if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
+    from fitrl.algo import AlgorithmSpec
+
+PHASES = ("load", "rollout", "weight_sync", "old_logprob", "ref_logprob", "update", "validation", "checkpoint_save")
+ACTOR_PHASES = {"rollout", "weight_sync", "old_logprob", "update", "validation", "checkpoint_save"}
+
+
+def machine_ram() -> int:
+    """This machine's RAM in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class Hardware:
+    """The machines a plan is for, resolved to counts and bytes."""
+    nodes: int = 1
+    gpus_per_node: int = 8             # devices (trainer ranks) per node; on ``device=cpu`` rank processes
+    gpu_memory: int = 80 * C.GIB       # one device's memory (0 on ``device=cpu``)
+    host_memory: int = 2 * 1024 * C.GIB  # one node's RAM
+    device: str = "cuda"               # "cuda" | "cpu"
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ConfigError(f"a plan needs nodes >= 1 and GPUs per node >= 1, got {self.nodes} and "
+                              f"{self.gpus_per_node}")
+
+    @classmethod
+    def cpu(cls, ranks_per_node: int = 1, host_memory: Optional[int] = None) -> "Hardware":
+        """This machine as a CPU run (host memory read from the OS unless given)."""
+        return cls(nodes=1, gpus_per_node=ranks_per_node, gpu_memory=0,
+                   host_memory=machine_ram() if host_memory is None else host_memory, device="cpu")
+
+    @classmethod
+    def for_config(cls, cfg: FitrlConfig, *, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None,
+                   gpu_memory: Optional[int] = None, host_memory: Optional[int] = None,
+                   device: Optional[str] = None) -> "Hardware":
+        """``cfg.plan.hardware`` with the given values (``fitrl plan``'s flags) over it; what both
+        leave unset comes from ``trainer.*`` (nodes, devices per node, ``trainer.device=cpu``), else
+        80 GiB devices and 2 TiB nodes, or for a CPU run no device memory and this machine's RAM."""
+        h = cfg.plan.hardware
+        device = _first(device, h.device, "cpu" if cfg.trainer.device == "cpu" else "cuda")
+        if gpu_memory is None and h.gpu_memory is not None:
+            gpu_memory = parse_bytes(h.gpu_memory, "plan.hardware.gpu_memory")
+        if host_memory is None and h.host_memory is not None:
+            host_memory = parse_bytes(h.host_memory, "plan.hardware.host_memory")
+        cpu = device == "cpu"
+        return cls(nodes=_first(nodes, h.nodes, cfg.trainer.nnodes),
+                   gpus_per_node=_first(gpus_per_node, h.gpus_per_node, cfg.trainer.devices_per_node),
+                   gpu_memory=_first(gpu_memory, 0 if cpu else 80 * C.GIB),
+                   host_memory=_first(host_memory, machine_ram() if cpu else 2 * 1024 * C.GIB), device=device)
+
+
+def _first(*values):
+    """The first value that is set (not None)."""
+    return next(v for v in values if v is not None)
+
+
+@dataclass
+class Usage:
+    gpu: dict[str, int] = field(default_factory=dict)   # component -> bytes on one device
+    host: dict[str, int] = field(default_factory=dict)  # component -> bytes of host memory
+
+    def add(self, where: str, component: str, nbytes: float) -> None:
+        if nbytes > 0:
+            d = self.gpu if where == "gpu" else self.host
+            d[component] = d.get(component, 0) + int(nbytes)
+
+
+@dataclass
+class ProcessPlan:
+    kind: str
+    per_node: int                      # processes of this kind on the busiest node
+    phases: dict[str, Usage]
+
+    def host_peak(self, phase: Optional[str] = None) -> int:
+        return max(sum(self.phases[p].host.values()) for p in ([phase] if phase else self.phases))
+
+    def gpu_peak(self, phase: Optional[str] = None) -> int:
+        return max(sum(self.phases[p].gpu.values()) for p in ([phase] if phase else self.phases))
+
+
+@dataclass
+class Problem:
+    resource: str      # "gpu" | "host"
+    phase: str
+    need: int
+    limit: int
+    step: int = 0      # > 0: reached only at this step (host growth)
+
+
+@dataclass
+class Plan:
+    cfg: FitrlConfig
+    hardware: Hardware
+    shape: ModelShape
+    spec: AlgorithmSpec                # the roles the algorithm builds (critic, reference)
+    processes: list[ProcessPlan]
+    notes: list[str]
+    growth_per_step: int = 0           # host bytes per node added every step (anchor behaviours)
+
+    def process(self, kind: str) -> ProcessPlan:
+        return next(p for p in self.processes if p.kind == kind)
+
+    def device(self, phase: str) -> dict[str, int]:
+        """One device's memory in ``phase``: everything that shares it, by component."""
+        out: dict[str, int] = {}
+        for p in self.processes:
+            if p.kind in ("trainer", "engine") and phase in p.phases:
+                for k, v in p.phases[phase].gpu.items():
+                    out[k] = out.get(k, 0) + v * (1 if p.kind == "trainer" else self.engines_per_device)
+        return out
+
+    @property
+    def engines_per_device(self) -> float:
+        return 1.0 / self.cfg.plan.rollout.tensor_parallel_size
+
+    def node_host(self, phase: str) -> dict[str, int]:
+        """Node 0's host memory in ``phase`` (rank 0, the driver and Ray's head live there)."""
+        out: dict[str, int] = {}
+        for p in self.processes:
+            if phase in p.phases:
+                for k, v in p.phases[phase].host.items():
+                    out[k] = out.get(k, 0) + v * (1 if p.kind in ("driver", "node", "rank0") else p.per_node)
+        return out
+
+    @property
+    def phases(self) -> list[str]:
+        """The phases this run has (no reference phase without KL, no weight sync for HF generate ...)."""
+        cfg = self.cfg
+        ck = getattr(cfg, "checkpoint", None)
+        skip = {"ref_logprob": not self.spec.reference,
+                "old_logprob": not cfg.algorithm.recompute_old_logprob,
+                "weight_sync": cfg.plan.rollout.engine != "vllm",
+                "validation": not cfg.data.val_files,
+                "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
+        return [ph for ph in PHASES if not skip.get(ph, False)]
+
+    def peaks(self) -> dict[str, tuple[int, int]]:
+        return {ph: (sum(self.device(ph).values()), sum(self.node_host(ph).values())) for ph in self.phases}
+
+    @property
+    def gpu_limit(self) -> int:
+        return int(self.hardware.gpu_memory * C.GPU_MARGIN)
+
+    @property
+    def host_limit(self) -> int:
+        return int(self.hardware.host_memory * C.HOST_MARGIN)
+
+    def problems(self) -> list[Problem]:
+        out = []
+        cuda = self.hardware.device == "cuda"
+        steps = self.cfg.plan.steps or self.cfg.trainer.max_steps
+        for ph, (gpu, host) in self.peaks().items():
+            if cuda and gpu > self.gpu_limit:
+                out.append(Problem("gpu", ph, gpu, self.gpu_limit))
+            if host > self.host_limit:
+                out.append(Problem("host", ph, host, self.host_limit))
+        if self.growth_per_step and not any(p.resource == "host" for p in out):
+            # the anchor's growth: host in a phase at step k = its steady peak + (k - 1) * growth
+            ph, host = max(((ph, h) for ph, (_, h) in self.peaks().items()), key=lambda x: x[1])
+            k = (self.host_limit - host) // self.growth_per_step + 2
+            if k <= steps:  # reported where it grows: each rollout
+                out.append(Problem("host", "rollout", host + (k - 1) * self.growth_per_step, self.host_limit, step=k))
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+
+# ---------------------------------------------------------------------------------- inputs
+
+@dataclass
+class Run:
+    """Numbers derived once from the config and hardware."""
+    cfg: FitrlConfig
+    hw: Hardware
+    shape: ModelShape
+    ref_shape: Optional[ModelShape]
+    spec: AlgorithmSpec
+
+    @property
+    def cuda(self) -> bool:
+        return self.hw.device == "cuda"
+
+    @property
+    def fsdp(self) -> bool:
+        return self.cfg.trainer.backend == "ray"
+
+    @property
+    def world(self) -> int:
+        return self.hw.nodes * self.hw.gpus_per_node if self.fsdp else 1
+
+    def shard_world(self, strategy: str) -> int:
+        return self.hw.gpus_per_node if strategy == "hybrid" and self.hw.nodes > 1 else self.world
+
+    @property
+    def compute_dtype(self) -> str:
+        a = self.cfg.actor
+        return "bfloat16" if self.fsdp and a.fsdp.mixed_precision else a.model.dtype
+
+    @property
+    def prompt_len(self) -> int:
+        return self.cfg.data.max_prompt_length
+
+    @property
+    def response_len(self) -> int:
+        return self.cfg.rollout.max_response_length
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def seqs_per_rank(self) -> int:
+        return max(1, self.cfg.data.rollout_batch_size * self.cfg.rollout.n // self.world)
+
+    def micro(self, size: int) -> int:
+        """Sequences in one forward: the count, or the token budget's worth of full-length ones."""
+        budget = self.cfg.actor.micro_batch_token_budget
+        b = max(1, budget // self.seq_len) if budget else size
+        return min(b, self.seqs_per_rank)
+
+    def image_bytes_per_seq(self) -> int:
+        im = self.cfg.plan.images
+        if not im.per_prompt or self.shape.vision is None:
+            return 0
+        return int(im.per_prompt * self.shape.vision.pixel_values_bytes(im.effective_pixels))
+
+    def batch_bytes(self, seqs: int) -> int:
+        """A rollout batch of ``seqs`` sequences as fitrl holds it (closed form, plus pixel values)."""
+        return seqs * (self.seq_len * C.BATCH_BYTES_PER_TOKEN + self.response_len * C.BATCH_BYTES_PER_RESPONSE_TOKEN
+                       + self.image_bytes_per_seq())
+
+
+def role_states(run: Run) -> dict[str, tuple[States, object]]:
+    """Per-rank states of each role the algorithm builds, with its fsdp config."""
+    cfg, pin = run.cfg, run.cuda
+    roles: dict[str, tuple[States, object]] = {}
+    a = cfg.actor.fsdp
+    n = run.shard_world(a.strategy)
+    roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pin and a.cpu_offload and run.fsdp), a)
+    if run.spec.reference:
+        r = cfg.ref.fsdp
+        dtype = (cfg.ref.model or cfg.actor.model).dtype
+        roles["ref"] = (frozen_states(run.ref_shape or run.shape, run.shard_world(r.strategy), dtype,
+                                      pinned=pin and r.cpu_offload and run.fsdp), r)
+    if run.spec.critic:
+        c = cfg.critic.fsdp
+        roles["critic"] = (trained_states(run.shape, run.shard_world(c.strategy), "float32",
+                                          pinned=pin and c.cpu_offload and run.fsdp), c)
+    return roles
+
+
+def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
+    """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
+    if not run.cuda or (fsdp.cpu_offload and run.fsdp):
+        return False, False
+    active = {"actor": ACTOR_PHASES, "ref": {"ref_logprob"}, "critic": {"old_logprob", "update"}}[role]
+    on = phase in active or not fsdp.offload_params
+    return on, phase == "update" or not fsdp.offload_optimizer

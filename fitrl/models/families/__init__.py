@@ -1,0 +1,44 @@
+"""Model families: how fitrl builds, shards and feeds each architecture (see :mod:`.base`).
+
+``family_for(model_path)`` picks the family from the checkpoint's ``config.json``
+``model_type``: the family that claims that type, else ``causal_lm`` (every text model).
+A new family is a module here that subclasses :class:`ModelFamily`, adds itself to
+:data:`MODEL_FAMILIES` and is imported below.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fitrl.core.errors import ConfigError
+from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, ModelFamily
+from fitrl.models.families.causal_lm import CAUSAL_LM, CausalLMFamily
+
+__all__ = ["CAUSAL_LM", "DTYPES", "HEADS", "MODEL_FAMILIES", "CausalLMFamily", "ModelFamily", "family_for",
+           "model_type"]
+
+
+def model_type(model_path: str | Path) -> str:
+    """``model_type`` from a local checkpoint's ``config.json`` ("" when it has none)."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{model_path!s} is not a model directory (no config.json there)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    return str(config.get("model_type", ""))
+
+
+def family_for(model_path: str | Path, name: str = "auto") -> ModelFamily:
+    """The family of the checkpoint at ``model_path``; ``name`` other than ``auto`` picks one
+    explicitly (an unknown name is a :class:`ConfigError` listing the valid ones)."""
+    if name != "auto":
+        return MODEL_FAMILIES.get(name)
+    kind = model_type(model_path)
+    for family_name in MODEL_FAMILIES:
+        family = MODEL_FAMILIES.get(family_name)
+        if kind in family.model_types:
+            return family
+    return CAUSAL_LM

@@ -1,0 +1,88 @@
+"""The text-only causal-LM family: every Hugging Face decoder (Qwen2, Llama, ...) for now."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from fitrl.config.schema import ModelConfig
+from fitrl.core.padding import position_ids_from_mask
+from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, ModelFamily
+
+
+class CausalLMFamily(ModelFamily):
+    """``AutoModelForCausalLM`` for the policy, ``AutoModelForTokenClassification`` (one label)
+    for the value model; one FSDP unit per decoder layer; positions count real tokens."""
+
+    name = "causal_lm"
+
+    def builders(self, head: str, model: ModelConfig) -> tuple[Builder, Builder]:
+        if head == "causal_lm":
+            return _causal_lm_builders(model)
+        if head == "value":
+            return _value_model_builders(model)
+        raise ValueError(f"unknown model head {head!r}; valid: {', '.join(HEADS)}")
+
+    def blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:
+        base = getattr(model, model.base_model_prefix, model) if hasattr(model, "base_model_prefix") else model
+        layers = getattr(base, "layers", None)
+        if layers is None:
+            raise ValueError(f"cannot find decoder layers in {type(model).__name__}: FSDP needs one unit per layer")
+        return list(layers)
+
+    def position_ids(self, attention_mask: torch.Tensor, *, input_ids: Optional[torch.Tensor] = None,
+                     **extra: Any) -> torch.Tensor:
+        return position_ids_from_mask(attention_mask)
+
+
+CAUSAL_LM = CausalLMFamily()
+MODEL_FAMILIES.add(CAUSAL_LM.name, CAUSAL_LM)
+
+
+# transformers is imported inside the builders: importing the family registry stays cheap.
+def _causal_lm_builders(model: ModelConfig) -> tuple[Builder, Builder]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(dtype=DTYPES[model.dtype], attn_implementation=model.attn_implementation)
+
+    def from_pretrained() -> nn.Module:
+        return AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, **kwargs)
+
+    def from_config() -> nn.Module:
+        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    return from_pretrained, from_config
+
+
+def _value_model_builders(model: ModelConfig) -> tuple[Builder, Builder]:
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(model.path, num_labels=1, local_files_only=True)
+    # From a causal-LM checkpoint the backbone loads and the one-output ``score`` head starts
+    # random; dropout off so values are deterministic functions of the weights.
+    config.classifier_dropout = 0.0
+    kwargs = dict(dtype=DTYPES[model.dtype], attn_implementation=model.attn_implementation)
+
+    def from_pretrained() -> nn.Module:
+        # the new ``score`` head is expected to be missing from a causal-LM checkpoint: do not
+        # print transformers' "newly initialized" report for it
+        report = logging.getLogger("transformers.modeling_utils")
+        drop = _DropLoadReport()
+        report.addFilter(drop)
+        try:
+            return AutoModelForTokenClassification.from_pretrained(model.path, config=config, local_files_only=True,
+                                                                   **kwargs)
+        finally:
+            report.removeFilter(drop)
+
+    def from_config() -> nn.Module:
+        return AutoModelForTokenClassification.from_config(config, **kwargs)
+    return from_pretrained, from_config
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()

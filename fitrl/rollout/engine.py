@@ -1,0 +1,69 @@
+"""The interface every rollout engine implements, and the registry ``rollout.engine`` names.
+
+A policy worker owns one engine beside its trained model. Per RL step the worker calls
+``wake`` → ``generate`` (one or more times) → ``sleep`` around the rollout phase, and
+``push_weights`` after each update so the next rollout samples from the new policy.
+
+The Hugging Face engine shares the trained module, so pushing, sleeping and waking cost
+nothing. An engine with its own copy of the weights (vLLM) streams them in ``push_weights``,
+frees its KV cache (and weights, by level) in ``sleep`` and takes them back in ``wake``;
+``release`` frees everything at the end of a run. See docs/architecture.md ("Adding a rollout
+engine").
+
+Layout of the batch ``generate`` returns, for B = prompts x n sequences, P = longest prompt,
+R = longest response actually generated (<= ``sampling.max_tokens``):
+
+  input_ids        (B, P+R)  prompt left-padded | response right-padded
+  attention_mask   (B, P+R)  1 on real prompt tokens and on response tokens up to EOS
+  position_ids     (B, P+R)  from the model family (real tokens counted, for text models)
+  responses        (B, R)
+  response_mask    (B, R)    1 up to and including the first EOS
+  finished         (B,)      1 when the response emitted EOS (0: cut at max_tokens)
+  rollout_logprobs (B, R)    log-prob of each sampled token at the sampling temperature
+  fields: the prompts' per-prompt fields repeated n times, and ``response_text``
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from fitrl.config.schema import RolloutConfig, SamplingConfig
+from fitrl.core.registry import Registry
+from fitrl.data.batch import Batch
+
+ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine")
+
+
+class RolloutEngine(ABC):
+    @classmethod
+    @abstractmethod
+    def from_config(cls, model: torch.nn.Module, tokenizer, cfg: RolloutConfig, *,
+                    position_ids: Callable[[torch.Tensor], torch.Tensor]) -> "RolloutEngine":
+        """The engine for the trained ``model`` on this rank. ``position_ids`` is the model
+        family's function from a (B, P+R) attention mask to the positions its forward takes."""
+
+    @abstractmethod
+    def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
+        """Sample ``sampling.n`` responses per prompt (field ``prompt_ids``: list[list[int]])."""
+
+    def push_weights(self) -> None:
+        """Make the next ``generate`` use the trainer's current weights."""
+
+    def sleep(self) -> None:
+        """Between rollouts: give back the memory the engine holds for generation."""
+
+    def wake(self) -> None:
+        """Before a rollout: take back what ``sleep`` gave up."""
+
+    def release(self) -> None:
+        """End of the run: free everything the engine holds."""
+
+
+def build_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, *,
+                 position_ids: Callable[[torch.Tensor], torch.Tensor]) -> RolloutEngine:
+    """The engine ``rollout.engine`` names (its module must have been imported: :mod:`fitrl.rollout`
+    imports every built-in engine)."""
+    return ROLLOUT_ENGINES.get(cfg.engine).from_config(model, tokenizer, cfg, position_ids=position_ids)

@@ -1,0 +1,91 @@
+"""What runs inside each Ray actor of a worker group: one rank of one role.
+
+:class:`RankActor` joins the role's process group, then builds the worker, so a worker's
+``__init__`` may already use collectives (FSDP2, rank-0 loading); it runs the driver's calls
+under the driver's phase (memory records, guard). :func:`remote` makes the Ray-decorated
+versions on first use, so importing this module needs no ray.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fitrl.distributed.process_group import DistEnv, free_port, init_distributed
+from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.phases import RECORDER
+
+
+class RankActor:
+    """What runs in each Ray actor: join the process group, then build and serve the worker."""
+
+    def __init__(self, role: str, env: DistEnv, backend: str, num_threads: int, dist_timeout_s: Optional[float],
+                 worker_cls: type, args: tuple, kwargs: dict):
+        import ray  # here, not at module level: see remote()
+
+        self.role, self.rank = role, env.rank
+        GUARD.process = f"{role}.rank{env.rank}"  # thresholds come from the worker's config
+        self.node_ip = ray.util.get_node_ip_address()
+        self.worker = None
+        self.init_error: Optional[BaseException] = None
+        # The failure is kept, not raised: a raising __init__ kills the actor, and its type would
+        # reach the driver only as text. ready() re-raises it as a normal method error.
+        try:
+            os.environ["OMP_NUM_THREADS"] = str(num_threads)
+            torch.set_num_threads(num_threads)
+            device_index = None
+            if "nccl" in backend:
+                # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is then device 0;
+                # with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every GPU stays visible.
+                ids = ray.get_gpu_ids()
+                device_index = int(ids[0]) if ids and torch.cuda.device_count() > 1 else 0
+            init_distributed(env, backend, device_index=device_index, timeout_s=dist_timeout_s)
+            self.worker = worker_cls(*args, rank=env.rank, world_size=env.world_size, **kwargs)
+        except Exception as e:
+            self.init_error = e
+
+    def __repr__(self) -> str:  # Ray prints this in logs and errors
+        return f"{self.role}[rank {self.rank}]"
+
+    def ready(self) -> dict:
+        if self.init_error is not None:
+            raise self.init_error
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return {"node_ip": self.node_ip, "pid": os.getpid(), "device": device}
+
+    def call(self, method: str, args: tuple, kwargs: dict, phase: Optional[str] = None) -> Any:
+        """Run a worker method; within a driver phase, record its memory and let the guard name it."""
+        if phase is None:
+            return getattr(self.worker, method)(*args, **kwargs)
+        GUARD.phase = phase
+        try:
+            with RECORDER.phase(phase):
+                return getattr(self.worker, method)(*args, **kwargs)
+        finally:
+            GUARD.phase = None
+            GUARD.note()  # a crossing no safe point acted on (an update) waits for the step's end
+
+    def memory_report(self) -> tuple[dict, Any]:
+        """This rank's per-phase memory since the last report, and a guard crossing left to act on."""
+        return RECORDER.drain(), GUARD.take_deferred()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_REMOTE: dict[str, Any] = {}
+
+
+def remote(name: str):
+    """Ray-decorated objects, made on first use so that importing this module needs no ray."""
+    if not _REMOTE:
+        import ray
+
+        _REMOTE["actor"] = ray.remote(max_restarts=0, max_task_retries=0)(RankActor)
+        _REMOTE["port"] = ray.remote(num_cpus=0, max_retries=0)(free_port)
+    return _REMOTE[name]
+

@@ -20,6 +20,11 @@ def rank() -> int:
     return dist.get_rank() if distributed() else 0
 
 
+def world_size() -> int:
+    """Ranks in this process's group (1 without a process group)."""
+    return dist.get_world_size() if distributed() else 1
+
+
 def all_reduce_sum(value: float, device: torch.device) -> float:
     """Sum a Python number over all ranks (identity without a process group)."""
     if not distributed():

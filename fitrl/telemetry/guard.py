@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from fitrl.distributed.collectives import all_reduce_max
+from fitrl.distributed.collectives import all_reduce_max, world_size
 from fitrl.telemetry import memory as mem
 from fitrl.telemetry.memory import GIB
 from fitrl.telemetry.phases import RECORDER
@@ -113,7 +113,7 @@ class MemoryGuard:
         if not self.settings.enabled:
             return
         pressure = self.reading()
-        if collective and _group_size() > 1:
+        if collective and world_size() > 1:
             local = 0 if pressure is None else (GPU if pressure.kind == "gpu" else HOST)
             verdict = all_reduce_max(local, device or torch.device("cpu"))
             if verdict and pressure is None:
@@ -141,12 +141,6 @@ class MemoryGuard:
     def take_deferred(self) -> Optional[MemoryPressure]:
         out, self.deferred = self.deferred, None
         return out
-
-
-def _group_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 GUARD = MemoryGuard()

@@ -10,6 +10,10 @@ second RL step on), then measures the second step's ``compute_logprob`` and ``up
 after resetting the high-water mark (``/proc/self/clear_refs``), reading ``VmHWM`` from
 ``/proc/self/status`` afterwards. The figure is the whole process's peak RSS in the phase (rank
 maximum for 2 ranks); the planner predicts the same quantity (``fitrl.memory`` for ``device=cpu``).
+Configurations with KL in the loss also measure the reference log-probs (``ref``): full fine-tuning
+builds a :class:`ReferenceWorker` (a second fp32 model in the process, as the in-process trainer
+does); with LoRA (``actor.lora.rank``) the policy computes them with its adapters off, and only the
+adapters have gradients and AdamW states.
 
 Two allocators: ``mmap`` starts the ranks with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc maps and
 unmaps every tensor of 64 KiB or more, so RSS follows the live tensors the planner traces);
@@ -19,6 +23,7 @@ planner models with measured factors (``fitrl/memory/calibration.py``).
 
     .venv/bin/python bench/plan_accuracy.py                  # every configuration, both allocators
     .venv/bin/python bench/plan_accuracy.py --only 0 3 --malloc mmap
+    .venv/bin/python bench/plan_accuracy.py --only 11 12 13       # KL: full vs LoRA r=16 (medium), LoRA (small)
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 GIB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+PLAN_PHASES = {"logprob": "old_logprob", "ref": "ref_logprob", "update": "update"}  # measured -> planned
 
 
 @dataclass
@@ -48,13 +54,20 @@ class Case:
     micro: int           # actor.micro_batch_size = actor.logprob_micro_batch_size
     ckpt: bool           # actor.model.gradient_checkpointing
     chunk: int           # actor.logprob_chunk_size (>= the response length: not chunked)
+    kl: bool = False     # algorithm.use_kl_loss: reference log-probs measured too
+    lora: int = 0        # actor.lora.rank (all-linear); 0: full fine-tuning
 
     @property
     def label(self) -> str:
         # chunks run over the micro-batch's flattened response tokens
         chunk = "unchunked" if self.chunk >= self.micro * self.response_len else f"chunk {self.chunk}"
+        extra = (" | KL" if self.kl else "") + (f" | LoRA r{self.lora}" if self.lora else "")
         return (f"{self.size} x{self.ranks} | {self.prompts * self.n} seq P{self.prompt_len} R{self.response_len} "
-                f"micro {self.micro} | ckpt {'on' if self.ckpt else 'off'} | {chunk}")
+                f"micro {self.micro} | ckpt {'on' if self.ckpt else 'off'} | {chunk}{extra}")
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return ("logprob", "ref", "update") if self.kl else ("logprob", "update")
 
     def overrides(self, model_dir: str) -> list[str]:
         o = [f"actor.model.path={model_dir}", f"data.max_prompt_length={self.prompt_len}",
@@ -66,6 +79,10 @@ class Case:
              "trainer.val_before_train=false"]
         if self.ranks > 1:
             o += ["trainer.backend=ray", f"trainer.devices_per_node={self.ranks}"]
+        if self.kl:
+            o += ["algorithm.use_kl_loss=true", f"ref.logprob_micro_batch_size={self.micro}"]
+        if self.lora:
+            o += [f"actor.lora.rank={self.lora}"]
         return o
 
 
@@ -81,6 +98,9 @@ CASES = [
     Case("small", 2, 4, 4, 64, 256, 8, False, 1024),
     Case("small", 2, 4, 4, 64, 256, 8, True, 4096),
     Case("medium", 1, 2, 4, 64, 128, 4, False, 1024),
+    Case("medium", 1, 2, 4, 64, 128, 4, False, 1024, kl=True),           # + a reference model
+    Case("medium", 1, 2, 4, 64, 128, 4, False, 1024, kl=True, lora=16),  # no reference model
+    Case("small", 1, 4, 4, 128, 384, 8, False, 1024, kl=True, lora=16),
 ]
 
 
@@ -96,7 +116,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
         dist.init_process_group("gloo", rank=rank, world_size=world)
     from fitrl.config import load_config
     from fitrl.data.batch import Batch
-    from fitrl.roles.workers import PolicyWorker
+    from fitrl.roles.workers import PolicyWorker, ReferenceWorker
     from fitrl.config.schema import SamplingConfig
     from fitrl.telemetry.memory import peak_rss_bytes, reset_peak_rss, status_kib
 
@@ -104,6 +124,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
     cfg = load_config(str(ROOT / "examples" / "arith.yaml"), c.overrides(model_dir))
     torch.set_num_threads(cfg.trainer.num_threads)
     worker = PolicyWorker(cfg, rank=rank, world_size=world)
+    ref = (worker if c.lora else ReferenceWorker(cfg, rank=rank, world_size=world)) if c.kl else None
     g = torch.Generator().manual_seed(rank)
     vocab = worker.tokenizer.vocab_size - 8  # below the special tokens
     lengths = torch.randint(c.prompt_len // 2, c.prompt_len + 1, (c.prompts // world,), generator=g).tolist()
@@ -111,18 +132,23 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
     prompts = Batch(fields={"prompt_ids": [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]})
     batch = worker.generate(prompts, SamplingConfig(n=c.n, max_tokens=c.response_len, ignore_eos=True))
     batch.update(worker.compute_logprob(batch))
+    if ref is not None:
+        batch.update(ref.compute_ref_logprob(batch))
     batch.update(advantages=torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
     # warm-up: one whole update, so AdamW states exist (the update frees its gradients) and the
     # allocator holds what a previous step left, as from the second RL step on
     worker.update(batch)
     out = {"rank": rank, "seqs": len(batch), "width": batch["input_ids"].shape[1]}
-    for phase in ("logprob", "update"):
+    for phase in c.phases:
         start = status_kib("VmRSS") * 1024
         if not reset_peak_rss():
             raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the peak would be the lifetime one")
         t0 = time.perf_counter()
         if phase == "logprob":
             lp = worker.compute_logprob(batch)
+            del lp
+        elif phase == "ref":
+            lp = ref.compute_ref_logprob(batch)
             del lp
         else:
             worker.update(batch)
@@ -163,7 +189,7 @@ def _measure(case: Case, model_dir: str, port: int, ctx) -> dict:
         p.join()
         if p.exitcode:
             raise RuntimeError(f"rank process failed ({p.exitcode}) for {case.label}")
-    phases = ("logprob", "update")
+    phases = case.phases
     return {phase: max(r[phase]["peak"] for r in results) for phase in phases} | {
         "start": {phase: max(r[phase]["start"] for r in results) for phase in phases},
         "seconds": {phase: max(r[phase]["seconds"] for r in results) for phase in phases}}
@@ -178,8 +204,7 @@ def predict(case: Case, model_dir: str, malloc: str) -> dict:
     cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [*case.overrides(model_dir), f"plan.host_malloc={malloc}"])
     plan = plan_config(cfg, Hardware.cpu(ranks_per_node=case.ranks))
     trainer = plan.process("trainer")
-    return {"logprob": trainer.host_peak("old_logprob"), "update": trainer.host_peak("update"),
-            "plan": plan}
+    return {phase: trainer.host_peak(PLAN_PHASES[phase]) for phase in case.phases} | {"plan": plan}
 
 
 def main() -> None:
@@ -192,7 +217,7 @@ def main() -> None:
 
     cases = [(i, CASES[i]) for i in args.only] if args.only else list(enumerate(CASES))
     rows = []
-    print(f"{'#':>2} {'configuration':<64} {'phase':<7} {'malloc':<6} {'predicted':>9} {'measured':>9} {'error':>7} "
+    print(f"{'#':>2} {'configuration':<80} {'phase':<7} {'malloc':<6} {'predicted':>9} {'measured':>9} {'error':>7} "
           f"{'phase s':>7}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {}
@@ -202,12 +227,12 @@ def main() -> None:
             for malloc in args.malloc:
                 meas = measure(case, dirs[case.size], port=29700 + 2 * i + (malloc == "glibc"), malloc=malloc)
                 pred = predict(case, dirs[case.size], malloc)
-                for phase in ("logprob", "update"):
+                for phase in case.phases:
                     err = (pred[phase] - meas[phase]) / meas[phase]
                     rows.append({"case": i, "label": case.label, "phase": phase, "malloc": malloc,
                                  "predicted_gib": pred[phase] / GIB, "measured_gib": meas[phase] / GIB,
                                  "error": err, "seconds": meas["seconds"][phase]})
-                    print(f"{i:>2} {case.label:<64} {phase:<7} {malloc:<6} {pred[phase] / GIB:9.3f} "
+                    print(f"{i:>2} {case.label:<80} {phase:<7} {malloc:<6} {pred[phase] / GIB:9.3f} "
                           f"{meas[phase] / GIB:9.3f} {err:+7.1%} {meas['seconds'][phase]:7.1f}", flush=True)
     for malloc in args.malloc:
         errs = [abs(r["error"]) for r in rows if r["malloc"] == malloc]

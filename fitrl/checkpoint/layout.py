@@ -41,6 +41,12 @@ class Checkpoint:
         return bool(self.meta.get("model_only"))
 
     @property
+    def adapter_only(self) -> bool:
+        """The actor's weights are LoRA adapters only (``meta["lora"]``: their settings,
+        ``meta["base_model"]``: the frozen base's directory); the base is not in the checkpoint."""
+        return bool(self.meta.get("adapter_only"))
+
+    @property
     def run_dir(self) -> Optional[Path]:
         """The run directory it belongs to (``RUN/checkpoints/step_N``), if laid out that way."""
         return self.path.parent.parent if self.path.parent.name == CHECKPOINTS else None

@@ -11,7 +11,10 @@ A checkpoint ``RUN/checkpoints/step_N`` holds::
                          model directory: what `fitrl export` needs besides the weights
     actor/, critic/      each trained role's sharded state (fitrl.checkpoint.sharded)
 
-The reference model is not saved: it is frozen and rebuilt from its path.
+The reference model is not saved: it is frozen and rebuilt from its path. Nor is a LoRA
+policy's frozen base (``actor.lora.rank > 0``): ``actor/`` holds the adapters and their optimizer
+state, and the marker says so (``adapter_only``, the adapters' settings, the base's directory)
+for the resume check and for ``fitrl export``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rich.console import Console
 from fitrl.checkpoint import layout, rng
 from fitrl.checkpoint.layout import Checkpoint, CheckpointError
 from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
+from fitrl.config.schema import LoRAConfig
 
 # Settings that may change between a checkpoint and its resume without changing what the run
 # computes (beyond float rounding): sizes of the work per forward, where and on how many ranks
@@ -45,7 +49,9 @@ RESUME_SAFE = [
     "*.model.path", "*.model.tokenizer_path", "*.model.gradient_checkpointing", "*.model.attn_implementation",
     "memory.*",  # planning, telemetry and guard settings never change what is trained
     "plan.*",    # what-if inputs of the planner; a checkpoint saved before the section existed has none
-]
+]  # actor.lora.* is not here: adapters of another rank, targets or scale are another model
+# Sections added after checkpoints were written: a checkpoint without one was saved with its defaults.
+ADDED_SECTIONS = {"actor.lora": LoRAConfig}
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.index.json")
 
 
@@ -82,6 +88,7 @@ class CheckpointManager:
                                       "true) and cannot be resumed; export it with `fitrl export` and start a new "
                                       "run from the exported directory")
         self._check_config(point)
+        self._check_parameters(point)  # before any model loads, whatever strict_config let through
         newer = [c.path.name for c in layout.list_complete(self.root) if c.step > point.step]
         if newer:
             self.console.print(f"checkpoint: {', '.join(newer)} in {self.root} are newer than the resume point; "
@@ -93,6 +100,9 @@ class CheckpointManager:
         if not path.is_file():
             raise CheckpointError(f"checkpoint {point.path} has no config.yaml")
         saved = _flatten(yaml.safe_load(path.read_text()) or {})
+        for section, schema in ADDED_SECTIONS.items():
+            if not any(k.startswith(section + ".") for k in saved):
+                saved.update(_flatten(config_to_dict(schema()), section + "."))
         now = _flatten(config_to_dict(self.cfg))
         changed = [(k, saved.get(k, "(unset)"), now.get(k, "(unset)")) for k in sorted(set(saved) | set(now))
                    if not _same(k, saved.get(k, "(unset)"), now.get(k, "(unset)"))]
@@ -136,6 +146,7 @@ class CheckpointManager:
     def restore(self, point: Checkpoint, roles: dict[str, Any], *, weights_only: bool = False) -> Optional[dict]:
         """Load every role's state (on its ranks) and return the driver's state (None when
         ``weights_only``); the driver's RNGs are restored here."""
+        self._check_parameters(point)
         for name, role in roles.items():
             if not (point.path / name).is_dir():
                 raise CheckpointError(f"checkpoint {point.path} has no {name}/ (saved without a {name}); resume with "
@@ -154,6 +165,18 @@ class CheckpointManager:
                                "run continues statistically, not bit for bit", highlight=False)
         self.console.print(f"checkpoint: resumed from {point.path} (step {point.step})", highlight=False)
         return state
+
+    def _check_parameters(self, point: Checkpoint) -> None:
+        """A LoRA checkpoint (adapters only) resumes only a LoRA policy and a full one only full
+        fine-tuning, whatever ``checkpoint.strict_config`` lets through."""
+        lora = self.cfg.actor.lora
+        if point.adapter_only == lora.enabled:
+            return
+        saved = (f"LoRA adapters only (actor.lora.rank={point.meta.get('lora', {}).get('rank')})"
+                 if point.adapter_only else "the full policy (actor.lora.rank=0)")
+        raise CheckpointError(f"checkpoint {point.path} holds {saved} but this run has actor.lora.rank={lora.rank}: "
+                              "resume with the actor.lora settings it was saved with, or start over with "
+                              "checkpoint.resume=never")
 
     # ------------------------------------------------------------------ saving
 
@@ -176,7 +199,8 @@ class CheckpointManager:
             copy_hf_files(self.cfg, tmp / "hf")
             best = self.ckpt.keep_best
             meta = {"step": step, "world_size": self.cfg.world_size, "roles": list(roles),
-                    "model_only": self.ckpt.model_only, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "model_only": self.ckpt.model_only, **adapter_meta(self.cfg),
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "metrics": {best: metrics[best]} if best and best in metrics else {}}
             final = layout.finalize(tmp, meta)
         except BaseException:
@@ -189,6 +213,17 @@ class CheckpointManager:
         self.console.print(f"checkpoint: {final} ({size:.1f} MiB in {time.perf_counter() - start:.2f} s){note}",
                            highlight=False)
         return final
+
+
+def adapter_meta(cfg: FitrlConfig) -> dict:
+    """What the marker says about the actor's weights: with LoRA, that they are the adapters only,
+    their settings, and the base's directory (absolute: ``fitrl export`` may run elsewhere)."""
+    lora = cfg.actor.lora
+    if not lora.enabled:
+        return {"adapter_only": False}
+    return {"adapter_only": True, "base_model": str(Path(cfg.actor.model.path).resolve()),
+            "lora": {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                     "target_modules": list(lora.target_modules)}}
 
 
 def copy_hf_files(cfg: FitrlConfig, dest: Path) -> None:

@@ -7,6 +7,11 @@ Layout of a role's directory (``step_N/actor``)::
     role_state.pt        scheduler, update counter (identical on every rank; rank 0 writes it)
     rng_rank<r>.pt       rank r's torch generators (rollouts sample with them)
 
+With ``keep`` (a LoRA policy: the names of its trained parameters, from
+``ParameterSet.trained_names`` in fitrl/models/params.py) only those weights are saved and
+loaded, with their optimizer states: the frozen base is not in the checkpoint, it is rebuilt
+from the model path.
+
 Saving is sharded: under FSDP2 ``get_state_dict`` hands out each rank's DTensor shards and
 every rank writes only its own file, so no rank ever holds the full model (host memory while
 saving stays ~ one tensor's staging copy, see bench/checkpoint_save.py). Loading goes through
@@ -28,8 +33,9 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from fitrl.checkpoint import rng
 from fitrl.checkpoint.layout import CheckpointError
@@ -47,12 +53,13 @@ def _quiet_single_process():
 
 
 def save_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-              extra: Optional[dict], *, rank: int) -> None:
-    """Write this rank's shards of ``model`` (and ``optimizer``) plus its generators into ``path``.
-    A collective under a process group: every rank calls it with the same ``path``."""
+              extra: Optional[dict], *, rank: int, keep: Optional[set[str]] = None) -> None:
+    """Write this rank's shards of ``model`` (and ``optimizer``) plus its generators into ``path``;
+    only the weights named in ``keep`` when given. A collective under a process group: every rank
+    calls it with the same ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": model_state(model, keep)}
     # An optimizer that has not stepped yet (critic warm-up) has no state to save, and
     # get_optimizer_state_dict would create it with a fake zero-lr step, changing the run.
     if optimizer is not None and optimizer.state:
@@ -65,15 +72,17 @@ def save_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torc
 
 
 def load_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], *,
-              rank: int, what: str) -> Optional[dict]:
+              rank: int, what: str, keep: Optional[set[str]] = None, hint: str = "") -> Optional[dict]:
     """Load ``path`` into ``model`` (and ``optimizer`` when given and saved) in place, restore
     this rank's generators when the checkpoint has them, and return ``role_state.pt`` (or None).
-    ``what`` names the model in messages (``actor.model.path=/data/Qwen``)."""
+    ``what`` names the model in messages (``actor.model.path=/data/Qwen``); ``keep``: the weights
+    the checkpoint holds (as saved with it), the rest of the model stays as built; ``hint`` ends
+    the message when the checkpoint's weight names are not the model's."""
     path = Path(path)
     meta = read_metadata(path)
     check_files(path, meta)
-    template = {"model": get_model_state_dict(model)}
-    check_shapes(path, meta, template["model"], what)
+    template = {"model": model_state(model, keep)}
+    check_shapes(path, meta, template["model"], what, hint)
     if optimizer is not None and any(k.startswith("optim.") for k in meta.state_dict_metadata):
         template["optim"] = get_optimizer_state_dict(model, optimizer)
     try:
@@ -81,7 +90,7 @@ def load_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torc
             dcp.load(template, checkpoint_id=str(path))
     except Exception as e:  # a corrupt shard surfaces as whatever torch.load raised
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from e
-    set_model_state_dict(model, template["model"])
+    set_model_state_dict(model, template["model"], options=StateDictOptions(strict=keep is None))
     if "optim" in template:
         set_optimizer_state_dict(model, optimizer, template["optim"])
     mine = path / f"rng_rank{rank}.pt"
@@ -89,6 +98,19 @@ def load_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torc
         rng.set_torch_state(torch.load(mine, weights_only=True))
     role_state = path / ROLE_STATE
     return torch.load(role_state, weights_only=True) if role_state.is_file() else None
+
+
+def model_state(model: torch.nn.Module, keep: Optional[set[str]]) -> dict:
+    """The model's state dict (under FSDP2: this rank's shards, no gather), only ``keep``'s keys
+    when given."""
+    state = get_model_state_dict(model)
+    if keep is None:
+        return state
+    unknown = sorted(keep - set(state))
+    if unknown:  # the names of named_parameters() and of the state dict disagree: a wrapper renamed them
+        raise CheckpointError(f"{len(unknown)} trained parameter(s) have no state-dict key of the same name "
+                              f"(e.g. {unknown[0]}): cannot tell which weights a checkpoint must hold")
+    return {k: v for k, v in state.items() if k in keep}
 
 
 def read_metadata(path: Path):
@@ -117,7 +139,7 @@ def check_files(path: Path, meta) -> None:
             raise CheckpointError(f"checkpoint shard {f} is truncated: {size} bytes, its metadata needs {end}")
 
 
-def check_shapes(path: Path, meta, model_state: dict, what: str) -> None:
+def check_shapes(path: Path, meta, model_state: dict, what: str, hint: str = "") -> None:
     """The checkpoint's weights are this model's: same names, same global shapes."""
     saved = {k[len("model."):]: v for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
     missing = [k for k in model_state if k not in saved]
@@ -129,7 +151,8 @@ def check_shapes(path: Path, meta, model_state: dict, what: str) -> None:
             parts.append(f"{len(missing)} of the model's tensors are not in it (e.g. {missing[0]})")
         if extra:
             parts.append(f"it has {len(extra)} tensors the model lacks (e.g. {extra[0]})")
-        raise CheckpointError(f"checkpoint {where} does not match {what}: " + "; ".join(parts))
+        raise CheckpointError(f"checkpoint {where} does not match {what}: " + "; ".join(parts)
+                              + (f" ({hint})" if hint else ""))
     for k, t in model_state.items():
         s = saved[k]
         if isinstance(s, TensorStorageMetadata) and tuple(s.size) != tuple(t.shape):  # DTensor: global shape

@@ -92,6 +92,36 @@ class FSDPConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = 0
+    """LoRA rank of the adapters on the policy (0: off, every parameter trains). With LoRA only the
+    adapters train (their gradients and AdamW states are all the optimizer holds), and with KL on
+    the reference log-probs come from the same weights with the adapters disabled: no reference
+    model is built."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's update is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps rollout and training log-probs identical)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get adapters: module names (``q_proj``, ``v_proj``, ...) or ``all-linear``
+    (every linear layer except the output head)."""
+    seed: int = 0
+    """Seed of the adapters' initialisation (the same on every rank)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(f"actor.lora needs rank >= 0 (0: off), alpha > 0 and dropout in [0, 1); got "
+                              f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}")
+        if not self.target_modules:
+            raise ConfigError("actor.lora.target_modules is empty: name linear layers (q_proj, v_proj, ...) "
+                              "or use all-linear")
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model (``dtype`` must be float32: the actor's weights are its master weights)."""
@@ -121,6 +151,8 @@ class ActorConfig:
     """Shuffle sequences before splitting into mini-batches."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters on the policy (``actor.lora.rank > 0``), through PEFT."""
 
     def __post_init__(self) -> None:
         if self.model.dtype != "float32":

@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fitrl.config.plan import PlanConfig
-from fitrl.config.roles import (ActorConfig, CriticConfig, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
-                                 RefConfig, RolloutConfig, SamplingConfig)
+from fitrl.config.roles import (ActorConfig, CriticConfig, DataConfig, FSDPConfig, LoRAConfig, ModelConfig,
+                                 OptimConfig, RefConfig, RolloutConfig, SamplingConfig)
 from fitrl.config.run import (AlgorithmConfig, CheckpointConfig, FilterGroupsConfig, KLRewardConfig, MemoryConfig,
                                OverlongConfig, RewardConfig, TrainerConfig)
 from fitrl.core.errors import ConfigError
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
-           "FSDPConfig", "FilterGroupsConfig", "FitrlConfig", "KLRewardConfig", "MemoryConfig", "ModelConfig",
+           "FSDPConfig", "FilterGroupsConfig", "FitrlConfig", "KLRewardConfig", "LoRAConfig", "MemoryConfig", "ModelConfig",
            "OptimConfig", "OverlongConfig", "PlanConfig", "RefConfig", "RewardConfig", "RolloutConfig",
            "SamplingConfig", "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes", "derived_batch_numbers"]
 

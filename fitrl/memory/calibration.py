@@ -23,6 +23,10 @@ tokenizer and a (tiny) model built, before any model state: 0.35-0.37 GiB."""
 CPU_RANK_EXTRA = 0
 """Measured: a gloo rank with FSDP2 (process group, device mesh, DTensor) adds nothing visible
 (tiny model: 0.363 GiB per rank of 2, 0.360 GiB alone)."""
+PEFT_IMPORT_HOST = 50 * MIB
+"""Measured: RSS that importing PEFT (and accelerate, which it imports) adds to a trainer process
+that has torch, transformers and fitrl's roles imported: 50.6 MiB. Only LoRA runs import it
+(fitrl/models/params.py)."""
 CUDA_PROCESS_RUNTIME = int(2.5 * GIB)
 """Assumed: host RSS of a CUDA trainer process (CUDA runtime, cuBLAS, cuDNN, NCCL mapped and
 touched); commonly 2-3 GiB. Not measured here (no GPU)."""
@@ -60,6 +64,17 @@ tensors on the heap, where freed chunks are reused late and returned rarely."""
 CPU_RECOMPUTE_RSS_FACTOR = 3.8
 """Measured: the same with gradient checkpointing, whose recomputation allocates and frees every
 layer's activations again inside backward and fragments the heap (3.6-4.0x on the small model)."""
+CPU_LORA_BACKWARD_RSS_FACTOR = 2.0
+"""Measured (default glibc): the same with LoRA adapters (PEFT) on every linear layer: 1.9-2.1 on
+the medium model (``bench/plan_accuracy.py`` configuration 12: 2.07, and 1.95 in a second run of
+its steps outside the bench), 1.87 on the small one (P64/R128, 16 sequences, micro-batch 8);
+with ``MALLOC_MMAP_THRESHOLD_`` RSS follows the traced live tensors as for full fine-tuning. About
+half of the excess is PEFT's adapter sum, ``result + lora_B(lora_A(x)) * scaling``: three
+``tokens x out`` tensors per adapted layer, two freed at once between saved activations (the heap
+grows over holes it does not reuse); summed in place, a forward+backward of the small model went
+from 1.73x to 1.45x its live tensors (full fine-tuning: 1.22x). What the heap keeps into the next
+phase is the same share of the update as without LoRA (0.67-0.74 measured). Not measured with
+gradient checkpointing (its factor below is used)."""
 CPU_LOGPROB_RSS_FACTOR = 1.0
 """Measured: a no-grad forward on CPU."""
 CPU_RETAINED_AFTER_UPDATE = 0.74

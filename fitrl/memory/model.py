@@ -25,7 +25,7 @@ from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
 from fitrl.memory.shapes import ModelShape
-from fitrl.memory.states import States, frozen_states, trained_states
+from fitrl.memory.states import States, frozen_states, lora_states, trained_states
 
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
     from fitrl.algo import AlgorithmSpec
@@ -213,6 +213,16 @@ class Run:
         return self.hw.device == "cuda"
 
     @property
+    def lora(self):
+        """``actor.lora`` when LoRA is on (adapters train, the base is frozen), else None."""
+        lora = self.cfg.actor.lora
+        return lora if lora.enabled else None
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        return tuple(self.lora.target_modules) if self.lora else ()
+
+    @property
     def fsdp(self) -> bool:
         return self.cfg.trainer.backend == "ray"
 
@@ -268,8 +278,12 @@ def role_states(run: Run) -> dict[str, tuple[States, object]]:
     roles: dict[str, tuple[States, object]] = {}
     a = cfg.actor.fsdp
     n = run.shard_world(a.strategy)
-    roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pin and a.cpu_offload and run.fsdp), a)
-    if run.spec.reference:
+    pinned = pin and a.cpu_offload and run.fsdp
+    if run.lora:  # the frozen base and the adapters; the adapters alone have gradients and AdamW states
+        roles["actor"] = (lora_states(run.shape, run.lora.rank, run.lora_targets, n, cfg.actor.model.dtype, pinned), a)
+    else:
+        roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pinned), a)
+    if run.spec.reference and not run.lora:  # with LoRA the reference is the policy with its adapters off
         r = cfg.ref.fsdp
         dtype = (cfg.ref.model or cfg.actor.model).dtype
         roles["ref"] = (frozen_states(run.ref_shape or run.shape, run.shard_world(r.strategy), dtype,
@@ -285,6 +299,7 @@ def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
     """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
     if not run.cuda or (fsdp.cpu_offload and run.fsdp):
         return False, False
-    active = {"actor": ACTOR_PHASES, "ref": {"ref_logprob"}, "critic": {"old_logprob", "update"}}[role]
+    actor = ACTOR_PHASES | ({"ref_logprob"} if run.lora else set())  # LoRA: the policy computes the reference
+    active = {"actor": actor, "ref": {"ref_logprob"}, "critic": {"old_logprob", "update"}}[role]
     on = phase in active or not fsdp.offload_params
     return on, phase == "update" or not fsdp.offload_optimizer

@@ -3,7 +3,11 @@ re-planned so its effect is a prediction in GiB, not advice.
 
 Every candidate is a list of dotted overrides (``plan.*`` ones change the what-if inputs).
 Those that remove a problem, or are faster and keep the plan fitting, are reported in speed
-order; when no single one fits, the cheapest ones are combined greedily until the plan fits.
+order (the cheapest one that fits always among those shown); when no single one fits, the
+cheapest ones are combined greedily until the plan fits. LoRA (``actor.lora.rank=16``) is
+offered only where it alone makes the plan fit, with the other training changes, and only to
+runs that fitrl trains with it (its own rollout engine; the planner-only vLLM engine has no LoRA
+weight sync to plan).
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ from fitrl.config.loader import config_from_dict, config_to_dict
 from fitrl.memory.model import Plan
 from fitrl.memory.plan import plan_config
 
+LORA_RANK = 16  # the LoRA recommendation's rank (all-linear, the actor.lora defaults otherwise)
+
 
 @dataclass
 class Change:
     overrides: list[tuple[str, Any]]
     cost: str                 # what it costs in speed (or in the task), shown to the user
     text: str                 # "actor.fsdp.offload_params true -> false"
+    only_if_fits: bool = False  # shown only when it alone makes the plan fit
 
 
 @dataclass
@@ -49,6 +56,7 @@ def candidates(plan: Plan) -> list[Change]:
     cfg, e, out = plan.cfg, plan.cfg.plan.rollout, []
     ray = cfg.trainer.backend == "ray"
     cuda = plan.hardware.device == "cuda"
+    reference = plan.spec.reference and not cfg.actor.lora.enabled  # a reference model of its own
 
     def flip(key: str, cost: str, want: bool) -> None:
         if _get(cfg, key) != want:
@@ -63,7 +71,7 @@ def candidates(plan: Plan) -> list[Change]:
         out.append(Change([("actor.fsdp.init", "rank0")], "faster: one checkpoint read per job, not per rank",
                           "actor.fsdp.init every_rank -> rank0"))
     if cuda:
-        roles = ["actor", "ref"] if plan.spec.reference else ["actor"]
+        roles = ["actor", "ref"] if reference else ["actor"]
         on = [(f"{r}.fsdp.{k}", False) for r in roles for k in ("cpu_offload", "offload_params", "offload_optimizer")
               if not (r == "ref" and k == "offload_optimizer") and _get(cfg, f"{r}.fsdp.{k}")]
         if len(on) > 1:
@@ -73,7 +81,7 @@ def candidates(plan: Plan) -> list[Change]:
                 if role == "ref" and k == "offload_optimizer":
                     continue
                 flip(f"{role}.fsdp.{k}", "faster: no host<->device copies", False)
-    if plan.spec.reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
+    if reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
         out.append(Change([("ref.model", {"path": (cfg.ref.model or cfg.actor.model).path, "dtype": "bfloat16"})],
                           "faster (bf16 forward of the frozen model)", "ref.model.dtype float32 -> bfloat16"))
     if e.engine == "vllm" and e.free_cache_engine:
@@ -105,13 +113,16 @@ def candidates(plan: Plan) -> list[Change]:
     if cuda and ray:
         flip("actor.fsdp.offload_optimizer", "slower: optimizer states copied each update", True)
         flip("actor.fsdp.offload_params", "slower: weights copied each phase", True)
-        if plan.spec.reference:
+        if reference:
             flip("ref.fsdp.offload_params", "slower: reference weights copied each step", True)
     rbs, mini = cfg.data.rollout_batch_size, cfg.actor.mini_batch_size
     if rbs > 1 and rbs % 2 == 0:
         changes = [("data.rollout_batch_size", rbs // 2)] + ([("actor.mini_batch_size", mini // 2)]
                                                              if mini > rbs // 2 or (rbs // 2) % mini else [])
         out.append(Change(changes, "fewer prompts per step (training change)", f"data.rollout_batch_size {rbs} -> {rbs // 2}"))
+    if not cfg.actor.lora.enabled and e.engine == "hf":
+        out.append(Change([("actor.lora.rank", LORA_RANK)], "training change: adapters train, the base is frozen",
+                          f"LoRA (actor.lora.rank={LORA_RANK})", only_if_fits=True))
     im = cfg.plan.images
     if plan.shape.vision is not None and im.per_prompt and im.max_pixels > 262144:
         out.append(Change([("plan.images.max_pixels", im.max_pixels // 4)], "lower image resolution (task change)",
@@ -158,6 +169,8 @@ def recommend(plan: Plan, limit: int = 8, first_fit: bool = False) -> tuple[list
             continue
         gpu, host = _peaks(new)
         rec = Recommendation(change, new, gpu - base_gpu, host - base_host, plan.growth_per_step)
+        if change.only_if_fits and not (failing and new.fits):
+            continue
         helps = _overshoot(new) < _overshoot(plan)
         faster_and_fits = not failing and change.cost.startswith("faster") and new.fits
         if (failing and helps) or faster_and_fits:
@@ -167,6 +180,9 @@ def recommend(plan: Plan, limit: int = 8, first_fit: bool = False) -> tuple[list
     combo = None
     if failing and not any(r.fits for r in shown):
         combo = _combine(plan, shown, base_gpu, base_host)
+    cheapest = next((i for i, r in enumerate(shown) if r.fits), None)
+    if cheapest is not None and cheapest >= limit:  # the cheapest change that fits is always shown
+        return shown[:limit - 1] + [shown[cheapest]], combo
     return shown[:limit], combo
 
 

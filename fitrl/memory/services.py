@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fitrl.memory import calibration as C
 from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage
-from fitrl.memory.states import DTYPE_BYTES, full_weights
+from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
 
 
 def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
@@ -82,8 +82,11 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
             # the checkpoint file mapped by safetensors (page cache shared by a node's readers)
             on_disk = run.shape.raw.get("torch_dtype") or run.shape.raw.get("dtype")
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))
-        if ph == "checkpoint_save":
-            r0.add("host", "checkpoint copy", full_weights(run.shape, cfg.actor.model.dtype))
+        if ph == "checkpoint_save":  # a LoRA checkpoint holds the adapters only (fitrl/checkpoint/manager.py)
+            saved = (tensors_bytes([s for _, s in run.shape.lora_tensors(run.lora.rank, run.lora_targets)],
+                                   DTYPE_BYTES[cfg.actor.model.dtype]) if run.lora
+                     else full_weights(run.shape, cfg.actor.model.dtype))
+            r0.add("host", "checkpoint copy", saved)
         driver[ph], node[ph], rank0[ph] = d, n, r0
     return [ProcessPlan("driver", 1, driver), ProcessPlan("node", 1, node), ProcessPlan("rank0", 1, rank0)]
 

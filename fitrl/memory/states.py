@@ -5,7 +5,8 @@ gradients 4, ``exp_avg`` and ``exp_avg_sq`` 8) plus AdamW's fp32 ``step`` scalar
 the gradients only during an update (the planner drops them in other phases).
 Under FSDP2 each tensor is sharded on dim 0 over the N ranks of its shard group, padded to a
 multiple of N: rank 0 (the largest shard) holds ``ceil(dim0 / N) * rest`` elements of each.
-A frozen bf16 reference holds 2 bytes per parameter over N. Pinned host memory (FSDP2
+A frozen bf16 reference holds 2 bytes per parameter over N. A LoRA policy holds its frozen base
+(weights only) and its adapters (16 bytes per adapter parameter). Pinned host memory (FSDP2
 ``CPUOffloadPolicy`` on CUDA) is rounded up to a power of two per tensor by PyTorch's host
 caching allocator.
 
@@ -69,6 +70,25 @@ def trained_states(shape: ModelShape, world: int = 1, dtype: str = "float32", pi
     b = DTYPE_BYTES[dtype]
     return States(params=tensors_bytes(shapes, b, world, pinned), grads=tensors_bytes(shapes, b, world, pinned),
                   optimizer=tensors_bytes(shapes, 8, world) + ADAM_STEP_BYTES * len(shapes))
+
+
+def lora_states(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str], world: int = 1,
+                dtype: str = "float32", pinned: bool = False) -> States:
+    """A LoRA policy (fitrl/models/params.py): every base weight, frozen, plus the adapters in
+    ``dtype``; gradients and fp32 AdamW states (``requires_grad`` only) for the adapters alone.
+    Sharding and pinning apply tensor by tensor, as for :func:`trained_states`."""
+    base = [s for _, s in shape.tensors()]
+    adapters = [s for _, s in shape.lora_tensors(rank, targets)]
+    b = DTYPE_BYTES[dtype]
+    return States(params=tensors_bytes(base, b, world, pinned) + tensors_bytes(adapters, b, world, pinned),
+                  grads=tensors_bytes(adapters, b, world, pinned),
+                  optimizer=tensors_bytes(adapters, 8, world) + ADAM_STEP_BYTES * len(adapters))
+
+
+def lora_layer_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str]) -> int:
+    """Adapter parameters of one decoder layer (gathered with it by FSDP2)."""
+    prefix = "model.layers.0."
+    return sum(numel(s) for n, s in shape.lora_tensors(rank, targets) if n.startswith(prefix))
 
 
 def frozen_states(shape: ModelShape, world: int = 1, dtype: str = "bfloat16", pinned: bool = False) -> States:

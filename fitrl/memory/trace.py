@@ -15,6 +15,12 @@ What the trace leaves out, on purpose: the policy loss and the per-token statist
 tensors (the update traces ``(logp * advantages).sum()``; those tensors are 1/V of the logits),
 and padding trimming (the traced batch has no padding columns; trimming is the identity).
 FSDP2's gathered weights and gradient buffers are added in closed form by the planner.
+
+With LoRA (``lora_rank > 0``) the traced model gets the same PEFT adapters as the policy
+(:class:`fitrl.models.params.LoRA`, before gradient checkpointing, as fitrl/models/loading.py
+applies them), and only the adapters get gradients: the trace then holds what PEFT's forward
+keeps (each adapted layer's input for ``lora_A``, its ``tokens x r`` output for ``lora_B``, the
+dropout copies when ``lora_dropout > 0``) and what the frozen base no longer saves.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from unittest import mock
+
+from fitrl.config.roles import LoRAConfig
 
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -40,6 +48,17 @@ class TraceSpec:
     chunk: int = 1024           # actor.logprob_chunk_size
     entropy_grad: bool = False  # entropy in the loss (actor.entropy_coeff != 0)
     attn: str = "sdpa"
+    lora_rank: int = 0          # LoRA adapters on (actor.lora.rank > 0)
+    lora_targets: tuple = ()    # actor.lora.target_modules
+    lora_dropout: float = 0.0   # actor.lora.dropout
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 def transient_bytes(spec: TraceSpec, layers: int) -> int:
@@ -68,6 +87,8 @@ def _traced(spec: TraceSpec, layers: int) -> int:
     identity = lambda ids, mask, pos, r: (ids, mask, pos, r)  # noqa: E731  (no padding columns to trim)
     with FakeTensorMode(allow_non_fake_inputs=True), mock.patch.object(logprob_ops, "trim_padding", identity):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        if spec.lora_rank:
+            _inject_fake_adapters(model, spec, dtype)
         B, T, R = spec.batch, spec.seq_len, spec.response_len
         ids = torch.zeros((B, T), dtype=torch.long)
         mask = torch.ones((B, T), dtype=torch.long)
@@ -80,11 +101,15 @@ def _traced(spec: TraceSpec, layers: int) -> int:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
             for p in model.parameters():  # from the second micro-batch on, every gradient exists
-                p.grad = torch.zeros_like(p)
+                if p.requires_grad:           # (LoRA: the adapters' only)
+                    p.grad = torch.zeros_like(p)
             adv = torch.zeros((B, R))
         else:
             model.eval()
         tracker.track_external(model)
+        for p in model.parameters():  # a frozen parameter (LoRA's base) cannot take MemTracker's
+            if not p.requires_grad:   # gradient hooks: mark it hooked, with nothing to remove
+                tracker._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
         with tracker:
             if spec.phase == "prefill":
                 with torch.no_grad():
@@ -103,10 +128,30 @@ def _traced(spec: TraceSpec, layers: int) -> int:
     return int(dev["Total"] - states)
 
 
+def _inject_fake_adapters(model, spec: TraceSpec, dtype) -> None:
+    """The policy's LoRA adapters on a FakeTensorMode model. PEFT moves each new module to its base
+    layer's device and dtype with ``Module.to``, which cannot swap fake parameters (torch 2.13
+    swaps, and fake tensors carry weakrefs): those moves are skipped (every fake tensor is on the
+    one fake CPU) and the adapters are cast to the model's dtype here instead, as new parameters."""
+    import torch
+
+    from fitrl.models.params import LoRA  # imports torch
+
+    lora = LoRA(LoRAConfig(rank=spec.lora_rank, dropout=spec.lora_dropout, target_modules=list(spec.lora_targets)))
+    with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
+        lora.apply(model)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dtype != dtype:
+                setattr(module, name, torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+
+
 def trace_spec(shape, *, phase: str, batch: int, seq_len: int, response_len: int, dtype: str = "float32",
                checkpointing: bool = False, chunk: int = 1024, entropy_grad: bool = False,
-               attn: str = "sdpa") -> TraceSpec:
-    """A :class:`TraceSpec` for a :class:`fitrl.memory.shapes.ModelShape`."""
+               attn: str = "sdpa", lora=None) -> TraceSpec:
+    """A :class:`TraceSpec` for a :class:`fitrl.memory.shapes.ModelShape`; ``lora``: the
+    ``actor.lora`` config when the traced forward runs with adapters on."""
     cfg = shape.text_config(layers=1)
+    adapters = (lora.rank, tuple(lora.target_modules), lora.dropout) if lora is not None and lora.enabled else (0, (), 0.0)
     return TraceSpec(tuple(sorted(cfg.items())), phase, batch, seq_len, response_len, dtype, checkpointing,
-                     max(1, chunk), entropy_grad, attn)
+                     max(1, chunk), entropy_grad, attn, *adapters)

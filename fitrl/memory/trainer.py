@@ -1,6 +1,8 @@
 """A trainer rank's memory per phase: its roles' states where they live in that phase (device
 or host, by the offload settings), the traced transients of its micro-steps, FSDP2's gathered
-units, and the HF rollout engine that runs in the same process today."""
+units, and the HF rollout engine that runs in the same process today. With LoRA the reference
+log-probs come from the policy itself, adapters off (fitrl/roles/workers.py,
+``PolicyWorker.compute_ref_logprob``): its micro-batches and compute dtype, no model of its own."""
 
 from __future__ import annotations
 
@@ -8,15 +10,18 @@ from typing import Optional
 
 from fitrl.memory import calibration as C
 from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage, resident, role_states
-from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
+from fitrl.memory.shapes import numel
+from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, lora_layer_params, root_bytes
 from fitrl.memory.trace import trace_spec, transient_bytes
 
 
-def _trace(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, **kw) -> int:
+def _trace(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, adapters: bool = True,
+           **kw) -> int:
+    """``adapters``: the forward runs through the LoRA adapters (when LoRA is on; not the reference's)."""
     a = run.cfg.actor
     spec = trace_spec(run.shape, phase=phase, batch=batch, seq_len=seq_len, response_len=run.response_len,
                       dtype=dtype or run.compute_dtype, chunk=a.logprob_chunk_size,
-                      attn=a.model.attn_implementation, **kw)
+                      attn=a.model.attn_implementation, lora=run.lora if adapters else None, **kw)
     return transient_bytes(spec, run.shape.layers)
 
 
@@ -50,6 +55,7 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
     for ph in PHASES:
         u = Usage()
         u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.fsdp)
+        u.add("host", "runtime", C.PEFT_IMPORT_HOST if run.lora else 0)
         if cuda:
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
         for role, (st, fsdp) in roles.items():
@@ -80,22 +86,28 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
         slack = C.GPU_ALLOCATOR_SLACK if cuda else C.CPU_ALLOCATOR_SLACK
         if ph in ("old_logprob", "ref_logprob", "update"):
             grad = ph == "update"
+            ref_model = ph == "ref_logprob" and not run.lora  # a reference model of its own
             size = cfg.actor.micro_batch_size if grad else (
-                cfg.ref.logprob_micro_batch_size if ph == "ref_logprob" else cfg.actor.logprob_micro_batch_size)
+                cfg.ref.logprob_micro_batch_size if ref_model else cfg.actor.logprob_micro_batch_size)
             b = run.micro(size)
-            dtype = (cfg.ref.model or cfg.actor.model).dtype if ph == "ref_logprob" and not run.fsdp else None
+            dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.fsdp else None
             tr = _trace(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
+                        adapters=ph != "ref_logprob",
                         checkpointing=grad and cfg.actor.model.gradient_checkpointing,
                         entropy_grad=grad and cfg.actor.entropy_coeff != 0)
             if not cuda and run.cfg.plan.host_malloc == "glibc":
-                tr = _cpu_transient(tr, grad, cfg.actor.model.gradient_checkpointing)
-            logits = min(tr, _logits_part(run, b, grad))
+                tr = _cpu_transient(tr, grad, cfg.actor.model.gradient_checkpointing, lora=run.lora is not None)
+            logits = min(tr, _logits_part(run, b, grad and not run.lora))  # LoRA: no lm_head gradient
             _logits_note(run, ph, b, notes)
             u.add(dev, "logits", logits * slack)
             u.add(dev, "activations", (tr - logits + _vision_activations(run, b, grad, cfg.actor.model.gradient_checkpointing)) * slack)
             if run.fsdp:  # gathered units: the root stays gathered forward to backward, two layers in flight
                 # (unsharded gradients are the traced incoming gradients already: not added again)
-                u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb))
+                # (LoRA: each unit gathers its adapters with its base weights)
+                per_layer, total = _adapters(run)
+                root_adapters = total - per_layer * run.shape.layers
+                u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
+                      + (root_adapters + 2 * per_layer) * cb)
         if ph in ("rollout", "validation") and eng.engine == "hf":
             _hf_rollout(run, ph, u, dev)
         if ph == "load":
@@ -105,6 +117,8 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
         phases[ph] = u
     if not cuda and run.cfg.plan.host_malloc == "glibc":
         _cpu_retention(phases)
+    if run.lora:
+        notes.append(_lora_note(run))
     if cuda and eng.engine == "hf":
         notes.append("rollout engine: transformers generate inside each trainer rank, on the actor's weights "
                      "(gathered once per call under FSDP2)")
@@ -137,11 +151,13 @@ def _cpu_retention(phases: dict[str, Usage]) -> None:
             u.add("host", "allocator (retained)", retained - own)
 
 
-def _cpu_transient(traced: int, grad: bool, checkpointing: bool) -> int:
+def _cpu_transient(traced: int, grad: bool, checkpointing: bool, lora: bool = False) -> int:
     """glibc keeps freed heap memory: RSS above the traced live bytes by a measured factor."""
     if not grad:
         return int(traced * C.CPU_LOGPROB_RSS_FACTOR)
-    return int(traced * (C.CPU_RECOMPUTE_RSS_FACTOR if checkpointing else C.CPU_BACKWARD_RSS_FACTOR))
+    if checkpointing:
+        return int(traced * C.CPU_RECOMPUTE_RSS_FACTOR)
+    return int(traced * (C.CPU_LORA_BACKWARD_RSS_FACTOR if lora else C.CPU_BACKWARD_RSS_FACTOR))
 
 
 def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
@@ -153,13 +169,33 @@ def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
     b = min(cfg.rollout.micro_batch_size, seqs)
     cb = DTYPE_BYTES[run.compute_dtype]
     if run.fsdp:  # gathered_for_generation: the full weights for the whole call
-        u.add(dev, "gathered weights", shape.num_params * cb)
+        u.add(dev, "gathered weights", (shape.num_params + _adapters(run)[1]) * cb)
     u.add(dev, "kv cache", b * run.seq_len * shape.kv_bytes_per_token(cb))
     prefill = _trace(run, "prefill", b, run.prompt_len) - b * run.prompt_len * shape.kv_bytes_per_token(cb)
     # SampleAndRecord: the fp32 scores, the tempered copy, the pending log-softmax, top-k/top-p copies
     sampling = b * shape.vocab * 4 * (4 + 5 * (cfg.rollout.top_p < 1.0))
     u.add(dev, "activations", max(prefill, sampling))
     u.add("host", "batch", run.batch_bytes(seqs))
+
+
+def _adapters(run: Run) -> tuple[int, int]:
+    """LoRA adapter parameters (one decoder layer's, all of them); (0, 0) without LoRA."""
+    if not run.lora:
+        return 0, 0
+    adapters = run.shape.lora_tensors(run.lora.rank, run.lora_targets)
+    return lora_layer_params(run.shape, run.lora.rank, run.lora_targets), sum(numel(s) for _, s in adapters)
+
+
+def _lora_note(run: Run) -> str:
+    lora, adapters = run.lora, run.shape.lora_tensors(run.lora.rank, run.lora_targets)
+    text = (f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {len(adapters) // 2} linear layers, "
+            f"{sum(numel(s) for _, s in adapters) / 1e6:,.2f}M adapter parameters train (gradients and AdamW "
+            f"states for these only); the base's {run.shape.num_params / 1e6:,.1f}M are frozen")
+    if run.spec.reference:
+        text += "; the reference is the policy with its adapters off (no reference model)"
+    if run.cfg.plan.rollout.engine == "vllm":
+        text += "; the vLLM engine is planned as for full weights (merged adapters synced)"
+    return text
 
 
 def _load(run: Run, u: Usage) -> None:

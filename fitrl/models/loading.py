@@ -30,6 +30,9 @@ from fitrl.core.errors import ConfigError
 from fitrl.distributed.collectives import distributed, rank
 from fitrl.distributed.fsdp import broadcast_from_rank0, shard
 from fitrl.models.families import family_for
+from fitrl.models.params import ParameterSet
+
+FULL = ParameterSet()
 
 
 def check_model_dir(path: str, what: str = "actor.model.path") -> Path:
@@ -55,14 +58,16 @@ def load_tokenizer(model: ModelConfig):
 
 
 def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.device, *,
-                what: str = "actor.model.path", nnodes: int = 1) -> nn.Module:
+                what: str = "actor.model.path", nnodes: int = 1, params: ParameterSet = FULL) -> nn.Module:
     """The role's model on this rank: plain when there is no process group, FSDP2-sharded otherwise.
 
     ``kind``: ``"causal_lm"`` (policy, reference) or ``"value"`` (critic); ``what`` names the
-    config key of ``model.path`` in error messages; ``nnodes`` shapes a hybrid-shard mesh."""
+    config key of ``model.path`` in error messages; ``nnodes`` shapes a hybrid-shard mesh;
+    ``params``: which parameters train (LoRA adapters are injected into every copy built here)."""
     check_model_dir(model.path, what)
     family = family_for(model.path)
-    from_pretrained, from_config = family.builders(kind, model)
+    load, build = family.builders(kind, model)
+    from_pretrained, from_config = (lambda: params.apply(load())), (lambda: params.apply(build()))
     if not distributed():
         m = from_pretrained().to(device)
         _enable_checkpointing(m, model)

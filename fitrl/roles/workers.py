@@ -20,6 +20,7 @@ from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
+from fitrl.models.params import parameter_set
 from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
 from fitrl.roles.critic import Critic
@@ -66,8 +67,9 @@ class PolicyWorker:
         GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
+        self.params = parameter_set(cfg.actor.lora)  # full, or LoRA adapters on a frozen base
         self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device,
-                                 nnodes=cfg.trainer.nnodes)
+                                 nnodes=cfg.trainer.nnodes, params=self.params)
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length)
         family = family_for(cfg.actor.model.path)
@@ -87,6 +89,14 @@ class PolicyWorker:
     def compute_logprob(self, batch: Batch) -> Batch:
         with self.offload.phase():
             return self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature).to("cpu")
+
+    @dispatch("dp")
+    def compute_ref_logprob(self, batch: Batch) -> Batch:
+        """The reference log-probs of a LoRA run: the same weights with every adapter off (no
+        reference model is built)."""
+        with self.offload.phase(), self.params.base_only(self.model):
+            out = self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature)
+        return Batch({"ref_logprobs": out["old_logprobs"]}).to("cpu")
 
     @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
@@ -110,15 +120,23 @@ class PolicyWorker:
 
     # Checkpoints are written from wherever the shards live (device, or host when offloaded
     # between phases): no move to the device, no gather. A collective under FSDP2.
+    # With LoRA only the adapters (and their AdamW states) are saved: the base is rebuilt from its path.
     @dispatch("all")
     def save_checkpoint(self, path: str, model_only: bool = False) -> None:
         save_role(path, self.model, None if model_only else self.actor.optimizer,
-                  None if model_only else self.actor.state_dict(), rank=self.rank)
+                  None if model_only else self.actor.state_dict(), rank=self.rank,
+                  keep=self.params.trained_names(self.model))
 
     @dispatch("all")
     def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        what, rank = f"actor.model.path={self.cfg.actor.model.path}", self.cfg.actor.lora.rank
+        if rank:
+            what += f", actor.lora.rank={rank}"
+        hint = (f"actor.lora.rank={rank}: a LoRA policy loads the adapters of a checkpoint saved with its actor.lora "
+                "settings" if rank else "actor.lora.rank=0: full fine-tuning loads a checkpoint of the whole policy, "
+                "not LoRA adapters")
         extra = load_role(path, self.model, None if weights_only else self.actor.optimizer, rank=self.rank,
-                          what=f"actor.model.path={self.cfg.actor.model.path}")
+                          what=what, keep=self.params.trained_names(self.model), hint=hint)
         if extra is not None and not weights_only:
             self.actor.load_state_dict(extra)
 

@@ -83,7 +83,8 @@ class RLTrainer:
         self.checkpoints = checkpoints
         self.start_step = 0  # the step a resumed run continues after
         self.history: list[dict[str, float]] = list(history or [])
-        self.memory = MemoryWatch(cfg, {"policy": policy, **({"ref": ref} if ref else {}),
+        # (a LoRA run's reference is the policy group itself: its records are the policy's)
+        self.memory = MemoryWatch(cfg, {"policy": policy, **({"ref": ref} if ref and ref is not policy else {}),
                                         **({"critic": critic} if critic else {})}, console,
                                   write=self.writer.write, save=self.emergency_save)
 

@@ -110,7 +110,9 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
 
         needs = algorithm_needs(cfg)
         policy = make_group(PolicyWorker, cfg, "policy", stack)
-        ref = make_group(ReferenceWorker, cfg, "ref", stack, colocate_with=policy) if needs.reference else None
+        ref = None
+        if needs.reference:  # with LoRA the policy's frozen base is the reference: no second model
+            ref = policy if cfg.actor.lora.enabled else make_group(ReferenceWorker, cfg, "ref", stack, colocate_with=policy)
         critic = None
         if needs.critic:
             check_critic_batch_sizes(cfg, world_size=cfg.world_size)
@@ -120,7 +122,7 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
         console.print(f"[bold]fitrl[/] run dir: {run_dir}")
         console.print(f"model: {cfg.actor.model.path} ({policy.num_parameters() / 1e6:.2f}M params, "
                       f"{cfg.actor.model.dtype}) on {resolve_device(cfg.trainer.device)} x {cfg.world_size} "
-                      f"({cfg.trainer.backend}); reference: {'yes' if ref else 'none (KL off)'}; "
+                      f"({cfg.trainer.backend}); reference: {_reference_text(cfg, ref)}; "
                       f"critic: {'yes' if critic else 'none'}")
         for ds in (train_data, val_data):
             if ds is not None:
@@ -137,3 +139,9 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
         history = trainer.fit()
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return history
+
+
+def _reference_text(cfg: FitrlConfig, ref: RoleHandle | None) -> str:
+    if ref is None:
+        return "none (KL off)"
+    return "the policy with LoRA adapters off" if cfg.actor.lora.enabled else "yes"

@@ -216,7 +216,8 @@ def test_crash_mid_collective_raises_worker_failed_promptly(cluster):
     e = info.value
     assert (e.role, e.rank, e.phase, e.kind) == ("policy", 1, "exit_on", "crashed")
     assert str(e).startswith(f"policy rank 1 on node {g.node_ips[1]} died during 'exit_on': crashed")
-    assert elapsed < 10, f"took {elapsed:.1f} s to notice the death"
+    # ~2-5 s when quiet; 10x slack for a loaded CI machine still tells "noticed" from "hung"
+    assert elapsed < 60, f"took {elapsed:.1f} s to notice the death"
     with pytest.raises(RuntimeError, match="shut down"):                # the group is gone, says so
         g.call_all("whoami", [()] * 2, {})
     assert _cpus_free_back(free)                                      # its bundles were released
@@ -229,7 +230,7 @@ def test_rank_stuck_after_peer_raised_is_not_a_hang(cluster):
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"^policy rank 1 .*ranks \[0\] were still running.*gave up before"):
         RoleHandle(g).raise_then_collective(_batch(4), 1)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # the grace is 2 s; 10x slack, far from a hang
     assert _cpus_free_back(free)
 
 

@@ -38,3 +38,19 @@ def ray_cluster():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, tiny_model_dir):
+    """A two-step toy run with a complete checkpoint (tests/badcases.py), built once."""
+    from badcases import make_finished_run
+
+    return make_finished_run(tmp_path_factory.mktemp("finished"), tiny_model_dir)
+
+
+@pytest.fixture
+def workspace(tmp_path, tiny_model_dir, finished_run):
+    """A private model copy, data, config and finished run for one bad-input case."""
+    from badcases import new_workspace
+
+    return new_workspace(tmp_path, tiny_model_dir, finished_run)

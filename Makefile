@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fitrl-installed
 
-.PHONY: demo test test-fast bench install clean
+.PHONY: demo test test-fast bench install browser clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,23 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 
 install: $(STAMP)
 
+# tests/test_report.py opens the report page in a real browser: Debian's chromium (~115 MB download,
+# ~15 s), installed here when it is missing and apt-get can be used (root); otherwise those checks skip.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (apt-get) for the report page's browser test"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	        chromium fonts-dejavu-core >/dev/null; } \
+	      || echo "note: apt-get could not install chromium: tests/test_report.py's browser checks will skip"; \
+	  else \
+	    echo "note: no chromium and no root apt-get here: tests/test_report.py's browser checks will skip"; \
+	  fi; }
+
 demo: $(STAMP)
 	$(BIN)/fitrl demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
@@ -32,4 +45,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/step_time.py
 
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) runs .cache .artifacts

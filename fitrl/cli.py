@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from fitrl.core.errors import ConfigError, RunStopped, WorkerFailed  # standard library only
+from fitrl.core.errors import Interrupted, RunStopped, UserError, WorkerFailed  # standard library only
 
 DEMO_CONFIG = "examples/arith.yaml"  # its paths are relative to the repository root
 
@@ -116,17 +116,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_make_tiny_model)
 
     from fitrl.checkpoint.export import add_export_command
+    from fitrl.checkpoint.verify import add_checkpoint_command
     from fitrl.memory.cli import add_plan_command
+    from fitrl.report.command import add_report_command
 
     add_export_command(sub)
+    add_checkpoint_command(sub)
     add_plan_command(sub)
+    add_report_command(sub)
 
     p = sub.add_parser("config", help="print the resolved config, or every key with its documentation (--doc)")
     p.add_argument("config", nargs="?", help="YAML config (omit for the defaults)")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--doc", action="store_true", help="list every key, its type, default and meaning")
     p.set_defaults(fn=cmd_config)
+    _add_debug_flag(parser, sub)
     return parser
+
+
+DEBUG_HELP = "show the Python traceback of every error (also FITRL_DEBUG=1); by default a user's mistake is one line"
+
+
+def _add_debug_flag(parser: argparse.ArgumentParser, sub) -> None:
+    """``--debug`` before or after the command: ``fitrl --debug train ...`` and ``fitrl train ... --debug``.
+    SUPPRESS on the subcommands keeps their parse from resetting the top-level value to False."""
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+
+
+def _debug_requested(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("FITRL_DEBUG", "").strip() not in ("", "0")
+
+
+def _enable_faulthandler() -> None:
+    """A segfault in native code (a reward function scored in the driver with reward.num_workers=0,
+    a tokenizer, a kernel) kills the process before Python can say anything; faulthandler at least
+    prints the Python stack of the crash, which names the file and function that were running."""
+    import faulthandler
+
+    if faulthandler.is_enabled():  # pytest, PYTHONFAULTHANDLER: already on, keep their file
+        return
+    try:
+        faulthandler.enable(file=sys.__stderr__, all_threads=False)
+    except (AttributeError, ValueError, OSError):  # no usable stderr file descriptor (embedded use)
+        pass
+
+
+def _one_line(prefix: str, error: BaseException, debug: bool) -> None:
+    """``fitrl: <prefix>: <message>`` on stderr; with ``debug`` the traceback comes first."""
+    if debug:
+        import traceback
+
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    print(f"fitrl: {prefix}: {error}", file=sys.stderr)
+
+
+BUG_REPORT = ("fitrl: internal error: this is a bug in fitrl, not a mistake in your input. Please report it to the "
+              "fitrl maintainers with the command line, the config (`fitrl config CONFIG ...` prints it resolved) and "
+              "the traceback above")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,27 +183,42 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    debug = _debug_requested(args)
+    _enable_faulthandler()
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"fitrl: config error: {e}", file=sys.stderr)
+    except UserError as e:  # config, data, model directory, reward file, run directory, a named checkpoint
+        _one_line(e.kind, e, debug)
         return 2
     except RunStopped as e:
-        print(f"fitrl: run stopped: {e}", file=sys.stderr)
+        _one_line("run stopped", e, debug)
         return 1
     except WorkerFailed as e:
-        print(f"fitrl: worker failed: {e}", file=sys.stderr)
+        _one_line("worker failed", e, debug)
         return 1
-    except RuntimeError as e:
-        from fitrl.telemetry.guard import MemoryPressure
-
-        if not isinstance(e, MemoryPressure):  # the guard outside the trainer's handling: no traceback either
-            raise
-        print(f"fitrl: run stopped by the memory guard: {e}", file=sys.stderr)
-        return 1
+    except Interrupted as e:  # SIGINT/SIGTERM during a run (fitrl/trainer/signals.py): 130 / 143
+        print(f"fitrl: {e}", file=sys.stderr)
+        return e.exit_status
     except KeyboardInterrupt:
         print("fitrl: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if _is_memory_pressure(e):  # the guard outside the trainer's handling: no traceback either
+            _one_line("run stopped by the memory guard", e, debug)
+            return 1
+        import traceback
+
+        traceback.print_exc()  # an unexpected error: the traceback is what a bug report needs
+        print(BUG_REPORT, file=sys.stderr)
+        return 1
+
+
+def _is_memory_pressure(error: BaseException) -> bool:
+    if "fitrl.telemetry.guard" not in sys.modules:  # never raised if never imported: skip the import
+        return False
+    from fitrl.telemetry.guard import MemoryPressure
+
+    return isinstance(error, MemoryPressure)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from helpers import read_metrics, toy_config
 
 SMALL = ["data.rollout_batch_size=4", "rollout.n=4", "actor.mini_batch_size=2", "actor.micro_batch_size=8",
          "trainer.val_before_train=false"]
-VOLATILE = ("time/", "mem/", "val/time")  # wall-clock and memory readings differ run to run
+VOLATILE = ("time/", "mem/", "val/time", "perf/")  # wall-clock and memory readings differ run to run
 
 
 def comparable(records):
@@ -213,3 +213,20 @@ def test_resume_choices_and_config_mismatch(tiny_model_dir, tmp_path):
     # a finished run resumed again has nothing to train
     assert len(train(toy_config(tiny_model_dir, run, *SMALL, "trainer.max_steps=1", "data.val_files=[]"))) == 1
     assert json.loads((run / "checkpoints" / "step_1" / "COMPLETE").read_text())["world_size"] == 1
+
+
+def test_resume_with_a_changed_lr_trains_on_the_configured_lr(tmp_path, tiny_model_dir, finished_run):
+    """checkpoint.strict_config=false accepts a new actor.optim.lr: the restored optimizer and
+    scheduler must not keep the checkpoint's (the finished run trained 2 steps at 2e-3, warm-up 2)."""
+    from fitrl.trainer.run import train
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    cfg = toy_config(tiny_model_dir, run, *SMALL, "trainer.max_steps=3", "data.val_files=[]",
+                     "actor.mini_batch_size=4", "actor.micro_batch_size=16", "rollout.n=4",
+                     "actor.optim.lr=1e-4", "checkpoint.strict_config=false", "trainer.num_threads=1")
+    train(cfg)
+    steps = [r for r in read_metrics(run) if "actor/lr" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[1]["actor/lr"] == pytest.approx(2e-3)   # the finished run's last step, past warm-up
+    assert steps[2]["actor/lr"] == pytest.approx(1e-4)   # resumed: the configured peak lr

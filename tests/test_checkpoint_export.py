@@ -1,14 +1,13 @@
 """`fitrl export`: a checkpoint's policy as a Hugging Face directory that gives the trained
 model's logits."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
 from fitrl.checkpoint import layout
-from fitrl.checkpoint.export import add_export_command, export_checkpoint
+from fitrl.checkpoint.export import export_checkpoint
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.data.batch import Batch
 from fitrl.roles.workers import PolicyWorker
@@ -82,18 +81,16 @@ def test_export_in_several_files_with_an_index(trained_checkpoint, tmp_path):
 
 def test_export_command_exit_codes(trained_checkpoint, tmp_path, capsys):
     path, _, _ = trained_checkpoint
-    parser = argparse.ArgumentParser(prog="fitrl")
-    add_export_command(parser.add_subparsers())
+    from fitrl.cli import main
 
     def run(*argv):
-        args = parser.parse_args(["export", *argv])
-        return args.fn(args)
+        return main(["export", *argv])
 
     assert run(str(path.parent.parent), str(tmp_path / "a"), "--dtype", "bf16") == 0  # a run dir: its newest
     assert "wrote" in capsys.readouterr().out
-    assert run(str(path), str(tmp_path / "a")) == 1
+    assert run(str(path), str(tmp_path / "a")) == 2  # the user's mistakes: exit 2
     assert "already exists and is not empty" in capsys.readouterr().err
-    assert run(str(tmp_path / "missing"), str(tmp_path / "b")) == 1
+    assert run(str(tmp_path / "missing"), str(tmp_path / "b")) == 2
     assert "does not exist" in capsys.readouterr().err
     partial = layout.begin(path.parent, 9)
     assert run(str(partial), str(tmp_path / "c")) == 1

@@ -57,7 +57,7 @@ CHILD = textwrap.dedent("""
     train(toy_config(model, run, *overrides))
 """).format(tests=str(HERE))
 
-VOLATILE = ("time/", "mem/", "val/time")
+VOLATILE = ("time/", "mem/", "val/time", "perf/")
 
 
 def comparable(records):

@@ -292,8 +292,9 @@ def test_section_given_a_scalar(tmp_path):
 
 def test_post_init_errors_pass_through_unchanged():
     assert error_of(overrides=["rollout.temperature=0"]).startswith("rollout.temperature must be > 0")
-    assert error_of(overrides=["actor.optim.lr=0"]) == "actor.optim.lr must be positive, got 0.0"
-    assert error_of(overrides=["actor.optim.betas=[0.9]"]) == "actor.optim.betas must have two values, got [0.9]"
+    assert error_of(overrides=["actor.optim.lr=0"]) == "actor.optim.lr must be a finite number > 0, got 0.0"
+    assert error_of(overrides=["critic.optim.lr=-1"]) == "critic.optim.lr must be a finite number > 0, got -1.0"
+    assert error_of(overrides=["actor.optim.betas=[0.9]"]) == "actor.optim.betas must be two values in [0, 1), got [0.9]"
 
 
 def test_batch_size_cross_checks():

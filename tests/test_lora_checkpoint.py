@@ -2,7 +2,6 @@
 run with other actor.lora settings, exported as PEFT's adapter directory or merged into the base;
 exact resume after SIGKILL and 2-rank save -> 1-process resume (slow)."""
 
-import argparse
 import fnmatch
 import json
 import os
@@ -16,7 +15,7 @@ import torch
 from rich.console import Console
 
 from fitrl.checkpoint import layout
-from fitrl.checkpoint.export import add_export_command, export_checkpoint
+from fitrl.checkpoint.export import export_checkpoint
 from fitrl.checkpoint.layout import CheckpointError
 from fitrl.checkpoint.manager import RESUME_SAFE, CheckpointManager
 from fitrl.config import ConfigError, config_to_dict
@@ -189,16 +188,14 @@ def test_merged_export_loads_with_from_pretrained_and_gives_the_trained_logits(t
 
 def test_export_command_lora_options(trained, tiny_model_dir, tmp_path, capsys):
     path, _, _, _, _ = trained
-    parser = argparse.ArgumentParser(prog="fitrl")
-    add_export_command(parser.add_subparsers())
+    from fitrl.cli import main
 
     def run(*argv):
-        args = parser.parse_args(["export", *argv])
-        return args.fn(args)
+        return main(["export", *argv])
 
     assert run(str(path), str(tmp_path / "a"), "--lora", "adapter", "--dtype", "bf16") == 0
     assert "LoRA adapter (PEFT)" in capsys.readouterr().out
-    assert run(str(path), str(tmp_path / "b"), "--base", str(tmp_path / "moved")) == 1
+    assert run(str(path), str(tmp_path / "b"), "--base", str(tmp_path / "moved")) == 2  # a mistake in the command
     assert f"is not at {tmp_path / 'moved'} (--base" in capsys.readouterr().err
     assert run(str(path), str(tmp_path / "c"), "--base", str(tiny_model_dir)) == 0
     capsys.readouterr()
@@ -206,7 +203,7 @@ def test_export_command_lora_options(trained, tiny_model_dir, tmp_path, capsys):
     cfg = toy_config(tiny_model_dir, run_dir, *CPU)
     saved = CheckpointManager(cfg, run_dir, Console(quiet=True)).save(
         1, {"actor": RoleHandle(InProcessWorkerGroup(PolicyWorker, cfg))}, {"step": 1}, {})
-    assert run(str(saved), str(tmp_path / "d"), "--lora", "adapter") == 1
+    assert run(str(saved), str(tmp_path / "d"), "--lora", "adapter") == 2
     assert "holds the full policy" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() and not (tmp_path / "d").exists()
 

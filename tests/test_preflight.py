@@ -38,10 +38,10 @@ def node_256gib(monkeypatch):
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    """Fail the test if the run gets as far as the reward, the tokenizer or the model weights."""
+    """Fail the test if the run gets as far as the reward, the tokenizer (and weight files) or the model weights."""
     def loaded(*args, **kwargs):
         raise AssertionError("the run went past the memory plan")
-    for name in ("RewardScorer", "load_tokenizer", "make_group"):
+    for name in ("RewardScorer", "check_run_models", "make_group"):
         monkeypatch.setattr(fitrl.trainer.run, name, loaded)
 
 

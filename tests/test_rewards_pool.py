@@ -164,5 +164,5 @@ def test_close_stops_the_workers(tmp_path):
     procs = [w.proc for w in s.pool._workers]
     s.close()
     assert all(p.poll() is not None for p in procs)
-    with pytest.raises(RewardError, match="closed"):
+    with pytest.raises(RuntimeError, match="closed"):
         s.score(["7"], [7])

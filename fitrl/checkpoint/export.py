@@ -29,6 +29,8 @@ from typing import Optional
 
 from fitrl.checkpoint import layout
 from fitrl.checkpoint.layout import CheckpointError
+from fitrl.core.errors import CheckpointUsageError, UserError
+from fitrl.models.check import check_weights, read_model_config
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 LORA_MODES = ("merged", "adapter")
@@ -49,9 +51,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: Optional[str] = None
 
     point = layout.find(checkpoint)
     if lora is not None and lora not in LORA_MODES:
-        raise CheckpointError(f"--lora {lora}: choose one of {', '.join(LORA_MODES)}")
+        raise CheckpointUsageError(f"--lora {lora}: choose one of {', '.join(LORA_MODES)}")
     if not point.adapter_only and lora == "adapter":
-        raise CheckpointError(f"checkpoint {point.path} holds the full policy (saved with actor.lora.rank=0), not "
+        raise CheckpointUsageError(f"checkpoint {point.path} holds the full policy (saved with actor.lora.rank=0), not "
                               "LoRA adapters: --lora adapter needs a checkpoint of a LoRA run")
     mode = (lora or "merged") if point.adapter_only else "full"
     actor, hf = point.path / "actor", point.path / "hf"
@@ -60,8 +62,12 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: Optional[str] = None
                               "checkpoint; this one is incomplete or was not written by fitrl)")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists and is not empty: choose a new output directory")
-    config = json.loads((hf / "config.json").read_text())
+        raise CheckpointUsageError(f"{out} already exists and is not empty: choose a new output directory")
+    # the model's config as saved (parses, has its shape), and a merge's base weights, before any write
+    config = read_model_config(str(hf), f"the model config of checkpoint {point.path}")
+    if mode == "merged":
+        base_root = lora_export.base_dir(point, base)
+        check_weights(str(base_root), read_model_config(str(base_root), "--base"), "--base")
     target = getattr(torch, DTYPE_NAMES[dtype]) if dtype else None
     tmp = out.parent / f"{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
@@ -150,6 +156,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         s = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, lora=args.lora, base=args.base)
     except CheckpointError as e:
+        if isinstance(e, UserError):  # a mistake in the command (exit 2): the CLI prints it
+            raise
         print(f"fitrl: export failed: {e}", file=sys.stderr)
         return 1
     what = {"full": "", "merged": "LoRA merged into the base, ", "adapter": "LoRA adapter (PEFT), "}[s["kind"]]
@@ -159,8 +167,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_export_command(subparsers) -> None:
-    """Register ``fitrl export`` on the CLI's subparsers (exit 0 on success, 1 with a one-line
-    message when the checkpoint is missing, incomplete or corrupt, or OUT_DIR is not empty)."""
+    """Register ``fitrl export`` on the CLI's subparsers (exit 0 on success; 2 with a one-line
+    message when the checkpoint does not exist or OUT_DIR is not empty, a mistake in the command;
+    1 when the checkpoint is incomplete or corrupt)."""
     p = subparsers.add_parser("export", help="write a checkpoint's policy as a Hugging Face model directory")
     p.add_argument("checkpoint", help="a checkpoint (RUN_DIR/checkpoints/step_N) or a run directory (its newest)")
     p.add_argument("out_dir", help="a new directory for the model (safetensors, config, tokenizer, generation config)")

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from fitrl.checkpoint import sharded
 from fitrl.checkpoint.layout import Checkpoint, CheckpointError
+from fitrl.core.errors import CheckpointUsageError
 from fitrl.models.params import ADAPTER
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
@@ -56,7 +57,7 @@ def base_dir(point: Checkpoint, base: Optional[str]) -> Path:
     path = Path(base or point.meta.get("base_model") or "")
     if not (path / "config.json").is_file():
         where = "--base" if base else "actor.model.path when it was saved"
-        raise CheckpointError(f"the base model of LoRA checkpoint {point.path} is not at {path} ({where}, no "
+        raise CheckpointUsageError(f"the base model of LoRA checkpoint {point.path} is not at {path} ({where}, no "
                               "config.json): pass the base model's directory with --base")
     return path
 

@@ -34,6 +34,7 @@ from rich.console import Console
 from fitrl.checkpoint import layout, rng
 from fitrl.checkpoint.layout import Checkpoint, CheckpointError
 from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
+from fitrl.core.errors import CheckpointUsageError
 from fitrl.config.schema import LoRAConfig
 
 # Settings that may change between a checkpoint and its resume without changing what the run
@@ -49,6 +50,8 @@ RESUME_SAFE = [
     "*.model.path", "*.model.tokenizer_path", "*.model.gradient_checkpointing", "*.model.attn_implementation",
     "memory.*",  # planning, telemetry and guard settings never change what is trained
     "plan.*",    # what-if inputs of the planner; a checkpoint saved before the section existed has none
+    "trainer.peak_flops", "data.source_key", "reward.correct_key", "reward.correct_threshold",  # metrics only
+    "trainer.divergence.*", "trainer.signal_grace_s",  # when a run stops, never what it trains
 ]  # actor.lora.* is not here: adapters of another rank, targets or scale are another model
 # Sections added after checkpoints were written: a checkpoint without one was saved with its defaults.
 ADDED_SECTIONS = {"actor.lora": LoRAConfig}
@@ -59,34 +62,63 @@ class CheckpointManager:
     def __init__(self, cfg: FitrlConfig, run_dir: Path, console: Console):
         self.cfg, self.ckpt, self.run_dir, self.console = cfg, cfg.checkpoint, Path(run_dir), console
         self.root = self.run_dir / layout.CHECKPOINTS
+        self.last_save_s: Optional[float] = None  # this run's latest save: how long an emergency save takes
 
     # ------------------------------------------------------------------ resuming
 
     def resume_point(self) -> Optional[Checkpoint]:
         """The checkpoint this run continues from (``checkpoint.resume``), config-checked; None
-        to start at step 0. Interrupted saves in this run's directory are deleted first."""
+        to start at step 0. Interrupted saves in this run's directory are deleted after that
+        check (the caller holds the run directory's lock): a run refused for its config changes
+        nothing in the directory."""
+        point = self._choose_resume_point()
         removed = layout.clean_partial(self.root)
         if removed:
             self.console.print(f"checkpoint: removed {len(removed)} incomplete save(s) left by an interrupted run: "
                                f"{', '.join(removed)}", highlight=False)
+        return point
+
+    def _choose_resume_point(self) -> Optional[Checkpoint]:
+        stray = layout.incomplete(self.root)
+        if stray:
+            self.console.print(f"checkpoint: {', '.join(d.name for d in stray)} in {self.root}: no readable "
+                               f"{layout.MARKER} marker, so not a complete checkpoint (a copy cut short, or a marker "
+                               "removed by hand); left as it is", highlight=False)
         spec = self.ckpt.resume
         if spec == "never" or (spec == "auto" and not self.cfg.trainer.run_dir):
             return None
         if spec == "auto":
             found = layout.list_complete(self.root)
+            if stray and not found:
+                # starting at step 0 would replace it when the run reaches its step
+                raise CheckpointError(f"{stray[-1]} has no readable {layout.MARKER} marker and {self.root} holds no "
+                                      "complete checkpoint: not resuming from it, nor starting over on top of it. If "
+                                      "it was copied, copy it again whole; otherwise move it away, or start over with "
+                                      "checkpoint.resume=never")
             resumable = [c for c in found if not c.model_only]
             if not resumable:
                 if found:
-                    self.console.print(f"checkpoint: {found[-1].path} holds weights only (checkpoint.model_only); "
-                                       "starting at step 0", highlight=False)
+                    # Starting at step 0 here would append a second step 1, 2, ... to metrics.jsonl
+                    # and replace these checkpoints (the weights this run was asked to keep) as the
+                    # new run reaches their steps: a re-run of the same command must not do that
+                    # silently, so the user picks what they meant.
+                    raise ConfigError(
+                        f"trainer.run_dir={self.run_dir} holds weights-only checkpoints ({found[-1].path.name}, saved "
+                        "with checkpoint.model_only=true: no optimizer, data position or RNG states), which cannot be "
+                        "resumed. To start over in this directory add checkpoint.resume=never (a new metrics.jsonl; "
+                        "its checkpoints are replaced as the new run reaches their steps); to train on from those "
+                        "weights, `fitrl export` the checkpoint and start a run in a new trainer.run_dir with "
+                        "actor.model.path set to the export")
                 return None
-            point = layout.read(resumable[-1].path)
+            point = self._first_intact(list(reversed(resumable)))
         else:
-            point = layout.find(spec)
+            point = layout.find(spec, verify=False)  # damage is handled below, as for auto
             if point.model_only:
-                raise CheckpointError(f"checkpoint {point.path} holds weights only (saved with checkpoint.model_only="
-                                      "true) and cannot be resumed; export it with `fitrl export` and start a new "
-                                      "run from the exported directory")
+                raise CheckpointUsageError(f"checkpoint {point.path} holds weights only (saved with "
+                                           "checkpoint.model_only=true) and cannot be resumed; export it with "
+                                           "`fitrl export` and start a new run from the exported directory")
+            earlier = [c for c in layout.list_complete(point.path.parent) if c.step < point.step and not c.model_only]
+            point = self._first_intact([point, *reversed(earlier)])
         self._check_config(point)
         self._check_parameters(point)  # before any model loads, whatever strict_config let through
         newer = [c.path.name for c in layout.list_complete(self.root) if c.step > point.step]
@@ -94,6 +126,26 @@ class CheckpointManager:
             self.console.print(f"checkpoint: {', '.join(newer)} in {self.root} are newer than the resume point; "
                                "they will be replaced as this run reaches their steps", highlight=False)
         return point
+
+    def _first_intact(self, candidates: list[Checkpoint]) -> Checkpoint:
+        """The first of ``candidates`` (newest first) whose files match their marker (sizes and
+        checksums). A damaged one is refused, naming the file, unless ``checkpoint.on_corrupt=
+        previous``: then it is reported and the next one tried."""
+        for i, candidate in enumerate(candidates):
+            try:
+                return layout.read(candidate.path)
+            except CheckpointError as e:
+                if self.ckpt.on_corrupt != "previous":
+                    raise CheckpointError(f"{e}; not resuming from it: checkpoint.on_corrupt=previous resumes from the "
+                                          "newest earlier intact checkpoint instead, checkpoint.resume=never starts "
+                                          "over") from None
+                rest = candidates[i + 1:]
+                self.console.print(f"checkpoint: {candidate.path.name} is damaged: {e}; "
+                                   + (f"resuming from the previous complete checkpoint, {rest[0].path.name}, instead "
+                                      "(checkpoint.on_corrupt=previous)" if rest else "no earlier complete checkpoint"),
+                                   highlight=False)
+        raise CheckpointError(f"no intact checkpoint to resume in {candidates[0].path.parent}: every complete one is "
+                              "damaged (above); checkpoint.resume=never starts over")
 
     def _check_config(self, point: Checkpoint) -> None:
         path = point.path / "config.yaml"
@@ -105,7 +157,9 @@ class CheckpointManager:
                 saved.update(_flatten(config_to_dict(schema()), section + "."))
         now = _flatten(config_to_dict(self.cfg))
         changed = [(k, saved.get(k, "(unset)"), now.get(k, "(unset)")) for k in sorted(set(saved) | set(now))
-                   if not _same(k, saved.get(k, "(unset)"), now.get(k, "(unset)"))]
+                   if not _same(k, saved.get(k, "(unset)"), now.get(k, "(unset)"))
+                   # a resume-safe key added since the checkpoint was saved is no change worth a line
+                   and not (k not in saved and any(fnmatch.fnmatchcase(k, p) for p in RESUME_SAFE))]
         unsafe = [c for c in changed if not any(fnmatch.fnmatchcase(c[0], p) for p in RESUME_SAFE)]
         text = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in (unsafe or changed))
         if unsafe and self.ckpt.strict_config:
@@ -143,14 +197,25 @@ class CheckpointManager:
                 if r.get("step", 0) >= 1 and "event" not in r
                 and any(k != "step" and not k.startswith("val/") for k in r)]
 
+    def restart_metrics(self) -> None:
+        """A run starting at step 0 in a directory that holds an earlier ``metrics.jsonl``
+        (``checkpoint.resume=never``, or a run stopped before its first checkpoint) gets a file
+        of its own: appending would list steps 1, 2, ... twice. The old file is kept beside it."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.is_file() and path.stat().st_size:
+            kept = path.with_name("metrics.jsonl.prev")
+            os.replace(path, kept)
+            self.console.print(f"metrics: this run starts at step 0; the earlier {path.name} of this directory is "
+                               f"kept as {kept.name}", highlight=False)
+
     def restore(self, point: Checkpoint, roles: dict[str, Any], *, weights_only: bool = False) -> Optional[dict]:
         """Load every role's state (on its ranks) and return the driver's state (None when
         ``weights_only``); the driver's RNGs are restored here."""
         self._check_parameters(point)
         for name, role in roles.items():
             if not (point.path / name).is_dir():
-                raise CheckpointError(f"checkpoint {point.path} has no {name}/ (saved without a {name}); resume with "
-                                      f"the settings it was saved with")
+                raise CheckpointUsageError(f"checkpoint {point.path} has no {name}/ (saved without a {name}); "
+                                           "resume with the settings it was saved with")
             role.load_checkpoint(str(point.path / name), weights_only)
         if weights_only:
             self.console.print(f"checkpoint: loaded the weights of {point.path} (step {point.step})", highlight=False)
@@ -174,9 +239,9 @@ class CheckpointManager:
             return
         saved = (f"LoRA adapters only (actor.lora.rank={point.meta.get('lora', {}).get('rank')})"
                  if point.adapter_only else "the full policy (actor.lora.rank=0)")
-        raise CheckpointError(f"checkpoint {point.path} holds {saved} but this run has actor.lora.rank={lora.rank}: "
-                              "resume with the actor.lora settings it was saved with, or start over with "
-                              "checkpoint.resume=never")
+        raise CheckpointUsageError(f"checkpoint {point.path} holds {saved} but this run has "
+                                   f"actor.lora.rank={lora.rank}: resume with the actor.lora settings it was saved "
+                                   "with, or start over with checkpoint.resume=never")
 
     # ------------------------------------------------------------------ saving
 
@@ -210,7 +275,8 @@ class CheckpointManager:
         pruned = layout.prune(self.root, self.ckpt.save_limit, self.ckpt.keep_best, self.ckpt.keep_best_mode, final)
         size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20
         note = f"; removed {', '.join(p.name for p in pruned)}" if pruned else ""
-        self.console.print(f"checkpoint: {final} ({size:.1f} MiB in {time.perf_counter() - start:.2f} s){note}",
+        self.last_save_s = time.perf_counter() - start
+        self.console.print(f"checkpoint: {final} ({size:.1f} MiB in {self.last_save_s:.2f} s){note}",
                            highlight=False)
         return final
 

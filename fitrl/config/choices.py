@@ -1,7 +1,8 @@
 """Every registry-backed name in a config, checked when the config loads.
 
-Estimators, policy losses, loss aggregations, KL estimators and built-in reward functions live in
-registries next to their code (:mod:`fitrl.algo`, :mod:`fitrl.rewards`); a misspelt name fails
+Estimators, policy losses, loss aggregations, KL estimators, built-in reward functions and trackers
+live in registries next to their code (:mod:`fitrl.algo`, :mod:`fitrl.rewards`,
+:mod:`fitrl.tracking`); a misspelt name fails
 here with the valid choices, before a run directory exists or a model loads (``fitrl train``,
 ``fitrl plan`` and ``fitrl config`` alike). The rollout engine is a ``Literal`` of the schema, so
 the loader itself rejects an unknown one.
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from fitrl.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgorithmSpec, algorithm_spec
 from fitrl.rewards.functions import check_reward_spec
+from fitrl.tracking import TRACKERS
 
 if TYPE_CHECKING:
     from fitrl.config.schema import FitrlConfig
@@ -31,6 +33,8 @@ def check_choices(cfg: "FitrlConfig") -> None:
     KL_ESTIMATORS.check(a.kl_estimator)
     KL_ESTIMATORS.check(a.kl_in_reward.estimator, "algorithm.kl_in_reward.estimator")
     check_reward_spec(cfg.reward.function)
+    for name in cfg.trainer.loggers:
+        TRACKERS.check(name)  # whether its package is installed is checked when training starts
 
 
 def algorithm_needs(cfg: "FitrlConfig") -> AlgorithmSpec:

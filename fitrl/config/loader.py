@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import os
 import textwrap
 import typing
@@ -208,13 +209,20 @@ def _convert(value: Any, tp: Any, key: str, origins: dict[str, str]) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads 1e-5 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # PyYAML reads 1e-5 (no dot) as a string
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 pass
+        if number is not None:
+            # nan compares false with every bound a section checks (lr <= 0 lets it through) and
+            # inf passes the lower ones: no float key of the schema means either.
+            if not math.isfinite(number):
+                raise ConfigError(f"config key '{key}'{_where(key, origins)} must be a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -3,6 +3,7 @@ critic, and rollout sampling. Field docstrings are what ``fitrl config --doc`` p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -19,6 +20,8 @@ class DataConfig:
     """Column holding the prompt text (or a list of chat messages)."""
     answer_key: str = "answer"
     """Column holding the reference answer passed to the reward function."""
+    source_key: str = "data_source"
+    """Column naming the benchmark or source a row comes from (e.g. ``gsm8k``); when validation rows carry it, ``val/*`` metrics are also split by it (``val/by_source/<source>/...``)."""
     prompt_template: Optional[str] = None
     """Optional jinja template rendered with the row's columns to form the user message, e.g. ``'Compute {{ prompt }}'``."""
     system_prompt: Optional[str] = None
@@ -54,11 +57,22 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value before each optimizer step (0 disables)."""
 
-    def __post_init__(self) -> None:
-        if len(self.betas) != 2:
-            raise ConfigError(f"actor.optim.betas must have two values, got {self.betas}")
-        if self.lr <= 0:
-            raise ConfigError(f"actor.optim.lr must be positive, got {self.lr}")
+    def check(self, prefix: str) -> None:
+        """The optimizer's values, named under ``prefix`` (``actor.optim``, ``critic.optim``): the
+        sections that own an optimizer call this, since only they know the key's full name."""
+        # `not x > 0` rather than `x <= 0`: a NaN built in code (the loader already refuses
+        # non-finite floats) fails it too, instead of training a model into NaN weights.
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"{prefix}.lr must be a finite number > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{prefix}.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ConfigError(f"{prefix}.eps must be > 0, got {self.eps}")
+        for name in ("weight_decay", "grad_clip", "warmup_steps"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{prefix}.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{prefix}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass
@@ -164,6 +178,7 @@ class ActorConfig:
         for name in ("ppo_epochs", "logprob_micro_batch_size", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
+        self.optim.check("actor.optim")
 
 
 @dataclass
@@ -188,6 +203,9 @@ class CriticConfig:
     """RL steps at the start during which only the critic learns (the actor is not updated)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding, mixed precision and offload of the critic (used by the Ray backend)."""
+
+    def __post_init__(self) -> None:
+        self.optim.check("critic.optim")
 
 
 @dataclass

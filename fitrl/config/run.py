@@ -85,7 +85,7 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the reward function (weights, options)."""
     num_workers: int = 2
-    """Reward worker processes (each ~60-70 MB of host memory). 0 scores in the driver process, where nothing bounds a call's time."""
+    """Reward worker processes (each ~60-70 MB of host memory). 0 scores in the driver process, where nothing bounds a call's time or contains a crash (a segfault in the function ends the run; the stack printed names the function)."""
     timeout: float = 10.0
     """Wall-clock seconds one reward call may take (one response; the whole batch when ``batched``); past it the worker is killed and replaced and the call scores ``fallback_score``."""
     fallback_score: float = 0.0
@@ -94,6 +94,10 @@ class RewardConfig:
     """Stop the run when more than this fraction of one batch's responses raise (a broken function, not a hard sample); 1.0 never stops. Timeouts do not count."""
     batched: bool = False
     """The function takes lists: ``fn(responses, answers, **kwargs)`` returns one result per response (one call per batch)."""
+    correct_key: Optional[str] = None
+    """What makes a validation response correct for ``val/accuracy/*@n``: a component's name, or ``score``; unset: the ``accuracy`` component, else ``exact``, else the score."""
+    correct_threshold: float = 1.0
+    """A response is correct when that value is >= this."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -104,6 +108,35 @@ class RewardConfig:
             raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
         if not math.isfinite(self.fallback_score):
             raise ConfigError(f"reward.fallback_score must be a finite number, got {self.fallback_score}")
+
+
+@dataclass
+class DivergenceConfig:
+    enable: bool = True
+    """Judge every step's metrics (fitrl/trainer/divergence.py) and stop a run that has diverged, with the reason, without saving a checkpoint of its weights; no checkpoint is written either while a signal below is pending."""
+    patience: int = 3
+    """Consecutive steps a soft signal (a saturated or collapsed policy, KL or reward beyond its bound) must last before the run stops. Non-finite losses, gradient norms, weights, rewards or logits stop it at once."""
+    uniform_entropy_fraction: float = 0.99
+    """Saturated policy: mean token entropy at or above this fraction of log(vocabulary size), with a zero gradient norm although the advantages are not all zero (the logits no longer depend on the weights)."""
+    min_entropy: float = 1e-4
+    """Collapsed policy: mean token entropy (nats) at or below this with a zero gradient norm (every sample of a prompt the same: nothing left to learn from)."""
+    zero_grad_norm: float = 1e-8
+    """A gradient norm at or below this counts as zero for the two signals above."""
+    max_kl: float = 10.0
+    """Mean per-token KL to the reference (``actor/kl_loss``, or ``kl_in_reward/kl`` per response token) above which the policy has run away from it; 0 disables."""
+    max_abs_reward: float = 1e4
+    """``|reward/mean|`` above which the reward has blown up (a reward function or shaping gone wrong); 0 disables."""
+
+    def __post_init__(self) -> None:
+        if self.patience < 1:
+            raise ConfigError(f"trainer.divergence.patience must be >= 1 step, got {self.patience}")
+        if not 0 < self.uniform_entropy_fraction <= 1:
+            raise ConfigError("trainer.divergence.uniform_entropy_fraction must be in (0, 1], got "
+                              f"{self.uniform_entropy_fraction}")
+        for name in ("min_entropy", "zero_grad_norm", "max_kl", "max_abs_reward"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"trainer.divergence.{name} must be a finite number >= 0, got {value}")
 
 
 @dataclass
@@ -140,12 +173,37 @@ class TrainerConfig:
     """Print one console line every this many steps (metrics.jsonl always gets every step)."""
     progress_bar: bool = True
     """Show a rich progress bar over steps (only on a terminal)."""
+    loggers: list[str] = field(default_factory=lambda: ["console"])
+    """Where metrics go besides ``metrics.jsonl`` (always written): ``console`` (the step line), ``tensorboard`` (``<run_dir>/tensorboard``), ``wandb`` (``<run_dir>/wandb``), ``mlflow`` (``<run_dir>/mlflow.db``); e.g. ``[console, wandb]``. All but console need ``pip install 'fitrl[trackers]'``."""
+    project_name: str = "fitrl"
+    """W&B project / MLflow experiment the run is logged under; the tracker run is named after the run directory."""
+    wandb_mode: Optional[Literal["online", "offline"]] = None
+    """W&B mode; unset: ``WANDB_MODE`` if set, else ``online`` when an API key is configured (``WANDB_API_KEY`` or ``wandb login``), else ``offline`` (upload later with ``wandb sync``)."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking URI; unset: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<run_dir>/mlflow.db``."""
+    log_samples: int = 8
+    """Generation samples (prompt, response, answer, reward and its components) written to ``<run_dir>/generations.jsonl`` and as a table to the trackers, per validation and per sampled training step; 0: none."""
+    log_samples_freq: int = 10
+    """Write training samples every this many steps (0: validation samples only)."""
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    """Divergence detection: which step metrics stop a run that has diverged."""
+    signal_grace_s: float = 25.0
+    """After the first SIGINT/SIGTERM the run stops at the next safe point (before the step's next phase, or after its update) and saves an emergency checkpoint if that save ends within this many seconds of the signal (judged by this run's last save; Slurm and Kubernetes send SIGKILL 30 s after SIGTERM by default); otherwise the last complete checkpoint is the resume point. A second signal stops at once. Exit status 130 (SIGINT) or 143 (SIGTERM). 0: never save on a signal."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for ``perf/mfu`` (e.g. ``989e12``); 0: the GPU's datasheet figure from a table, or on CPU a matmul benchmark measured once and cached in ``~/.cache/fitrl/peak_flops.json``."""
 
     def __post_init__(self) -> None:
         for name, low in (("max_steps", 0), ("val_freq", 0), ("log_freq", 1), ("num_threads", 0), ("nnodes", 1),
                           ("devices_per_node", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"trainer.{name} must be >= {low}, got {getattr(self, name)}")
+        for name in ("log_samples", "log_samples_freq"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.signal_grace_s) and self.signal_grace_s >= 0):
+            raise ConfigError(f"trainer.signal_grace_s must be a number of seconds >= 0, got {self.signal_grace_s}")
+        if not (math.isfinite(self.peak_flops) and self.peak_flops >= 0):
+            raise ConfigError(f"trainer.peak_flops must be a FLOP/s figure >= 0 (0: detect), got {self.peak_flops}")
 
 
 @dataclass
@@ -166,6 +224,8 @@ class CheckpointConfig:
     """``auto``: continue from the newest complete checkpoint in ``trainer.run_dir`` (only when ``trainer.run_dir`` is set: a timestamped run directory is new on every launch, so re-running a command never picks up an older run by accident); ``never``: start from step 0; or a path: a ``step_N`` checkpoint, or a run directory (its newest complete checkpoint)."""
     strict_config: bool = True
     """Refuse to resume when a setting that changes the training trajectory (lr, batch sizes, data, seed, ...) differs from the checkpoint's ``config.yaml``; false prints the differences and continues."""
+    on_corrupt: Literal["error", "previous"] = "error"
+    """A checkpoint to resume whose files do not match the checksums (or sizes) recorded when it was saved: ``error`` refuses, naming the file; ``previous`` says so and resumes from the newest earlier complete checkpoint that is intact."""
 
     def __post_init__(self) -> None:
         for name in ("save_freq", "save_limit"):

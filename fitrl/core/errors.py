@@ -3,9 +3,14 @@
 Import-light on purpose (standard library only): the CLI catches these before anything heavy
 loads. Which exit status each one gets is decided in :mod:`fitrl.cli`:
 
-- :class:`ConfigError`, :class:`DataError`: a user's mistake in the config or the data (exit 2);
+- :class:`UserError` and every subclass: a mistake the user can fix, in the config, the data, the
+  model directory, the reward file, the run directory or the checkpoint they named (exit 2). The
+  CLI catches the base class once, so a new kind of user error is a subclass, not a new except;
 - :class:`RunStopped` and its :class:`CheckpointError`: the run cannot go on as configured (exit 1);
 - :class:`WorkerFailed`: a worker process died (exit 1), naming role, rank, node, phase and cause.
+- :class:`Interrupted`: SIGINT or SIGTERM (exit 130 or 143).
+
+Anything else reaching the CLI is a bug in fitrl: it prints its traceback and says so (exit 1).
 """
 
 from __future__ import annotations
@@ -13,12 +18,37 @@ from __future__ import annotations
 from typing import Optional
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake the user can fix; the CLI prints ``fitrl: <kind>: <message>`` as one line and
+    exits 2, with no traceback (``--debug`` or ``FITRL_DEBUG=1`` shows it). The message names
+    the file, key or row and says what to change."""
+
+    kind = "error"
+
+
+class ConfigError(UserError, ValueError):
     """A configuration problem a user can fix; the CLI prints it as one line and exits 2."""
 
+    kind = "config error"
 
-class DataError(ValueError):
+
+class ModelDirError(ConfigError):
+    """A model directory (``*.model.path``, ``*.model.tokenizer_path``) that cannot serve the run:
+    unreadable ``config.json``, missing or corrupt weights, an empty or mismatched tokenizer."""
+
+    kind = "model error"
+
+
+class DataError(UserError, ValueError):
     """A problem in the data files or data options that the user can fix; names where it is."""
+
+    kind = "data error"
+
+
+class RunDirError(UserError):
+    """The run directory cannot be created or written, or another run holds its lock."""
+
+    kind = "run directory"
 
 
 class RunStopped(RuntimeError):
@@ -28,6 +58,37 @@ class RunStopped(RuntimeError):
 class CheckpointError(RunStopped):
     """A checkpoint that is missing, incomplete, corrupt or does not fit this run; the message
     names the file and what is wrong."""
+
+
+class CheckpointUsageError(CheckpointError, UserError):
+    """A checkpoint named or used by mistake (it does not exist, it does not fit this run's
+    settings, an export's output directory is not empty): a user error (exit 2), where damage
+    to a checkpoint stays a :class:`CheckpointError` (exit 1)."""
+
+    kind = "checkpoint error"
+
+
+class Diverged(RunStopped):
+    """The training has diverged (non-finite loss, gradient, weights or logits; a saturated or
+    collapsed policy; KL or reward out of bounds): the run stops without saving the diverged
+    weights, and the message says which signal fired and what to change (exit 1)."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM ended the run (fitrl.trainer.signals): at a safe point, with or without
+    an emergency checkpoint as the message says, or at once on a second signal.
+
+    A ``BaseException``, like ``KeyboardInterrupt``: no ``except Exception`` on the way may
+    swallow it, while ``finally`` blocks and context managers still clean up (worker groups,
+    reward processes, a half-written checkpoint's temporary directory). The CLI exits with
+    ``exit_status``: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as a shell
+    reports a process that the signal killed.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_status = 128 + signum
 
 
 class WorkerFailed(RuntimeError):

@@ -337,7 +337,7 @@ class PromptSampler:
         # rather than silently resuming into a different sequence.
         for key in ("size", "shuffle", "seed"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(
+                raise DataError(
                     f"sampler state was saved with {key}={state[key]!r} but this run has {key}={getattr(self, key)!r}; "
                     f"resume with the same data and trainer.seed"
                 )

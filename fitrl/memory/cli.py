@@ -17,13 +17,14 @@ from fitrl.memory.plan import plan_config
 from fitrl.memory.recommend import recommend
 from fitrl.memory.report import print_plan
 from fitrl.memory.shapes import ModelShape
+from fitrl.models.check import read_model_config
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="predict GPU and host memory per process and phase before launching; recommend changes",
         description="Predict peak GPU memory per device and host memory per node for each phase of a run, "
-                    "say whether it fits (GPU <= 90%%, host <= 85%%), and rank changes that make it fit. "
+                    "say whether it fits (GPU <= 90%, host <= 85%), and rank changes that make it fit. "
                     "Needs only the model's config.json (actor.model.path may hold nothing else).")
     p.add_argument("config", nargs="?", help="YAML config (its `plan:` section: hardware, rollout engine, images)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.micro_batch_size=2 or plan.rollout.engine=vllm")
@@ -41,9 +42,14 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
     hardware = Hardware.for_config(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                    gpu_memory=_size(args.gpu_memory, "--gpu-memory"),
                                    host_memory=_size(args.host_memory, "--host-memory"), device=args.device)
+    check_hardware(hardware, gpu_source="--gpu-memory" if args.gpu_memory is not None else "plan.hardware.gpu_memory",
+                   host_source="--host-memory" if args.host_memory is not None else "plan.hardware.host_memory")
     return run_plan(cfg, hardware, recommend_changes=not args.no_recommend)
 
 
@@ -51,13 +57,31 @@ def _size(text: Optional[str], flag: str) -> Optional[int]:
     return None if text is None else parse_bytes(text, flag)
 
 
+# Bounds that no real machine falls outside: a size beyond them is a typo (0, a missing unit,
+# GB for TB), and planning for it would take seconds to say "does not fit" (or "fits") for nothing.
+MIN_MEMORY, MAX_DEVICE_MEMORY, MAX_HOST_MEMORY = 2**30, 16 * 2**40, 2**50
+
+
+def check_hardware(hardware: Hardware, *, gpu_source: str, host_source: str) -> None:
+    """One line for a device or node size that cannot be meant (``--gpu-memory 0`` on a CUDA plan)."""
+    def gib(n: int) -> str:
+        return f"{n / 2**30:,.0f} GiB" if n >= 2**30 else f"{n:,} bytes"
+
+    if hardware.device == "cuda" and not MIN_MEMORY <= hardware.gpu_memory <= MAX_DEVICE_MEMORY:
+        raise ConfigError(f"{gpu_source}: {gib(hardware.gpu_memory)} per device is not a GPU's memory (a CUDA plan "
+                          f"needs 1 GiB to 16 TiB per device); write it with its unit, e.g. 80GiB, or plan a CPU run "
+                          f"with --device cpu")
+    if not MIN_MEMORY <= hardware.host_memory <= MAX_HOST_MEMORY:
+        raise ConfigError(f"{host_source}: {gib(hardware.host_memory)} per node is not a machine's RAM (1 GiB to "
+                          f"1 PiB); write it with its unit, e.g. 2TiB or 251GB")
+
+
 def run_plan(cfg: FitrlConfig, hardware: Hardware, recommend_changes: bool = True, console=None) -> int:
+    # config.json parsed and its shape keys checked first: one line naming the file, not a KeyError
+    config = read_model_config(cfg.actor.model.path, "actor.model.path")
     try:
-        shape = ModelShape.from_path(cfg.actor.model.path)
-    except FileNotFoundError:
-        raise ConfigError(f"actor.model.path={cfg.actor.model.path!r} has no config.json: the planner needs "
-                          "the model's config.json (nothing else)") from None
-    except ValueError as e:
+        shape = ModelShape.from_dict(config)
+    except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"actor.model.path={cfg.actor.model.path!r}: {e}") from None
     plan = plan_config(cfg, hardware, shape=shape)
     recs, combo = recommend(plan) if recommend_changes else ([], None)

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from fitrl.config.schema import FSDPConfig, ModelConfig
-from fitrl.core.errors import ConfigError
 from fitrl.distributed.collectives import distributed, rank
 from fitrl.distributed.fsdp import broadcast_from_rank0, shard
+from fitrl.models.check import load_local_tokenizer, read_model_config
 from fitrl.models.families import family_for
 from fitrl.models.params import ParameterSet
 
@@ -36,25 +36,15 @@ FULL = ParameterSet()
 
 
 def check_model_dir(path: str, what: str = "actor.model.path") -> Path:
-    p = Path(path)
-    if not path:
-        raise ConfigError(f"{what} is empty: point it at a local Hugging Face model directory "
-                          "(make one with `fitrl make-tiny-model DIR`)")
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"{what}={path!r} is not a model directory (no config.json there); "
-                          "fitrl loads local checkpoints only")
-    return p
+    """The quick check a worker repeats before it builds a model (the driver ran the full one,
+    :func:`fitrl.models.check.check_run_models`, before anything loaded)."""
+    read_model_config(path, what)
+    return Path(path)
 
 
 def load_tokenizer(model: ModelConfig):
     # transformers imported on use: importing this module (the trainer's config checks) stays cheap
-    from transformers import AutoTokenizer
-
-    path = model.tokenizer_path or model.path
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    # Left padding keeps every prompt's last token at the same column for batched generate.
-    tok.padding_side = "left"
-    return tok
+    return load_local_tokenizer(model.tokenizer_path or model.path)
 
 
 def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.device, *,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fitrl.core.errors import ConfigError
+from fitrl.core.errors import ConfigError, UserError
 from fitrl.rewards.arith import arith_reward
 from fitrl.rewards.rules import math_reward, r1v_reward, think_format_reward
 
@@ -34,8 +34,11 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
 }
 
 
-class RewardError(RuntimeError):
-    """A reward function failed or returned something unusable."""
+class RewardError(UserError, RuntimeError):
+    """A reward function failed or returned something unusable: the user's function to fix, so
+    the CLI prints it as one line (exit 2)."""
+
+    kind = "reward error"
 
 
 def canonical_spec(spec: str) -> str:
@@ -77,16 +80,35 @@ def resolve_reward_fn(spec: str) -> Callable[..., Any]:
             raise ConfigError(f"reward.function: file not found: {where}")
         module_spec = importlib.util.spec_from_file_location(f"fitrl_user_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SyntaxError as e:
+            raise ConfigError(f"reward.function: {e.filename or where}:{e.lineno}: syntax error: {e.msg}") from e
+        except Exception as e:  # the user's module failed at import: its own error, one line
+            raise ConfigError(f"reward.function: importing {where} raised {_raised_at(e, where)}") from e
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as e:
             raise ConfigError(f"reward.function: cannot import module {where!r}: {e}") from e
+        except SyntaxError as e:
+            raise ConfigError(f"reward.function: {e.filename}:{e.lineno}: syntax error: {e.msg}") from e
+        except Exception as e:
+            raise ConfigError(f"reward.function: importing module {where!r} raised {_raised_at(e, where)}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"reward.function: {where} has no function {name!r}")
     return fn
+
+
+def _raised_at(error: BaseException, fallback: str) -> str:
+    """``NameError: ... (at file.py:3)``: the error and the innermost frame of the user's code."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename]
+    where = f"{user[-1].filename}:{user[-1].lineno}" if user else fallback
+    return f"{type(error).__name__}: {error} (at {where})"
 
 
 @dataclass

@@ -90,7 +90,7 @@ class RewardPool:
         """Each ``(args, kw)`` called once; outcomes in order. Takes at most about
         ``ceil(len(calls) / num_workers) * timeout`` seconds once the workers are up."""
         if not self._finalizer.alive:
-            raise RewardError("the reward pool is closed")
+            raise RuntimeError("the reward pool is closed")  # fitrl's own misuse, not the user's function
         results: list[Optional[Outcome]] = [None] * len(calls)
         pending = deque(range(len(calls)))
         while pending or any(w.call is not None for w in self._workers):

@@ -8,7 +8,7 @@ curves say which part of the behaviour moved. Weights are keyword arguments, set
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 from fitrl.rewards.answers import extract_final_answer, extract_tag, same_answer
 
@@ -92,3 +92,26 @@ def think_format_reward(response: str, answer: Any = None, *, answer_tags: bool 
     else:
         ok = _split_think(response)[0]
     return {"score": float(ok), "format": float(ok)}
+
+
+def final_answer(reward: str, response: str, kwargs: Optional[dict[str, Any]] = None) -> Optional[str]:
+    r"""The answer ``response`` gives, read as the built-in reward ``reward`` reads it; for any
+    other function the last ``\boxed{}`` / marker answer, else the whole stripped response.
+    Majority voting over a prompt's n validation samples counts these (fitrl/trainer/validation.py).
+
+    >>> final_answer("arith", " 7 "), final_answer("math", r"so \boxed{4}."), final_answer("r1v", "<answer>B</answer>")
+    ('7', '4', 'B')
+    >>> final_answer("math", "no answer here") is None, final_answer("my.py:fn", "just 12")
+    (True, 'just 12')
+    """
+    kwargs = kwargs or {}
+    if reward == "arith":
+        return response.strip() or None
+    if reward == "math":
+        body = _split_think(response)[1] if kwargs.get("think") else response
+        return extract_final_answer(body)
+    if reward == "r1v":
+        pred = extract_tag(response, "answer")
+        return pred if pred is not None else extract_final_answer(response)
+    pred = extract_final_answer(response)
+    return pred if pred is not None else (response.strip() or None)

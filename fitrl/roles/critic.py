@@ -17,7 +17,7 @@ from fitrl.data.batch import Batch
 from fitrl.distributed.collectives import all_reduce_sum
 from fitrl.core.padding import trim_padding
 from fitrl.telemetry.guard import GUARD
-from fitrl.roles.actor import WeightedMetrics, build_optimizer, clip_gradients, lr_factor
+from fitrl.roles.actor import WeightedMetrics, apply_configured_lr, build_optimizer, clip_gradients, lr_factor
 
 
 def response_values(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
@@ -41,7 +41,8 @@ class Critic:
         return {"scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.load_state_dict(state["scheduler"])  # after the optimizer's state (its lr too)
+        apply_configured_lr(self.scheduler, self.cfg.optim.lr)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:

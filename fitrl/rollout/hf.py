@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from fitrl.config.schema import SamplingConfig
+from fitrl.core.errors import Diverged
 from fitrl.core.padding import first_eos_mask, left_pad, pad_right, position_ids_from_mask
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import gathered_for_generation
@@ -39,6 +40,7 @@ class SampleAndRecord(LogitsProcessor):
         self.eos_ids = list(eos_ids)
         self.pending: Optional[torch.Tensor] = None  # (B, V) fp32 log-probs of the last step
         self.logprobs: list[torch.Tensor] = []  # one (B,) per generated token
+        self.nonfinite: Optional[torch.Tensor] = None  # () bool on the device: a NaN/+inf logit was seen
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # within a long micro-batch the KV cache grows token by token: a (time-limited, local)
@@ -48,6 +50,12 @@ class SampleAndRecord(LogitsProcessor):
             self._gather(input_ids[:, -1])
         s = self.sampling
         scores = scores.float()
+        # NaN or +inf logits (diverged or corrupt weights) would fail inside torch's sampling (a
+        # device assert on a GPU): noted without a sync, replaced, and reported in finish()
+        bad = ~(scores < float("inf"))
+        seen = bad.any()
+        self.nonfinite = seen if self.nonfinite is None else self.nonfinite | seen
+        scores = scores.masked_fill(bad, 0.0)
         if not s.greedy and s.temperature != 1.0:
             scores = scores / s.temperature
         self.pending = torch.log_softmax(scores, dim=-1)
@@ -73,6 +81,9 @@ class SampleAndRecord(LogitsProcessor):
         self.pending = None
 
     def finish(self, last_tokens: torch.Tensor, num_generated: int) -> torch.Tensor:
+        if self.nonfinite is not None and bool(self.nonfinite):
+            raise Diverged("the policy's logits hold NaN or infinity during generation: its weights have diverged "
+                           "(a learning rate too high: actor.optim.lr) or the weights it loaded are corrupt")
         if self.pending is not None:
             self._gather(last_tokens)
         # generate may undo deferred steps at the end; keep one log-prob per returned token

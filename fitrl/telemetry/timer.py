@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -18,6 +19,11 @@ from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.phases import RECORDER, in_phase
 
 MUTATING_PHASES = frozenset({"update", "critic_update"})
+
+SAFE_POINT_CHECKS: list[Callable[[str], None]] = []
+"""Called with the phase's name where the guard reads memory: before a phase of a step in which
+no weight has changed yet. A check may raise to abandon the step there; the trainer's stop on
+SIGINT/SIGTERM registers one (fitrl/trainer/signals.py)."""
 
 
 class PhaseTimer:
@@ -29,8 +35,12 @@ class PhaseTimer:
     def phase(self, name: str, guarded: bool = True):
         """``guarded=False``: no guard reading at the start (a phase outside the step's handling)."""
         mutating = name in MUTATING_PHASES
+        safe_point = guarded and not (mutating or self.mutated)
+        if safe_point:
+            for check in SAFE_POINT_CHECKS:
+                check(name)
         previous, GUARD.phase = GUARD.phase, name
-        if guarded and not (mutating or self.mutated):
+        if safe_point:
             GUARD.check()
         self.mutated |= mutating
         start = time.perf_counter()

@@ -22,6 +22,7 @@ from fitrl.data.dataset import PromptDataset, PromptSampler
 from fitrl.roles.reward import RewardScorer, Scored
 from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
+from fitrl.trainer.perf import Lengths, sequence_lengths
 from fitrl.workers.group import RoleHandle
 
 log = logging.getLogger("fitrl.trainer")
@@ -31,6 +32,7 @@ def prompts_batch(dataset: PromptDataset, indices: list[int], tag: str) -> Batch
     return Batch(fields={
         "prompt_ids": [r["prompt_ids"] for r in rows],
         "answer": [r["answer"] for r in rows],
+        "prompt_text": [r["prompt_text"] for r in rows],  # for the generation samples people read
         "source": [r["source"] for r in rows],
         "extra": [r["extra"] for r in rows],
         # one uid per prompt draw: the n samples of a prompt form one group
@@ -50,6 +52,8 @@ class CollectStats:
     groups_dropped: int = 0
     groups_kept: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    generated: dict[str, list[Lengths]] = field(default_factory=dict)
+    """Phase (``rollout``, ``baseline_rollout``) -> (prompt, response) lengths of each generate call: throughput and FLOPs."""
 
 
 class RolloutCollector:
@@ -108,6 +112,7 @@ class RolloutCollector:
             prompts = prompts_batch(self.data, self.sampler.next_indices(), f"{step}.{round_}")
         with timer.phase("rollout"):
             batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
+        stats.generated.setdefault("rollout", []).append(sequence_lengths(batch))
         with timer.phase("reward"):
             scored = self.reward.score(batch["response_text"], batch["answer"], batch["source"],
                                        extras=batch["extra"])
@@ -119,6 +124,7 @@ class RolloutCollector:
             with timer.phase("baseline_rollout"):
                 greedy = self.policy.generate(prompts, SamplingConfig(temperature=0.0, n=1,
                                                                       max_tokens=self.sampling.max_tokens))
+                stats.generated.setdefault("baseline_rollout", []).append(sequence_lengths(greedy))
                 base = self.reward.score(greedy["response_text"], greedy["answer"], greedy["source"],
                                          extras=greedy["extra"])
                 self._add_reward_health(stats, base, prefix="baseline_")

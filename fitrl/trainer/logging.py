@@ -28,6 +28,9 @@ def format_step_line(step: int, m: dict[str, float]) -> str:
     phases = [(k[5:], v) for k, v in m.items() if k.startswith("time/") and k != "time/step"]
     if "time/step" in m:
         parts.append(f"{m['time/step']:.1f}s (" + " ".join(f"{k} {v:.1f}" for k, v in phases) + ")")
+    if "perf/tokens_per_s" in m:  # MFU to 3 significant digits: a tiny CPU model's is ~0.01 %
+        parts.append(f"{m['perf/tokens_per_s']:,.0f} tok/s"
+                     + (f" mfu {100 * m['perf/mfu']:.3g}%" if "perf/mfu" in m else ""))
     if "mem/host_peak_gib" in m:
         where = peak_phase(m, "host_peak_gib")
         mem = f"host peak {m['mem/host_peak_gib']:.2f}G{where} avail {m['mem/node_available_min_gib']:.1f}G"

@@ -17,18 +17,25 @@ from rich.console import Console
 
 from fitrl.algo.advantages import compute_advantages, scores_to_token_rewards
 from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalized_rewards
+from fitrl.checkpoint import layout
 from fitrl.checkpoint.layout import Checkpoint
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import FitrlConfig
+from fitrl.core.errors import Diverged, Interrupted
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
 from fitrl.roles.reward import RewardScorer
 from fitrl.telemetry.memory import host_memory
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.collect import RolloutCollector, group_index, prompts_batch
-from fitrl.trainer.logging import MetricsWriter, format_step_line, make_progress
+from fitrl.trainer.divergence import DivergenceJudge, vocab_size
+from fitrl.trainer.logging import format_step_line, make_progress
 from fitrl.trainer.memory_watch import MemoryWatch
+from fitrl.trainer.perf import StepPerf
+from fitrl.trainer.run_log import RunLog
+from fitrl.trainer.signals import SIGNALS, signal_name, why_not_save
+from fitrl.trainer.validation import ValidationSplits, summary as validation_summary
 from fitrl.workers.group import RoleHandle
 
 
@@ -67,7 +74,7 @@ class RLTrainer:
         self.cfg, self.policy, self.ref, self.critic = cfg, policy, ref, critic
         self.train_data, self.val_data, self.reward = train_data, val_data, reward
         self.run_dir, self.console = run_dir, console
-        self.writer = MetricsWriter(run_dir / "metrics.jsonl")
+        self.writer = RunLog(cfg, run_dir, console)  # metrics.jsonl, trainer.loggers, generations.jsonl
         algo = cfg.algorithm
         self.train_sampling, self.val_sampling = cfg.rollout.sampling(), cfg.rollout.val_sampling()
         self.collector = None
@@ -76,11 +83,13 @@ class RLTrainer:
             self.collector = RolloutCollector(
                 cfg, policy, reward, train_data, sampler, self.train_sampling,
                 needs_baseline=algorithm_needs(cfg).baseline, pad_id=pad_id)
+        self.perf = StepPerf(cfg)  # perf/*: tokens/s per phase, model FLOPs, MFU
         kr = algo.kl_in_reward
         self.kl_in_reward = KL_ESTIMATORS.get(kr.estimator) if kr.enable else None
         self.kl_ctrl = (AdaptiveKLController(kr.coef, kr.target_kl, kr.horizon) if kr.controller == "adaptive"
                         else FixedKLController(kr.coef))
         self.checkpoints = checkpoints
+        self.divergence = DivergenceJudge(cfg.trainer.divergence, vocab_size(cfg.actor.model.path))
         self.start_step = 0  # the step a resumed run continues after
         self.history: list[dict[str, float]] = list(history or [])
         # (a LoRA run's reference is the policy group itself: its records are the policy's)
@@ -89,11 +98,21 @@ class RLTrainer:
                                   write=self.writer.write, save=self.emergency_save)
 
     def fit(self) -> list[dict[str, float]]:
+        with SIGNALS.deferred():  # SIGINT/SIGTERM: stop at the next safe point (fitrl/trainer/signals.py)
+            try:
+                return self._fit()
+            except Interrupted as e:
+                if not SIGNALS.stopped_at_once:  # stopped at a safe point: its message is complete
+                    raise
+                raise Interrupted(f"{e}; {self.resume_text()}", e.signum) from None
+
+    def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         if t.val_only or (t.val_before_train and self.start_step == 0):
-            with self.memory.catch():
+            with self.memory.catch(), SIGNALS.catch():
                 self.validate(step=self.start_step)
             self.memory.stop_if_crossed(self.start_step, step_done=True, state=None)
+            self.stop_if_signalled(self.start_step, step_done=True, state=None)
         if t.val_only:
             return self.history
         with make_progress(self.console, t.progress_bar) as progress:
@@ -101,19 +120,23 @@ class RLTrainer:
             for step in range(self.start_step + 1, t.max_steps + 1):
                 metrics = self.run_step(step)
                 self.record(step, metrics)
-                if step % t.log_freq == 0 or step == t.max_steps:
+                if "console" in t.loggers and (step % t.log_freq == 0 or step == t.max_steps):
                     progress.console.print(format_step_line(step, metrics), highlight=False)
+                self.stop_if_diverged(step, metrics)  # before any save: a diverged step is never checkpointed
                 # a crossing noted where nothing could stop (update, validation): the step is complete
                 self.memory.stop_if_crossed(step, step_done=True, state=self.state_dict(step), metrics=self.history[-1])
+                self.stop_if_signalled(step, step_done=True, state=self.state_dict(step), metrics=self.history[-1])
                 if step != t.max_steps:
                     self.maybe_save(step, metrics)
                 progress.advance(task)
         final = {}
         if self.val_data is not None and t.max_steps:
-            with self.memory.catch():
+            with self.memory.catch(), SIGNALS.catch():
                 final = self.validate(step=t.max_steps)
             self.memory.stop_if_crossed(t.max_steps, step_done=True, state=self.state_dict(t.max_steps),
                                         metrics=self.history[-1] if self.history else {})
+            self.stop_if_signalled(t.max_steps, step_done=True, state=self.state_dict(t.max_steps),
+                                   metrics=self.history[-1] if self.history else {})
         if t.max_steps > self.start_step:
             self.maybe_save(t.max_steps, {**self.history[-1], **final} if self.history else final)
         return self.history
@@ -122,12 +145,13 @@ class RLTrainer:
         """One RL step, its validation when due, and its memory. A guard crossing in a read-only
         phase abandons the step (the run ends here, checkpointed as the previous step)."""
         at_start = self.state_dict(step - 1)
-        with self.memory.catch():
+        with self.memory.catch(), SIGNALS.catch():
             metrics = self.train_step(step)
         self.memory.stop_if_crossed(step, step_done=False, state=at_start)
+        self.stop_if_signalled(step, step_done=False, state=at_start)  # a signal abandoned the step
         val_freq = self.cfg.trainer.val_freq
         if val_freq and step % val_freq == 0 and step != self.cfg.trainer.max_steps:
-            with self.memory.catch():
+            with self.memory.catch(), SIGNALS.catch():  # a signal skips the validation; the step is kept
                 metrics.update(self.validate(step))
         mem, events = self.memory.end_step(step)
         metrics.update(mem)
@@ -150,13 +174,84 @@ class RLTrainer:
 
     def maybe_save(self, step: int, metrics: dict[str, float]) -> None:
         if self.checkpoints is not None and self.checkpoints.due(step):
+            if self.divergence.pending:  # never replace good checkpoints by weights that may be diverging
+                self.console.print(f"checkpoint of step {step} skipped: divergence suspected: "
+                                   f"{self.divergence.pending}", highlight=False)
+                return
             with PhaseTimer().phase("checkpoint_save", guarded=False):
                 self.checkpoints.save(step, self.roles(), self.state_dict(step), metrics)
 
     def emergency_save(self, step: int, state: dict, metrics: dict) -> Optional[Path]:
         if self.checkpoints is None:
             return None
+        if self.divergence.pending:
+            self.console.print(f"no emergency checkpoint of step {step}: divergence suspected: "
+                               f"{self.divergence.pending}", highlight=False)
+            return None
         return self.checkpoints.save(step, self.roles(), state, metrics)
+
+    def resume_text(self) -> str:
+        """Where a next run continues from: this run directory's newest resumable checkpoint."""
+        found = [c for c in layout.list_complete(self.checkpoints.root) if not c.model_only] if self.checkpoints else []
+        if not found:
+            return "no checkpoint to resume: a next run starts at step 0"
+        point = found[-1]
+        how = ("run the same command to continue" if self.cfg.trainer.run_dir and self.cfg.checkpoint.resume == "auto"
+               else f"continue with checkpoint.resume={point.path}")
+        return f"resume point: {point.path} (step {point.step}); {how}"
+
+    def stop_if_diverged(self, step: int, metrics: dict[str, float]) -> None:
+        """Ends the run with :class:`Diverged` when the judge says so (fitrl/trainer/divergence.py):
+        metrics.jsonl keeps the step and an event naming the reason; no checkpoint is written."""
+        reason = self.divergence.observe(metrics)
+        if reason is None:
+            return
+        self.writer.write({"step": step, "event": "divergence", "reason": reason})
+        onset = step - self.divergence.steps_since_onset + 1  # no checkpoint was written from here on
+        found = [c for c in layout.list_complete(self.checkpoints.root)
+                 if not c.model_only and c.step < onset] if self.checkpoints else []
+        if not found:
+            last = "no checkpoint of this run precedes it"
+        elif found[-1].step == onset - 1:  # signs show one step after the update that caused them
+            last = (f"the newest checkpoint, {found[-1].path}, holds step {found[-1].step}, whose own update may have "
+                    "started it" + (f" (the one before: {found[-2].path})" if len(found) > 1 else ""))
+        else:
+            last = f"the newest checkpoint, {found[-1].path} (step {found[-1].step}), is from before it"
+        since = f"since step {onset} " if onset < step else ""
+        raise Diverged(f"diverged at step {step}: {reason}. No checkpoint was written {since}({last}). A lower "
+                       f"actor.optim.lr (now {self.cfg.actor.optim.lr:g}) is the usual cure; trainer.divergence.* sets "
+                       "what counts as divergence")
+
+    def stop_if_signalled(self, step: int, *, step_done: bool, state: Optional[dict],
+                          metrics: Optional[dict] = None) -> None:
+        """After SIGINT/SIGTERM, at a safe point (fitrl/trainer/signals.py): the emergency checkpoint
+        of the last complete step when there is time, a record in metrics.jsonl, and
+        :class:`Interrupted` with one line. ``step_done``: ``step`` is complete (else abandoned,
+        and ``state`` is the driver's state before it); ``state`` None: nothing to save."""
+        if not SIGNALS.requested(step_done=step_done):
+            return
+        if state is None:  # stopped before anything was trained (the validation before the first step)
+            done = self.start_step
+        else:
+            done = step if step_done else step - 1
+        path, why = None, "checkpoints are off"
+        if self.checkpoints is not None:
+            why = why_not_save(done=done, start_step=self.start_step,
+                               checkpointed=(self.checkpoints.root / f"step_{done}" / layout.MARKER).is_file(),
+                               elapsed=SIGNALS.elapsed(), expected_save_s=self.checkpoints.last_save_s,
+                               grace_s=self.cfg.trainer.signal_grace_s, divergence=self.divergence.pending)
+        if why is None:
+            try:
+                with PhaseTimer().phase("checkpoint_save", guarded=False):
+                    path = self.checkpoints.save(done, self.roles(), state, metrics or {})
+            except Exception as e:  # atomic saves: the earlier checkpoints are untouched
+                why = f"it failed: {type(e).__name__}: {e}"
+        name = signal_name(SIGNALS.signum)
+        self.writer.write({"step": step, "event": "signal_stop", "signal": name, "step_done": step_done,
+                           "checkpoint": str(path) if path else None, "no_checkpoint_because": why})
+        where = f"at step {step}" if step_done else f"during step {step} (abandoned before its update: redone on resume)"
+        saved = f"emergency checkpoint of step {done} written" if path else f"no emergency checkpoint ({why})"
+        raise Interrupted(f"stopped by {name} {where}: {saved}; {self.resume_text()}", SIGNALS.signum)
 
     def state_dict(self, step: int) -> dict:
         """The driver's part of a checkpoint (RNG states are added by the manager)."""
@@ -170,6 +265,7 @@ class RLTrainer:
         self.start_step = point.step
         if state is None:
             return
+        self.writer.resumed_at(point.step)  # the trackers continue their runs
         if self.collector is not None and state["sampler"] is not None:
             self.collector.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.value = float(state["kl_coef"])
@@ -178,6 +274,7 @@ class RLTrainer:
         timer = PhaseTimer()
         algo = self.cfg.algorithm
         batch, stats = self.collector.collect(step, timer)                  # (B*n, P+R), scored
+        self.writer.add_samples(step, "train", batch)                       # every trainer.log_samples_freq
         with timer.phase("old_logprob"):
             if algo.recompute_old_logprob:
                 batch.update(self.policy.compute_logprob(batch))
@@ -210,6 +307,7 @@ class RLTrainer:
                 metrics.update(self.policy.update(batch))
         metrics.update(self.step_metrics(batch, mask, stats))
         metrics.update(timer.metrics())
+        metrics.update(self.perf.metrics(batch, stats.generated, timer.times))
         metrics.update(host_memory())
         return metrics
 
@@ -251,24 +349,28 @@ class RLTrainer:
         start = time.perf_counter()
         scores, comps, lengths, truncated = [], [], [], []
         health: dict[str, float] = {}
+        splits = ValidationSplits.from_config(self.cfg)  # by source, @n (fitrl/trainer/validation.py)
         indices = list(range(len(self.val_data)))
         for i in range(0, len(indices), self.cfg.data.val_batch_size):
             prompts = prompts_batch(self.val_data, indices[i:i + self.cfg.data.val_batch_size], f"val{step}.{i}")
             out = self.policy.generate(prompts, self.val_sampling)
             scored = self.reward.score(out["response_text"], out["answer"], out["source"], extras=out["extra"])
+            self.writer.add_samples(step, "val", out, scored)  # generations.jsonl, tracker tables
             for k, v in scored.health.items():
                 health[k] = health.get(k, 0.0) + v
             length, trunc = response_stats(out)
             scores.append(scored.scores); comps.append(scored.components); lengths.append(length)
             truncated.append(trunc)
+            splits.add(out, scored)
         m = sequence_metrics(torch.cat(scores), {k: torch.cat([c[k] for c in comps]) for k in comps[0]},
                              torch.cat(lengths), torch.cat(truncated), prefix="val/")
         m.update({f"val/{k}": v for k, v in health.items()})
+        m.update(splits.metrics(prefix="val/"))
         m["val/time"] = time.perf_counter() - start
         self.writer.write({"step": step, **m})
         parts = ", ".join(f"{k} {m[f'val/reward/{k}']:.3f}" for k in comps[0])
         self.console.print(f"validation @ step {step}: reward {m['val/reward/mean']:.3f} over "
-                           f"{len(self.val_data)} prompts ({parts})", highlight=False)
+                           f"{len(self.val_data)} prompts ({parts}){validation_summary(m, splits.n)}", highlight=False)
         return m
 
     def close(self) -> None:

@@ -16,8 +16,10 @@ only when the run does not fit (each re-plans the run).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -152,6 +154,34 @@ def _largest_process(plan: Plan, resource: str, phase: str) -> str:
         if one * count > most:
             best, most = names.get(proc.kind, proc.kind) + (f" x {count}" if count > 1 else ""), one * count
     return f"{best} ({_gib(most)} GiB)" if best else ""
+
+
+PLAN_FILE = "plan.json"
+"""The plan's predictions, saved in the run directory so ``fitrl report`` can draw them against
+what the run measured (the run directory is made after the plan, so :func:`write_plan` is separate)."""
+
+
+def plan_record(plan: Plan) -> dict:
+    """The plan as plain JSON: per process kind and phase the predicted GPU (per device) and host
+    (per process) peaks in GiB, the node-wide peaks per phase and the limits the verdict used."""
+    phases = plan.phases
+    hw = plan.hardware
+    return {
+        "fits": plan.fits,
+        "hardware": {"device": hw.device, "nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node,
+                     "gpu_memory_gib": hw.gpu_memory / C.GIB, "host_memory_gib": hw.host_memory / C.GIB},
+        "limits_gib": {"gpu": plan.gpu_limit / C.GIB, "host": plan.host_limit / C.GIB},
+        "phases": phases,
+        "processes": {p.kind: {"per_node": p.per_node, "phases": {
+            ph: {"gpu_gib": sum(p.phases[ph].gpu.values()) / C.GIB, "host_gib": sum(p.phases[ph].host.values()) / C.GIB}
+            for ph in phases if ph in p.phases}} for p in plan.processes},
+        "node_peaks_gib": {ph: {"gpu": gpu / C.GIB, "host": host / C.GIB} for ph, (gpu, host) in plan.peaks().items()},
+        "host_growth_gib_per_step": plan.growth_per_step / C.GIB,
+    }
+
+
+def write_plan(plan: Plan, path: Path) -> None:
+    path.write_text(json.dumps(plan_record(plan), indent=1) + "\n")
 
 
 def _gib(n: float) -> str:

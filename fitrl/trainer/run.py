@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import random
-import time
 from contextlib import ExitStack
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,12 +14,16 @@ from fitrl.config import ConfigError, FitrlConfig, save_config
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import check_critic_batch_sizes, derived_batch_numbers
 from fitrl.core.device import resolve_device
+from fitrl.core.errors import DataError
 from fitrl.data.dataset import PromptDataset
-from fitrl.models.loading import check_model_dir, load_tokenizer
+from fitrl.models.check import check_model_configs, check_run_models
 from fitrl.roles.reward import RewardScorer
 from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker
+from fitrl.tracking import check_installed
 from fitrl.trainer.loop import RLTrainer
-from fitrl.trainer.preflight import preflight
+from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
+from fitrl.trainer.rundir import open_run_dir
+from fitrl.trainer.signals import SIGNALS
 from fitrl.workers.group import InProcessWorkerGroup, RoleHandle
 
 
@@ -29,16 +31,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def make_run_dir(cfg: FitrlConfig) -> Path:
-    t = cfg.trainer
-    if t.run_dir:
-        path = Path(t.run_dir)
-    else:
-        path = Path(t.output_dir) / f"{t.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, PromptDataset | None]:
@@ -52,6 +44,14 @@ def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, P
             raise ConfigError("data.train_files is empty: give at least one jsonl/json/parquet file")
         train = PromptDataset(d.train_files, tokenizer, name="train", **common)
     val = PromptDataset(d.val_files, tokenizer, name="val", **common) if d.val_files else None
+    if train is not None and len(train) < d.rollout_batch_size:
+        # The sampler would wrap around within each step: the same prompts twice in one batch, a
+        # group-relative advantage computed over duplicates, and no word about it.
+        dropped = (f" ({train.num_filtered} of {train.num_rows} rows are longer than data.max_prompt_length="
+                   f"{d.max_prompt_length})" if train.num_filtered else "")
+        raise DataError(f"train: {len(train)} prompts{dropped} but data.rollout_batch_size={d.rollout_batch_size} "
+                        f"draws {d.rollout_batch_size} per step, so every step would repeat prompts; add prompts or "
+                        f"lower data.rollout_batch_size to {len(train)} or less")
     return train, val
 
 
@@ -75,6 +75,7 @@ def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack,
     from fitrl.workers.ray_group import RayWorkerGroup, ensure_ray
 
     ensure_ray(address=t.ray_address)
+    SIGNALS.reinstall()  # ray.init replaces the SIGTERM handler with its own sys.exit
     group = RayWorkerGroup(worker_cls, cfg, world_size=cfg.world_size, nnodes=t.nnodes,
                            devices_per_node=t.devices_per_node, use_gpu=resolve_device(t.device).type == "cuda",
                            name=name, colocate_with=colocate_with.group if colocate_with else None)
@@ -88,17 +89,27 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
     seed_everything(cfg.trainer.seed)
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
-    check_model_dir(cfg.actor.model.path)
-    preflight(cfg, console)  # memory.plan: stops a run predicted not to fit before anything loads
+    check_installed(cfg.trainer.loggers)  # a tracker's missing package: one line, before anything loads
     with ExitStack() as stack:
-        # Cheap checks before any model is loaded: a typo in the reward or data fails in seconds.
+        stack.enter_context(SIGNALS.handled())  # SIGTERM like SIGINT: one line, workers shut down (trainer/signals.py)
+        # The run directory first: created, proven writable and locked (for the whole run, released
+        # last) before anything loads; nothing in it is read or written before the lock is held.
+        lock = stack.enter_context(open_run_dir(cfg.trainer, notice=lambda line: console.print(line, highlight=False)))
+        run_dir = lock.path
+        check_model_configs(cfg)  # config.json of every model: what the memory plan reads
+        plan = preflight(cfg, console)  # memory.plan: stops a run predicted not to fit before anything loads
+        # Cheap checks before any model is loaded: a typo in the reward, a broken model directory
+        # or bad data fails in seconds.
         reward = stack.enter_context(RewardScorer(cfg.reward))
-        tokenizer = load_tokenizer(cfg.actor.model)
+        tokenizer = check_run_models(cfg)  # weights' headers, the tokenizer (loaded once, here)
         train_data, val_data = build_datasets(cfg, tokenizer)
-        run_dir = make_run_dir(cfg)
         checkpoints = CheckpointManager(cfg, run_dir, console)
         resume = checkpoints.resume_point()  # config checked against the checkpoint's before any model loads
         save_config(cfg, run_dir / "config.yaml")
+        if plan is not None:  # `fitrl report` draws these predictions beside the measured memory
+            write_plan(plan, run_dir / PLAN_FILE)
+        else:  # an earlier run's plan in this directory would be drawn against this run's memory
+            (run_dir / PLAN_FILE).unlink(missing_ok=True)
         history = []
         if resume is not None and not cfg.trainer.val_only:
             history = checkpoints.carry_metrics(resume)
@@ -107,6 +118,8 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
                               f"{cfg.trainer.max_steps}: nothing to train (raise trainer.max_steps to go on)",
                               highlight=False)
                 return history
+        elif not cfg.trainer.val_only:  # step 0 in a directory that may hold an earlier run's metrics
+            checkpoints.restart_metrics()
 
         needs = algorithm_needs(cfg)
         policy = make_group(PolicyWorker, cfg, "policy", stack)

@@ -1,0 +1,130 @@
+"""Throughput and MFU of one RL step, logged under ``perf/*`` (docs/metrics.md).
+
+Tokens are counted from the batch masks: a sequence's prompt tokens are the attention mask's
+ones left of the response columns, its response tokens the response mask's. FLOPs come from the
+policy's ``config.json`` (:mod:`fitrl.models.flops`), the device peak from
+:mod:`fitrl.telemetry.perf`. Per phase:
+
+- rollout: tokens generated / ``time/rollout`` (every dynamic-sampling round);
+- log-prob: (prompt + response tokens) x passes / (``time/old_logprob`` + ``time/ref``), a pass
+  for the recomputed old log-probs and one for the reference;
+- update: (prompt + response tokens) x ``actor.ppo_epochs`` / ``time/update``;
+- overall: the step batch's prompt + response tokens / ``time/step``, and MFU = the model FLOPs
+  of the rollout (ReMax's greedy baseline included), log-prob and update phases / (``time/step``
+  x peak x devices). The critic's phases take time but their FLOPs are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+from fitrl.config.schema import FitrlConfig
+from fitrl.core.device import resolve_device
+from fitrl.data.batch import Batch
+from fitrl.models.flops import FlopsShape
+from fitrl.telemetry.perf import device_peak_flops, mfu
+
+log = logging.getLogger("fitrl.trainer")
+
+Lengths = tuple[list[int], list[int]]
+
+
+def sequence_lengths(batch: Batch) -> Lengths:
+    """(prompt tokens, response tokens) of every sequence of a rollout batch (layout in
+    fitrl/rollout/engine.py: prompt left-padded | response right-padded)."""
+    response = batch["response_mask"]
+    attention = batch["attention_mask"]
+    prompt = attention[:, :attention.shape[1] - response.shape[1]].sum(-1)
+    return [int(x) for x in prompt.tolist()], [int(x) for x in response.sum(-1).tolist()]
+
+
+def compute_dtype(cfg: FitrlConfig) -> str:
+    """The dtype the policy's matmuls run in: bf16 under FSDP2 mixed precision, else its weights'."""
+    if cfg.trainer.backend == "ray" and cfg.actor.fsdp.mixed_precision:
+        return "bfloat16"
+    return cfg.actor.model.dtype
+
+
+def load_flops_shape(model_path: str) -> tuple[Optional[FlopsShape], str]:
+    try:
+        return FlopsShape.from_config(json.loads((Path(model_path) / "config.json").read_text())), ""
+    except (OSError, ValueError) as e:
+        return None, str(e)
+
+
+class StepPerf:
+    """``perf/*`` metrics of a step from its batch, the sequences generated and the phase times."""
+
+    def __init__(self, cfg: FitrlConfig):
+        self.shape, why = load_flops_shape(cfg.actor.model.path)
+        if self.shape is None:
+            log.warning("perf/mfu not logged: no FLOPs formula for %s (%s)", cfg.actor.model.path, why)
+        self.lora = cfg.actor.lora.enabled
+        self.ppo_epochs = cfg.actor.ppo_epochs
+        self.recompute_old_logprob = cfg.algorithm.recompute_old_logprob
+        self.devices = cfg.world_size
+        self.device = resolve_device(cfg.trainer.device)
+        self.dtype = compute_dtype(cfg)
+        self.num_threads = cfg.trainer.num_threads or None
+        self._peak: Optional[float] = cfg.trainer.peak_flops or None
+        self._peak_known = self._peak is not None
+        self.peak_source = "trainer.peak_flops" if self._peak_known else ""
+
+    def peak(self) -> Optional[float]:
+        """Peak FLOP/s of one device, resolved on first use (on CPU: a cached benchmark)."""
+        if not self._peak_known:
+            self._peak_known = True
+            if self.shape is not None:
+                self._peak, self.peak_source = device_peak_flops(self.device, self.dtype, self.num_threads)
+                if self._peak is None:
+                    log.warning("perf/mfu not logged: %s", self.peak_source)
+        return self._peak
+
+    def metrics(self, batch: Batch, generated: dict[str, list[Lengths]], times: dict[str, float]) -> dict[str, float]:
+        """``generated``: phase name (``rollout``, ``baseline_rollout``) -> lengths of each
+        generate call's sequences; ``times``: seconds per phase (PhaseTimer.times)."""
+        prompt, response = sequence_lengths(batch)
+        tokens = sum(prompt) + sum(response)
+        step_time = sum(times.values())
+        rollout = generated.get("rollout", [])
+        logprob_passes = int(self.recompute_old_logprob) + int("ref" in times)
+        logprob_time = (times.get("old_logprob", 0.0) if self.recompute_old_logprob else 0.0) + times.get("ref", 0.0)
+        m: dict[str, float] = {}
+
+        def rate(key: str, amount: float, seconds: float) -> None:
+            if seconds > 0:
+                m[key] = amount / seconds
+
+        rate("perf/rollout_tokens_per_s", sum(sum(r) for _, r in rollout), times.get("rollout", 0.0))
+        if logprob_passes:
+            rate("perf/logprob_tokens_per_s", logprob_passes * tokens, logprob_time)
+        if "update" in times:
+            rate("perf/update_tokens_per_s", self.ppo_epochs * tokens, times["update"])
+        rate("perf/tokens_per_s", tokens, step_time)
+        if self.shape is None or tokens == 0:
+            return m
+
+        forward = self.shape.batch_forward_flops(prompt, response)
+        phase_flops = {
+            "rollout": sum(self.shape.batch_forward_flops(p, r) for p, r in rollout),
+            "logprob": logprob_passes * forward,
+            "update": (self.ppo_epochs * self.shape.batch_training_flops(prompt, response, lora=self.lora)
+                       if "update" in times else 0),
+        }
+        baseline = sum(self.shape.batch_forward_flops(p, r) for p, r in generated.get("baseline_rollout", []))
+        total = sum(phase_flops.values()) + baseline
+        m["perf/flops_per_token"] = forward / tokens
+        m["perf/step_flops"] = float(total)
+        peak = self.peak()
+        if peak is None:
+            return m
+        m["perf/peak_flops"] = peak
+        m["perf/mfu"] = mfu(total, step_time, peak, self.devices)
+        phase_time = {"rollout": times.get("rollout", 0.0), "logprob": logprob_time, "update": times.get("update", 0.0)}
+        for phase, flops in phase_flops.items():
+            if flops and phase_time[phase] > 0:
+                m[f"perf/{phase}_mfu"] = mfu(flops, phase_time[phase], peak, self.devices)
+        return m

@@ -1,0 +1,486 @@
+"""Bad inputs through the real command line (issue 12, part A): every user's mistake is one line,
+exit 2, no traceback, and leaves an existing run as it was (harness: tests/badcases.py).
+
+Categories: config mistakes, non-finite or non-positive learning rates, every fault of a model
+directory, data faults, reward faults, run-directory faults (unwritable, locked by a live run,
+a stale lock), `fitrl plan` and `fitrl export` mistakes, and the --debug switch.
+
+Most cases run in this process (no torch import per case); the few that need a second process
+at the same time or a crash run as subprocesses. Cases that must not damage an existing run
+train on ``ws.run`` (the finished run with its checkpoint) as their run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from badcases import Case, Outcome, Workspace, run_case
+
+from fitrl.trainer.rundir import LOCK_NAME
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def on_run(*overrides: str):
+    """``prepare`` that trains on the existing finished run with ``overrides`` (must not damage it)."""
+    return lambda ws: ws.train_args(*overrides, run_dir=ws.run)
+
+
+def on_new(*overrides: str):
+    """``prepare`` that trains on a fresh run directory with ``overrides``."""
+    return lambda ws: ws.train_args(*overrides)
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data, indent=2))
+
+
+def break_model(fault):
+    """``prepare`` that applies ``fault(ws)`` to the workspace's model copy, then trains on ws.run."""
+    def prepare(ws: Workspace) -> list[str]:
+        fault(ws)
+        return ws.train_args(run_dir=ws.run)
+    return prepare
+
+
+def write_file(name: str, text: str, then):
+    """``prepare`` that writes ``text`` to ``ws.root / name`` and returns ``then(ws, path)``."""
+    def prepare(ws: Workspace) -> list[str]:
+        path = ws.root / name
+        path.write_text(text)
+        return then(ws, path)
+    return prepare
+
+
+def no_lock_left(ws: Workspace, out: Outcome) -> None:
+    """The run directory's lock is released (its file removed) on the way out of a failed run."""
+    assert not (ws.run / LOCK_NAME).exists(), "the lock of the existing run was not released"
+
+
+def no_new_run_dir(ws: Workspace, out: Outcome) -> None:
+    """A run that failed its checks leaves no (empty) run directory behind."""
+    assert not (ws.root / "new-run").exists(), sorted(p.name for p in (ws.root / "new-run").iterdir())
+
+
+def no_hub_talk(ws: Workspace, out: Outcome) -> None:
+    text = (out.stderr + out.stdout).lower()
+    assert "huggingface.co" not in text and "repo id" not in text and "internet" not in text, text
+
+
+def all_of(*checks):
+    def check(ws: Workspace, out: Outcome) -> None:
+        for c in checks:
+            c(ws, out)
+    return check
+
+
+# ----------------------------------------------------------------------------- model faults
+
+def corrupt_config_json(ws):
+    (ws.model / "config.json").write_text('{\n  "hidden_size": 64,\n  "model_type": "qwen2",,\n}\n')
+
+
+def drop_shape_keys(ws):
+    edit_json(ws.model / "config.json", hidden_size=..., num_hidden_layers=...)
+
+
+def unknown_model_type(ws):
+    edit_json(ws.model / "config.json", model_type="qwen9")
+
+
+def no_weights(ws):
+    (ws.model / "model.safetensors").unlink()
+
+
+def truncated_weights(ws):
+    f = ws.model / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+def garbage_weights(ws):
+    f = ws.model / "model.safetensors"
+    f.write_bytes(os.urandom(f.stat().st_size))
+
+
+def shard_without_index(ws):
+    (ws.model / "model.safetensors").rename(ws.model / "model-00001-of-00002.safetensors")
+
+
+def index_names_missing_file(ws):
+    (ws.model / "model.safetensors").rename(ws.model / "model-00001-of-00002.safetensors")
+    (ws.model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+
+
+def no_tokenizer_json(ws):
+    (ws.model / "tokenizer.json").unlink()
+
+
+def no_tokenizer_files(ws):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (ws.model / name).unlink()
+
+
+def garbage_tokenizer_json(ws):
+    (ws.model / "tokenizer.json").write_text("{ this is not a tokenizer")
+
+
+def tokenizer_larger_than_embedding(ws):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ws.model), local_files_only=True)
+    tok.add_tokens([f"extra_token_{i}" for i in range(100)])
+    tok.save_pretrained(str(ws.model))
+
+
+def config_from_another_model(ws):
+    edit_json(ws.model / "config.json", vocab_size=256)
+
+
+def no_chat_template(ws):
+    (ws.model / "chat_template.jinja").unlink()
+    edit_json(ws.model / "tokenizer_config.json", chat_template=...)
+
+
+def no_eos(ws):
+    edit_json(ws.model / "tokenizer_config.json", eos_token=None)
+    edit_json(ws.model / "config.json", eos_token_id=None)
+    edit_json(ws.model / "generation_config.json", eos_token_id=...)
+
+
+def misspelt_model_path(ws):
+    return ws.train_args(f"actor.model.path={ws.root / 'modle'}", run_dir=ws.run)
+
+
+def misspelt_tokenizer_path(ws):
+    return ws.train_args(f"actor.model.tokenizer_path={ws.root / 'modle'}", run_dir=ws.run)
+
+
+def reference_without_weights(ws):
+    ref = ws.root / "ref-model"
+    ref.mkdir()
+    shutil.copy(ws.model / "config.json", ref / "config.json")
+    return ws.train_args("algorithm.use_kl_loss=true", f"ref.model.path={ref}", run_dir=ws.run)
+
+
+# ----------------------------------------------------------------------------- data faults
+
+def data_lines(ws, name: str, lines: list[str], *overrides: str) -> list[str]:
+    path = ws.data / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return ws.train_args(f"data.train_files=[{path}]", *overrides, run_dir=ws.run)
+
+
+def first_rows(ws, n: int) -> list[str]:
+    return (ws.data / "arith_train.jsonl").read_text().splitlines()[:n]
+
+
+def bad_json_line(ws):
+    rows = first_rows(ws, 5)
+    rows[2] = rows[2][:-5]  # line 3 cut short
+    return data_lines(ws, "broken.jsonl", rows)
+
+
+def empty_data_file(ws):
+    return data_lines(ws, "empty.jsonl", [])
+
+
+def fewer_prompts_than_batch(ws):
+    return data_lines(ws, "three.jsonl", first_rows(ws, 3))  # data.rollout_batch_size=4
+
+
+# ----------------------------------------------------------------------------- reward faults
+
+def reward_file(ws, text: str, function: str, *overrides: str, run_dir=None) -> list[str]:
+    path = ws.root / "my_reward.py"
+    path.write_text(text)
+    return ws.train_args(f"reward.function={path}:{function}", *overrides, run_dir=run_dir or ws.run)
+
+
+SEGFAULT_REWARD = "import ctypes\n\n\ndef crash(response, answer):\n    return ctypes.string_at(0)\n"
+
+
+# ----------------------------------------------------------------------------- run-directory faults
+
+def file_in_the_way(ws):
+    (ws.root / "a-file").write_text("not a directory")
+    return ws.train_args(run_dir=ws.root / "a-file")
+
+
+def below_a_file(ws):
+    (ws.root / "a-file").write_text("not a directory")
+    return ws.train_args(run_dir=ws.root / "a-file" / "run")
+
+
+def unwritable_before_model(ws):
+    no_weights(ws)  # the model is broken too: the run directory must be reported first
+    return ws.train_args(run_dir=Path("/proc/fitrl-bad-inputs/run"))
+
+
+def start_live_run(ws: Workspace, run_dir: Path) -> subprocess.Popen:
+    """A long run in the background, returned once it holds its run directory's lock."""
+    args = ws.train_args("trainer.max_steps=100000", "trainer.val_before_train=false", "data.val_files=[]",
+                         "reward.num_workers=0", run_dir=run_dir)
+    log = open(ws.root / "live-run.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "fitrl.cli", *args], cwd=ws.root, stdout=log,
+                            stderr=subprocess.STDOUT)
+    ws.background = [*getattr(ws, "background", []), proc]  # killed by the test whatever happens
+    deadline = time.monotonic() + 300  # 10x a loaded machine's start-up
+    lock = run_dir / LOCK_NAME
+    while not (lock.is_file() and lock.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log_text = (ws.root / "live-run.log").read_text()
+            raise AssertionError(f"the live run did not take its lock: {log_text[-2000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def second_run_on_live_dir(ws):
+    start_live_run(ws, ws.root / "live")
+    return ws.train_args(run_dir=ws.root / "live")
+
+
+def names_live_pid(ws: Workspace, out: Outcome) -> None:
+    live = ws.background[0]
+    assert f"PID {live.pid} on host {socket.gethostname()}" in out.stderr, out.stderr
+    assert live.poll() is None, "the refused run stopped the live one"
+    assert (ws.root / "live" / LOCK_NAME).is_file(), "the refused run removed the live run's lock"
+
+
+def stale_lock(ws):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a PID that no longer runs
+    (ws.run / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+                                                "started": "2026-01-01T00:00:00"}) + "\n")
+    ws.stale_pid = dead.pid
+    # a data mistake stops the run after the takeover: the notice and then the one line
+    return ws.train_args(f"data.train_files=[{ws.data / 'missing.jsonl'}]", run_dir=ws.run)
+
+
+def took_over(ws: Workspace, out: Outcome) -> None:
+    assert f"took over the lock of PID {ws.stale_pid}" in out.stdout, out.stdout
+    assert "data file not found" in out.stderr, out.stderr
+    no_lock_left(ws, out)
+
+
+# ----------------------------------------------------------------------------- plan and export
+
+def plan(*flags: str):
+    return lambda ws: ["plan", str(ws.config), *flags]
+
+
+def plan_without_shape_keys(ws):
+    drop_shape_keys(ws)
+    return ["plan", str(ws.config)]
+
+
+# ----------------------------------------------------------------------------- the table
+
+MODEL = "model error: .*"
+CASES = [
+    # --- config mistakes (stop at load: nothing is created)
+    Case("config-unknown-key", "config", on_new("actor.optim.lrr=1e-5"), r"did you mean 'actor\.optim\.lr'",
+         check=no_new_run_dir),
+    Case("config-wrong-type", "config", on_new("trainer.max_steps=many"), r"trainer\.max_steps.*expects int"),
+    Case("config-yaml-syntax", "config", write_file("bad.yaml", "data: [unclosed\n", lambda ws, p: ["train", str(p)]),
+         r"bad\.yaml is not valid YAML"),
+    Case("config-file-missing", "config", lambda ws: ["train", str(ws.root / "nope.yaml")], r"config file not found"),
+    Case("config-batch-does-not-divide", "config", on_new("data.rollout_batch_size=6"), r"data\.rollout_batch_size=6"),
+    Case("config-reward-timeout-inf", "config", on_new("reward.timeout=inf"), r"'reward\.timeout'.*finite number"),
+    Case("config-kl-coef-nan", "config", on_new("algorithm.kl_coef=nan"), r"'algorithm\.kl_coef'.*finite number"),
+    # --- learning rates
+    Case("lr-nan", "lr", on_run("actor.optim.lr=nan"), r"'actor\.optim\.lr' \(in overrides\) must be a finite number"),
+    Case("lr-inf", "lr", on_run("actor.optim.lr=inf"), r"'actor\.optim\.lr' \(in overrides\) must be a finite number"),
+    Case("lr-zero", "lr", on_run("actor.optim.lr=0"), r"actor\.optim\.lr must be a finite number > 0, got 0\.0"),
+    Case("lr-negative", "lr", on_run("actor.optim.lr=-1e-5"), r"actor\.optim\.lr must be a finite number > 0"),
+    Case("critic-lr-zero", "lr", on_run("critic.optim.lr=0"), r"critic\.optim\.lr must be a finite number > 0"),
+    Case("critic-lr-nan", "lr", on_run("critic.optim.lr=nan"), r"'critic\.optim\.lr'.*finite number"),
+    # --- model directory (on the existing run: refused before it is touched)
+    Case("model-path-misspelt", "model", misspelt_model_path,
+         MODEL + r"actor\.model\.path='.*modle' does not exist.*did you mean '.*model'", check=no_hub_talk),
+    Case("model-config-corrupt", "model", break_model(corrupt_config_json),
+         MODEL + r".*model/config\.json:3: invalid JSON", check=no_lock_left),
+    Case("model-config-no-shape-keys", "model", break_model(drop_shape_keys),
+         MODEL + r".*config\.json has no hidden_size, num_hidden_layers"),
+    Case("model-type-unknown", "model", break_model(unknown_model_type), MODEL + r"model_type 'qwen9' is not"),
+    Case("model-no-weights", "model", break_model(no_weights), MODEL + r"has no weights \(model\.safetensors"),
+    Case("model-truncated-safetensors", "model", break_model(truncated_weights),
+         MODEL + r".*model\.safetensors is truncated: .* bytes, its header describes"),
+    Case("model-garbage-safetensors", "model", break_model(garbage_weights),
+         MODEL + r".*model\.safetensors is not a readable safetensors file"),
+    Case("model-shard-without-index", "model", break_model(shard_without_index),
+         MODEL + r"model-00001-of-00002\.safetensors but no model\.safetensors\.index\.json"),
+    Case("model-index-names-missing-file", "model", break_model(index_names_missing_file),
+         MODEL + r"index\.json names 1 file\(s\) that are not in .*model-00002-of-00002"),
+    Case("model-config-from-another-model", "model", break_model(config_from_another_model),
+         MODEL + r"does not belong to the weights beside it: it says vocab_size=256"),
+    Case("tokenizer-missing-vocabulary", "model", break_model(no_tokenizer_json),
+         MODEL + r"the tokenizer in .* is empty: .*no vocabulary file there", check=no_lock_left),
+    Case("tokenizer-no-files-at-all", "model", break_model(no_tokenizer_files),
+         MODEL + r"the tokenizer in .* is empty"),
+    Case("tokenizer-garbage", "model", break_model(garbage_tokenizer_json),
+         MODEL + r"cannot load the tokenizer in .*model \(actor\.model\.path\)"),
+    Case("tokenizer-path-misspelt", "model", misspelt_tokenizer_path,
+         MODEL + r"actor\.model\.tokenizer_path='.*modle' does not exist \(fitrl reads local directories only",
+         check=no_hub_talk),
+    Case("tokenizer-larger-than-embedding", "model", break_model(tokenizer_larger_than_embedding),
+         MODEL + r"has 612 token ids but the model's embedding has vocab_size=512"),
+    Case("tokenizer-no-chat-template", "model", break_model(no_chat_template),
+         MODEL + r"has no chat template .* data\.apply_chat_template=true"),
+    Case("tokenizer-no-eos", "model", break_model(no_eos), MODEL + r"no end-of-sequence token"),
+    Case("reference-model-without-weights", "model", reference_without_weights,
+         MODEL + r"ref\.model\.path='.*ref-model' has no weights"),
+    # --- data
+    Case("data-file-missing", "data", on_run("data.train_files=[/nonexistent/train.jsonl]"),
+         r"^fitrl: data error: data file not found: /nonexistent/train\.jsonl", check=no_lock_left),
+    Case("data-bad-json-line", "data", bad_json_line, r"data error: .*broken\.jsonl:3: invalid JSON"),
+    Case("data-missing-prompt-key", "data", on_run("data.prompt_key=question"),
+         r"arith_train\.jsonl:1: row has no 'question' column .* set data\.prompt_key"),
+    Case("data-empty-file", "data", empty_data_file, r"data error: train: no rows in .*empty\.jsonl"),
+    Case("data-fewer-prompts-than-batch", "data", fewer_prompts_than_batch,
+         r"train: 3 prompts but data\.rollout_batch_size=4 draws 4 per step.*lower data\.rollout_batch_size to 3"),
+    Case("data-all-prompts-too-long", "data", on_run("data.max_prompt_length=5"),
+         r"all 80 rows of .* are longer than data\.max_prompt_length=5 tokens"),
+    Case("data-unsupported-format", "data",
+         lambda ws: data_lines(ws, "train.csv", ["prompt,answer", "1+1,2"]), r"unsupported file type '\.csv'"),
+    # --- reward
+    Case("reward-unknown-builtin", "reward", on_run("reward.function=arithh"), r"did you mean 'arith'"),
+    Case("reward-file-missing", "reward", on_run("reward.function=/nonexistent/reward.py:score"),
+         r"reward\.function: file not found: /nonexistent/reward\.py"),
+    Case("reward-syntax-error", "reward",
+         lambda ws: reward_file(ws, "def score(response, answer:\n    return 1\n", "score"),
+         r"config error: reward\.function: .*my_reward\.py:1: syntax error"),
+    Case("reward-import-raises", "reward",
+         lambda ws: reward_file(ws, "import math\nWEIGHT = undefined_name\n", "score"),
+         r"importing .*my_reward\.py raised NameError: .*undefined_name.* \(at .*my_reward\.py:2\)"),
+    Case("reward-no-such-function", "reward", lambda ws: reward_file(ws, "def other(r, a):\n    return 0\n", "score"),
+         r"my_reward\.py has no function 'score'"),
+    Case("reward-returns-wrong-type", "reward",
+         lambda ws: reward_file(ws, "def score(response, answer):\n    return 'high'\n", "score",
+                                "reward.num_workers=0", "trainer.max_steps=1", run_dir=ws.root / "new-run"),
+         r"^fitrl: reward error: reward function .*my_reward\.py:score returned str \('high'\)"),
+    Case("reward-raises-on-every-call", "reward",
+         lambda ws: reward_file(ws, "def score(response, answer):\n    raise ValueError('no answer key')\n", "score",
+                                "reward.num_workers=0", "trainer.max_steps=1", run_dir=ws.root / "new-run"),
+         r"^fitrl: reward error: .*raised ValueError: no answer key.*more than reward\.max_error_fraction"),
+    Case("reward-segfault-in-driver", "reward",
+         lambda ws: reward_file(ws, SEGFAULT_REWARD, "crash", "reward.num_workers=0", "trainer.max_steps=1",
+                                run_dir=ws.root / "new-run"),
+         r"Segmentation fault.*my_reward\.py\", line 5 in crash", exit=-11, subprocess=True),
+    # --- run directory
+    Case("run-dir-under-proc", "run_dir", lambda ws: ws.train_args(run_dir=Path("/proc/fitrl-bad-inputs")),
+         r"^fitrl: run directory: cannot create /proc/fitrl-bad-inputs \(trainer\.run_dir\)"),
+    Case("run-dir-file-in-the-way", "run_dir", file_in_the_way, r"a-file \(trainer\.run_dir\): a file is in the way"),
+    Case("run-dir-below-a-file", "run_dir", below_a_file, r"a part of that path is a file, not a directory"),
+    Case("run-dir-reported-before-the-model", "run_dir", unwritable_before_model,
+         r"^fitrl: run directory: cannot create /proc/fitrl-bad-inputs/run"),
+    Case("run-dir-in-use-by-a-live-run", "run_dir", second_run_on_live_dir,
+         r"run directory: .*live is in use by another fitrl run: PID \d+ on host", check=names_live_pid),
+    Case("run-dir-stale-lock-taken-over", "run_dir", stale_lock, r"took over the lock of PID \d+ on host .*which is "
+         r"no longer running", check=took_over),
+    Case("resume-with-changed-config", "run_dir", on_run("actor.optim.lr=1e-2"),
+         r"config error: checkpoint .*step_2 was saved with a different config.*actor\.optim\.lr", check=no_lock_left),
+    Case("resume-missing-checkpoint", "run_dir", on_run("checkpoint.resume=/nonexistent/step_7"),
+         r"^fitrl: checkpoint error: checkpoint /nonexistent/step_7 does not exist"),
+    # --- fitrl plan
+    Case("plan-gpu-memory-zero", "plan", plan("--gpu-memory", "0"), r"--gpu-memory: 0 bytes per device is not a GPU's"),
+    Case("plan-gpu-memory-negative", "plan", plan("--gpu-memory=-80GiB"), r"--gpu-memory='-80GiB' is not a size"),
+    Case("plan-gpu-memory-absurd", "plan", plan("--gpu-memory", "100000TiB"), r"GiB per device is not a GPU's memory"),
+    Case("plan-host-memory-no-unit", "plan", plan("--host-memory", "512"), r"--host-memory: 512 bytes per node"),
+    Case("plan-size-not-a-size", "plan", plan("--gpu-memory", "lots"), r"--gpu-memory='lots' is not a size"),
+    Case("plan-nodes-zero", "plan", plan("--nodes", "0"), r"--nodes 0: must be >= 1"),
+    Case("plan-config-json-without-shape-keys", "plan", plan_without_shape_keys,
+         r"config\.json has no hidden_size, num_hidden_layers"),
+    # --- fitrl export
+    Case("export-missing-checkpoint", "export", lambda ws: ["export", str(ws.root / "nope"), str(ws.root / "out")],
+         r"^fitrl: checkpoint error: checkpoint .*nope does not exist"),
+    Case("export-no-checkpoint-in-dir", "export", lambda ws: ["export", str(ws.data), str(ws.root / "out")],
+         r"no complete checkpoint in .*data"),
+    Case("export-out-dir-not-empty", "export", lambda ws: ["export", str(ws.run), str(ws.data)],
+         r"data already exists and is not empty"),
+    Case("export-adapter-of-full-checkpoint", "export",
+         lambda ws: ["export", str(ws.run), str(ws.root / "out"), "--lora", "adapter"],
+         r"holds the full policy .* --lora adapter needs a checkpoint of a LoRA run"),
+    Case("export-bad-dtype", "export", lambda ws: ["export", str(ws.run), str(ws.root / "out"), "--dtype", "fp8"],
+         r"invalid choice: 'fp8'"),
+    # --- --debug shows the traceback a user's mistake otherwise hides
+    Case("debug-flag-shows-traceback", "debug", on_run("actor.optim.lr=0", "--debug"),
+         r"Traceback \(most recent call last\).*fitrl: config error: actor\.optim\.lr must be", traceback=True),
+    Case("debug-flag-before-command", "debug", lambda ws: ["--debug", *ws.train_args("actor.optim.lr=0")],
+         r"Traceback \(most recent call last\).*actor\.optim\.lr must be", traceback=True),
+    Case("debug-env-shows-traceback", "debug", on_run("data.train_files=[/nonexistent/x.jsonl]"),
+         r"Traceback \(most recent call last\).*fitrl: data error: data file not found", traceback=True,
+         env={"FITRL_DEBUG": "1"}),
+]
+
+
+# a case with a second process (~5 s each: torch imported again) is in the slow tier
+SECOND_PROCESS = {"run-dir-in-use-by-a-live-run"}
+PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c.subprocess or c.id in SECOND_PROCESS else c for c in CASES]
+
+
+@pytest.mark.parametrize("case", PARAMS, ids=str)
+def test_bad_input(case: Case, workspace: Workspace):
+    try:
+        run_case(case, workspace)
+    finally:
+        for proc in getattr(workspace, "background", []):  # a live run started by the case
+            proc.kill()
+            proc.wait()
+
+
+def test_the_table_covers_every_category():
+    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+    assert {c.category for c in CASES} >= {"config", "lr", "model", "data", "reward", "run_dir", "plan", "export"}
+
+
+def test_an_internal_error_prints_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
+    import fitrl.cli
+
+    def broken(args):
+        return 1 / 0  # stands for any bug in fitrl
+
+    monkeypatch.setattr(fitrl.cli, "cmd_config", broken)
+    assert fitrl.cli.main(["config"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ZeroDivisionError" in err
+    assert err.strip().splitlines()[-1].startswith("fitrl: internal error: this is a bug in fitrl")
+
+
+def test_plan_help_has_no_doubled_percent(capsys):
+    from fitrl.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "90%" in out and "%%" not in out
+
+
+def test_lock_is_exclusive_within_one_process_and_released(tmp_path):
+    from fitrl.core.errors import RunDirError
+    from fitrl.trainer.rundir import RunDirLock
+
+    with RunDirLock(tmp_path) as held:
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        with pytest.raises(RunDirError, match=f"in use by another fitrl run: PID {os.getpid()}"):
+            RunDirLock(tmp_path).acquire()
+        assert held.file.is_file()
+    assert not (tmp_path / LOCK_NAME).exists()
+    with RunDirLock(tmp_path):  # free again
+        pass

@@ -1,0 +1,201 @@
+"""Model FLOPs from config.json, device peaks, MFU, and the perf/* keys of a real step
+(fitrl/models/flops.py, fitrl/telemetry/perf.py, fitrl/trainer/perf.py; docs/metrics.md)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from fitrl.data.batch import Batch
+from fitrl.memory.shapes import ModelShape
+from fitrl.models.flops import FlopsShape
+from fitrl.telemetry import perf as telemetry_perf
+from fitrl.telemetry.perf import cache_file, cpu_peak_flops, gpu_peak_flops, mfu
+from fitrl.trainer.logging import format_step_line
+from helpers import ROOT, read_metrics, toy_config
+
+# the tiny test model's shape (fitrl/models/tiny.py, size "tiny")
+TINY = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512, "tie_word_embeddings": True}
+
+
+def test_tiny_config_by_hand():
+    s = FlopsShape.from_config(TINY)
+    assert (s.head_dim, s.kv_heads) == (16, 2)
+    # per layer and token: q 64x64 = 4096, k and v 64x(2*16) = 2048 each, o 64x64 = 4096 -> 12,288;
+    # MLP 3 x 64 x 256 = 49,152; both layers: 2 x 61,440 = 122,880 MACs
+    assert s.linear_macs_per_token() == 122_880
+    assert s.head_macs_per_token() == 64 * 512 == 32_768
+    # attention over S = 5 causal tokens: positions attend 1+2+3+4+5 = 15 keys, QK and AV each
+    # 15 x (4 heads x 16) MACs: 2 x 15 x 64 = 1,920 per layer, 3,840 for two = L S (S+1) n_q d
+    assert s.attention_macs(5) == 3_840
+    # prompt 3 + response 2: 5 x 122,880 + 3,840 + 2 (response tokens) x 32,768 = 683,776 MACs
+    assert s.forward_flops(3, 2) == 2 * 683_776 == 1_367_552
+    assert s.training_flops(3, 2) == 3 * 1_367_552
+    # LoRA: weights' matmuls 2x forward (no weight gradients), attention's 3x
+    weights = 5 * 122_880 + 2 * 32_768
+    assert s.training_flops(3, 2, lora=True) == 2 * (2 * weights + 3 * 3_840)
+    assert s.batch_forward_flops([3, 1], [2, 0]) == s.forward_flops(3, 2) + s.forward_flops(1, 0)
+
+
+def test_gqa_counts_fewer_key_value_heads():
+    mha = FlopsShape.from_config({**TINY, "num_key_value_heads": 4})
+    gqa = FlopsShape.from_config(TINY)
+    # k and v shrink from 64x64 to 64x32 in each of 2 layers: 2 x 2 x 64 x 32 = 8,192 MACs per token
+    assert mha.linear_macs_per_token() - gqa.linear_macs_per_token() == 8_192
+    # attention scores use the query heads: the same for both
+    assert mha.attention_macs(7) == gqa.attention_macs(7)
+    # explicit head_dim (Qwen3 style) wins over hidden / heads
+    wide = FlopsShape.from_config({**TINY, "head_dim": 32})
+    assert wide.attention_macs(1) == 2 * 1 * 2 * 4 * 32
+
+
+def test_tied_embeddings_cost_the_same_work():
+    tied = FlopsShape.from_config(TINY)
+    untied = FlopsShape.from_config({**TINY, "tie_word_embeddings": False})
+    assert tied.forward_flops(10, 6) == untied.forward_flops(10, 6)
+    # ... although the parameter count differs by the head (which a 6N estimate would count twice)
+    assert (ModelShape.from_dict({**TINY, "tie_word_embeddings": False}).num_params
+            - ModelShape.from_dict(TINY).num_params) == 512 * 64
+
+
+def test_linear_macs_match_the_planner_weights_of_a_real_config():
+    """Qwen2.5-7B: every decoder matmul's MACs per token = its weight's elements (biases aside)."""
+    cfg = json.loads((ROOT / "examples/failure_stories/models/qwen2.5-7b-instruct/config.json").read_text())
+    shape, flops = ModelShape.from_dict(cfg), FlopsShape.from_config(cfg)
+    weights = sum(math.prod(s) for i in range(shape.layers) for _, s in shape.layer_tensors(i) if len(s) == 2)
+    assert flops.linear_macs_per_token() == weights
+    # ~2 x 6.5e9 non-embedding parameters per token, plus the head on response tokens
+    assert flops.forward_flops(0, 1) == 2 * (weights + flops.attention_macs(1) + 3584 * 152064)
+
+
+def test_qwen2_5_vl_vision_tower_by_hand():
+    vision = {"depth": 2, "hidden_size": 8, "intermediate_size": 16, "num_heads": 2, "in_chans": 3,
+              "out_hidden_size": 64, "patch_size": 2, "spatial_merge_size": 2, "window_size": 4,
+              "fullatt_block_indexes": [1], "temporal_patch_size": 2}
+    s = FlopsShape.from_config({**TINY, "model_type": "qwen2_5_vl", "vision_config": vision})
+    v = s.vision
+    assert (v.window_patches, v.full_attention_blocks) == (4, 1)   # (4 px / 2 px)^2 patches per window
+    patches = 16
+    embed = 3 * 2 * 2 * 2 * 8                      # Conv3d over a 3 x 2 x 2 x 2 patch into 8 channels = 192
+    block = 3 * 8 * 8 + 8 * 8 + 3 * 8 * 16        # qkv 192 + proj 64 + gated MLP 384 = 640
+    attention = 2 * 16 * 8 + 2 * 4 * 8             # one full block (16 keys) + one windowed (4 keys): 320
+    merger = 32 * 32 + 32 * 64                     # 2x2 patches -> 32 wide -> 64 (the LM width): 3,072
+    macs = patches * (embed + 2 * block) + patches * attention + (patches // 4) * merger
+    assert v.forward_flops(patches) == 2 * macs == 2 * (16 * 1_472 + 16 * 320 + 4 * 3_072)
+    assert s.forward_flops(3, 2, image_patches=[16]) == FlopsShape.from_config(TINY).forward_flops(3, 2) + 2 * macs
+    # a frozen tower (LoRA) costs 2x its forward in training: activation gradients only
+    assert s.training_flops(3, 2, image_patches=[16], lora=True) - s.training_flops(3, 2, lora=True) == 4 * macs
+
+
+def test_qwen2_vl_vision_config_keys():
+    cfg = json.loads((ROOT / "examples/failure_stories/models/qwen2-vl-72b-instruct/config.json").read_text())
+    v = FlopsShape.from_config(cfg).vision
+    # Qwen2-VL: embed_dim 1280, mlp_ratio 4 (fc1/fc2), merger out = vision_config.hidden_size (the LM's 8192)
+    assert (v.hidden, v.intermediate, v.out_hidden, v.gated_mlp, v.window_patches) == (1280, 5120, 8192, False, None)
+
+
+def test_mixture_of_experts_is_refused():
+    with pytest.raises(ValueError, match="mixture of experts"):
+        FlopsShape.from_config({**TINY, "num_experts": 8})
+    with pytest.raises(ValueError, match="intermediate_size"):
+        FlopsShape.from_config({k: v for k, v in TINY.items() if k != "intermediate_size"})
+
+
+def test_mfu_arithmetic():
+    # 3e12 FLOPs in 2 s on 2 devices of 1e12 FLOP/s each: 1.5e12 / 2e12 = 0.75
+    assert mfu(3e12, 2.0, 1e12, devices=2) == pytest.approx(0.75)
+    assert mfu(1e12, 0.0, 1e12) == 0.0
+
+
+def test_gpu_peak_table():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert gpu_peak_flops("NVIDIA H200", "bfloat16") == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-40GB", "float16") == 312e12
+    assert gpu_peak_flops("NVIDIA A10", "bfloat16") == 125e12          # not matched by the A100 row
+    assert gpu_peak_flops("NVIDIA A100 80GB PCIe", "float32") == 19.5e12
+    assert gpu_peak_flops("NVIDIA A100 80GB PCIe", "float32", tf32=True) == 156e12
+    assert gpu_peak_flops("NVIDIA L40S", "bfloat16") == 362e12
+    assert gpu_peak_flops("NVIDIA GeForce RTX 4090", "bfloat16") == 165.2e12
+    assert gpu_peak_flops("Tesla V100-SXM2-32GB", "float32", tf32=True) == 15.7e12  # Volta has no tf32
+    assert gpu_peak_flops("NVIDIA A10G", "bfloat16") is None           # unknown: no MFU, not a guess
+
+
+def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_file() == tmp_path / "xdg" / "fitrl" / "peak_flops.json"
+    calls = []
+
+    def fake_measure(dtype, threads):
+        calls.append((dtype, threads))
+        return 1e11 * threads
+
+    assert cpu_peak_flops(2, "float32", measure=fake_measure) == 2e11
+    assert cpu_peak_flops(2, "float32", measure=fake_measure) == 2e11   # from the cache
+    assert calls == [("float32", 2)]
+    assert cpu_peak_flops(1, "float32", measure=fake_measure) == 1e11   # another thread count: measured
+    assert cpu_peak_flops(2, "bfloat16", measure=fake_measure) == 2e11  # another dtype: measured
+    assert len(calls) == 3
+    saved = json.loads(cache_file().read_text())
+    assert len(saved) == 3 and all(e["flops"] > 0 for e in saved.values())
+    # a corrupt cache is measured over, not fatal
+    cache_file().write_text("{not json")
+    assert cpu_peak_flops(2, "float32", measure=fake_measure) == 2e11 and len(calls) == 4
+
+
+def test_real_matmul_benchmark_gives_a_rate():
+    assert telemetry_perf.measure_matmul_flops("float32", 1, budget_s=0.02) > 1e8   # any CPU does 0.1 GFLOP/s
+
+
+def _rollout_batch(prompt_lens, response_lens, width_p=4, width_r=3):
+    """A batch in the engine's layout: prompts left-padded to width_p, responses right-padded."""
+    att = torch.zeros(len(prompt_lens), width_p + width_r, dtype=torch.long)
+    resp = torch.zeros(len(prompt_lens), width_r, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        att[i, width_p - p:width_p + r] = 1
+        resp[i, :r] = 1
+    return Batch(tensors={"attention_mask": att, "response_mask": resp})
+
+
+def test_step_perf_counts_tokens_from_masks(tiny_model_dir):
+    from fitrl.trainer.perf import StepPerf, sequence_lengths
+
+    batch = _rollout_batch([4, 2], [3, 1])
+    assert sequence_lengths(batch) == ([4, 2], [3, 1])
+    cfg = toy_config(tiny_model_dir, "unused", "trainer.peak_flops=1e9", "actor.ppo_epochs=2",
+                     "algorithm.use_kl_loss=true")
+    perf = StepPerf(cfg)
+    times = {"rollout": 0.5, "old_logprob": 0.25, "ref": 0.25, "update": 1.0, "reward": 2.0}
+    m = perf.metrics(batch, {"rollout": [([4, 2], [3, 1])]}, times)
+    # 10 tokens (4+3 and 2+1); 4 generated
+    assert m["perf/rollout_tokens_per_s"] == pytest.approx(4 / 0.5)
+    assert m["perf/logprob_tokens_per_s"] == pytest.approx(2 * 10 / 0.5)     # old + ref passes
+    assert m["perf/update_tokens_per_s"] == pytest.approx(2 * 10 / 1.0)      # two PPO epochs
+    assert m["perf/tokens_per_s"] == pytest.approx(10 / 4.0)                 # over the whole step
+    shape = FlopsShape.from_config(TINY)
+    forward = shape.forward_flops(4, 3) + shape.forward_flops(2, 1)
+    assert m["perf/flops_per_token"] == pytest.approx(forward / 10)
+    total = forward + 2 * forward + 2 * 3 * forward                            # rollout, logprob, update
+    assert m["perf/step_flops"] == pytest.approx(total)
+    assert m["perf/peak_flops"] == 1e9
+    assert m["perf/mfu"] == pytest.approx(total / 4.0 / 1e9)
+    assert m["perf/update_mfu"] == pytest.approx(6 * forward / 1.0 / 1e9)
+    line = format_step_line(3, {"time/step": 4.0, **m})
+    assert f"{10 / 4.0:,.0f} tok/s mfu " in line
+
+
+def test_short_run_logs_perf(tiny_model_dir, tmp_path, monkeypatch):
+    from fitrl.trainer.run import train
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the CPU benchmark's cache
+    run_dir = tmp_path / "run"
+    train(toy_config(tiny_model_dir, run_dir, "trainer.max_steps=1", "rollout.n=2", "data.val_files=[]",
+                     "actor.mini_batch_size=8", "actor.micro_batch_size=16", "checkpoint.save_final=false"))
+    (step,) = read_metrics(run_dir)
+    for key in ("perf/rollout_tokens_per_s", "perf/logprob_tokens_per_s", "perf/update_tokens_per_s",
+                "perf/tokens_per_s", "perf/flops_per_token", "perf/step_flops", "perf/peak_flops", "perf/mfu"):
+        assert step[key] > 0, key
+    assert step["perf/mfu"] < 1
+    assert (tmp_path / "xdg" / "fitrl" / "peak_flops.json").is_file()

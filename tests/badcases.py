@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
@@ -123,6 +124,17 @@ def new_workspace(root: Path, model: Path, finished_run: Path) -> Workspace:
     shutil.copytree(finished_run, ws.run)
     ws.config.write_text(yaml.safe_dump(base_config(ws.model, ws.data), sort_keys=False))
     return ws
+
+
+def edit_json(path: Path, **changes) -> None:
+    """Rewrite a JSON file with keys changed (``...`` removes a key): a fault in one line."""
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data, indent=2))
 
 
 def digests(run: Path) -> dict[str, str]:

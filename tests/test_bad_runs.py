@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 import pytest
-from badcases import DATA, Case, Outcome, Workspace, run_case, run_cli
+from badcases import DATA, Case, Outcome, Workspace, edit_json, run_case, run_cli
 
 from fitrl.checkpoint import layout
 
@@ -82,16 +82,7 @@ def delete(rel: str):
 
 def edit_marker(**changes):
     """Fault: the step_2 marker rewritten with ``changes`` (``...`` removes a key)."""
-    def fault(ws: Workspace) -> None:
-        path = ws.run / MARKER
-        meta = json.loads(path.read_text())
-        for key, value in changes.items():
-            if value is ...:
-                meta.pop(key, None)
-            else:
-                meta[key] = value
-        path.write_text(json.dumps(meta, indent=1))
-    return fault
+    return lambda ws: edit_json(ws.run / MARKER, **changes)
 
 
 def train_steps(run: Path) -> list[int]:

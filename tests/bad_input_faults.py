@@ -186,6 +186,12 @@ def fewer_prompts_than_batch(ws):
     return data_lines(ws, "three.jsonl", first_rows(ws, 3))  # data.rollout_batch_size=4
 
 
+def images_on_text_model(ws):
+    rows = [json.loads(r) for r in first_rows(ws, 5)]
+    rows[3]["images"] = ["cat.png"]  # line 4; the tiny model is a text model
+    return data_lines(ws, "with_images.jsonl", [json.dumps(r) for r in rows])
+
+
 # ----------------------------------------------------------------------------- reward faults
 
 def reward_file(ws, text: str, function: str, *overrides: str, run_dir=None) -> list[str]:

@@ -29,8 +29,9 @@ def test_text_models_are_causal_lm(fixture, request):
 def test_causal_lm_positions_count_real_tokens():
     mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
     ids = torch.zeros_like(mask)
-    assert torch.equal(CAUSAL_LM.position_ids(mask, input_ids=ids), position_ids_from_mask(mask))
-    assert CAUSAL_LM.extra_inputs({"input_ids": ids, "attention_mask": mask}) == {}
+    inputs = CAUSAL_LM.inputs_for(torch.nn.Linear(1, 1))
+    assert torch.equal(inputs.positions(ids, mask), position_ids_from_mask(mask))
+    assert inputs.extra({"input_ids": ids}, torch.device("cpu")) == {}
 
 
 def test_family_is_picked_by_model_type(tiny_model_dir, tmp_path, monkeypatch):

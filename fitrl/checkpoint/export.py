@@ -1,7 +1,10 @@
 """``fitrl export CHECKPOINT OUT_DIR [--dtype bf16] [--lora merged|adapter] [--base DIR]``: a
 checkpoint's policy as a Hugging Face model directory (safetensors weights, config.json,
 generation_config.json, tokenizer files), loadable with ``AutoModelForCausalLM.from_pretrained``
-and by inference engines (vLLM reads the same layout).
+and by inference engines (vLLM reads the same layout). A vision-language policy (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL: :mod:`fitrl.models.vl_types`) loads with ``AutoModelForImageTextToText``
+instead, and its processor files (``preprocessor_config.json``, the video processor's, the chat
+template) go with it: the checkpoint's ``hf/`` holds them like the tokenizer's.
 
 A LoRA checkpoint holds the adapters only; by default (``--lora merged``) they are merged into
 the base weights read from the base's directory (recorded at save time, or ``--base``), so the
@@ -31,6 +34,7 @@ from fitrl.checkpoint import layout
 from fitrl.checkpoint.layout import CheckpointError
 from fitrl.core.errors import CheckpointUsageError, UserError
 from fitrl.models.check import check_weights, read_model_config
+from fitrl.models.vl_types import IMAGE_PROCESSOR_FILE, auto_class_name, is_vision_language
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 LORA_MODES = ("merged", "adapter")
@@ -65,6 +69,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: Optional[str] = None
         raise CheckpointUsageError(f"{out} already exists and is not empty: choose a new output directory")
     # the model's config as saved (parses, has its shape), and a merge's base weights, before any write
     config = read_model_config(str(hf), f"the model config of checkpoint {point.path}")
+    if is_vision_language(config["model_type"]) and not (hf / IMAGE_PROCESSOR_FILE).is_file():
+        raise CheckpointError(f"checkpoint {point.path} has no hf/{IMAGE_PROCESSOR_FILE}: {config['model_type']} is a "
+                              "vision-language model and its export needs the image processor config; copy it "
+                              "into hf/ from the model directory the run read (actor.model.path)")
     if mode == "merged":
         base_root = lora_export.base_dir(point, base)
         check_weights(str(base_root), read_model_config(str(base_root), "--base"), "--base")
@@ -91,7 +99,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: Optional[str] = None
             if "torch_dtype" in config:  # older transformers versions read this key
                 config["torch_dtype"] = config["dtype"]
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for f in hf.iterdir():  # tokenizer files, chat template, generation config, ...
+        for f in hf.iterdir():  # tokenizer files, chat template, generation config, VL processor files, ...
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
         if mode != "adapter" and not (tmp / "generation_config.json").is_file():
@@ -103,7 +111,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: Optional[str] = None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"out_dir": str(out), "step": point.step, "checkpoint": str(point.path), "kind": mode, **summary}
+    return {"out_dir": str(out), "step": point.step, "checkpoint": str(point.path), "kind": mode,
+            "auto_class": auto_class_name(config["model_type"]), **summary}
 
 
 def _write_weights(tmp: Path, shapes: dict, read, target, max_shard_bytes: int) -> dict:

@@ -1,7 +1,8 @@
 """The column layout of prompt+response batches, and the helpers every engine and role share.
 
 ``input_ids``/``attention_mask``/``position_ids`` are (B, P+R): a left-padded prompt of width P
-then a right-padded response of width R; ``responses``/``response_mask`` are (B, R).
+then a right-padded response of width R (``position_ids`` is (B, k, P+R) for a k-axis multimodal
+rope); ``responses``/``response_mask`` are (B, R).
 """
 
 from __future__ import annotations
@@ -53,4 +54,10 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
     resp = attention_mask[:, -R:].any(dim=0)
     keep_r = int(resp.nonzero().max()) + 1 if resp.any() else 1
     right = attention_mask.shape[1] - (R - keep_r)
-    return input_ids[:, left:right], attention_mask[:, left:right], position_ids[:, left:right], keep_r
+    return input_ids[:, left:right], attention_mask[:, left:right], position_ids[..., left:right], keep_r
+
+
+def model_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """The batch's positions as the model's forward takes them: (B, T) as they are; a multimodal
+    rope's (B, k, T) (kept batch-first so a batch splits on dim 0) as (k, B, T)."""
+    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import jinja2
 import numpy as np
 
+from fitrl.config.roles import DataConfig
 from fitrl.core.errors import DataError
+from fitrl.data.images import BadImage, load_image
+from fitrl.data.vision import (VisionSpec, expand_placeholders, process_images, process_videos, read_row_media,
+                               video_pixel_limits)
 
 SUPPORTED_FORMATS = ".jsonl, .json, .parquet, or a directory written by datasets.Dataset.save_to_disk"
 
@@ -113,8 +118,13 @@ def _iter_saved_dataset(path: str) -> Iterator[tuple[str, dict]]:
     if isinstance(ds, datasets.DatasetDict):
         splits = ", ".join(ds)
         raise DataError(f"{path}: holds several splits ({splits}); list one split directory, e.g. {Path(path) / next(iter(ds))}")
-    for i, row in enumerate(ds):
-        yield f"{path}: row {i}", row
+    # Arrow rows, not Python-formatted ones: an Image column stays {"bytes", "path"} instead of
+    # every image being decoded here (the vision path decodes, checks and drops each one itself).
+    i = 0
+    for batch in ds.with_format("arrow").iter(batch_size=1000):
+        for row in batch.to_pylist():
+            yield f"{path}: row {i}", row
+            i += 1
 
 
 def _check_object(source: str, row: Any) -> dict:
@@ -137,6 +147,14 @@ class PromptDataset:
     ``ds[i]`` is a dict with ``prompt_ids`` (list[int]), ``prompt_text`` (exactly the text the
     ids encode), ``answer`` (passed to the reward), ``extra`` (the row's other columns),
     ``source`` (``file:line`` / ``file: row i``) and ``index`` (``i``).
+
+    With ``vision`` (a Qwen-VL policy; docs/vision.md) each row's images and videos
+    (``media``: the ``data.*`` image and video keys) are checked and decoded once here and kept
+    as references only: ``ds[i]`` also has ``images`` (resolved path or bytes per image),
+    ``image_sizes`` (resized ``(h, w)``), ``videos`` (per video, its sampled frames) and
+    ``video_sizes`` (``(frames, h, w)``); ``prompt_ids`` hold every image token, while
+    ``prompt_text`` writes each image's run of ``<|image_pad|>`` once (for people to read).
+    :meth:`multi_modal_inputs` makes the pixels of a row when a batch needs them.
     """
 
     def __init__(
@@ -151,6 +169,8 @@ class PromptDataset:
         apply_chat_template: bool = True,
         max_prompt_length: int,
         name: str = "train",
+        vision: Optional[VisionSpec] = None,
+        media: Optional[DataConfig] = None,
     ) -> None:
         if isinstance(files, (str, os.PathLike)):
             files = [files]
@@ -182,8 +202,15 @@ class PromptDataset:
             except jinja2.TemplateSyntaxError as e:
                 raise DataError(f"data.prompt_template: syntax error at line {e.lineno}: {e.message}") from None
 
-        texts, rows = [], []
+        self.vision = vision
+        self.media = media if media is not None else DataConfig()
+        self.bad_image_counts: Counter[str] = Counter()  # rows skipped (data.on_bad_image=skip), by reason
+        if vision is not None:
+            vision.check_tokenizer(tokenizer)
+        texts, id_texts, rows, row_media = [], [], [], []
         for path in self.files:
+            # Relative image paths: data.image_dir, else the directory of the file (or saved dataset).
+            base_dir = self.media.image_dir or (path if Path(path).is_dir() else os.path.dirname(os.path.abspath(path)))
             for source, row in iter_rows(path):
                 # With a template the prompt column is optional: the template names what it uses.
                 required = ([] if template else [(prompt_key, "prompt_key")]) + [(answer_key, "answer_key")]
@@ -193,31 +220,61 @@ class PromptDataset:
                             f"{source}: row has no {key!r} column (columns: {', '.join(map(str, row))}); set data.{option}"
                         )
                 messages = self._messages(source, row, prompt_key, template, system_prompt)
+                media_of_row = None
+                if vision is None:
+                    self._refuse_media(source, row)
+                else:
+                    try:
+                        messages, media_of_row = read_row_media(source, row, messages, spec=vision,
+                                                                opts=self.media, base_dir=base_dir)
+                    except BadImage as e:
+                        self._bad_row(source, e)
+                        continue
                 if apply_chat_template:
                     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 elif len(messages) == 1 and messages[0]["role"] == "user":
                     text = messages[0]["content"]
                 else:
                     raise DataError(f"{source}: a multi-message conversation needs data.apply_chat_template=true")
+                id_text = text
+                if media_of_row is not None:
+                    try:  # one <|image_pad|> per image token: the ids (and the length filter) count them
+                        id_text = expand_placeholders(text, media_of_row.image_tokens, media_of_row.video_tokens, vision)
+                    except BadImage as e:
+                        self._bad_row(source, e)
+                        continue
                 texts.append(text)
+                id_texts.append(id_text)
                 rows.append((source, row))
+                row_media.append(media_of_row)
+        self.num_bad_image_rows = sum(self.bad_image_counts.values())
+        if not rows and self.num_bad_image_rows:
+            raise DataError(f"{name}: every row of {', '.join(self.files)} has a bad image and was skipped "
+                            f"({self._bad_image_text()}); fix the images or set data.on_bad_image=error to see "
+                            f"the first one")
         if not rows:
             raise DataError(f"{name}: no rows in {', '.join(self.files)}")
 
         # One batched call: fast tokenizers parallelise it, which matters for 100k-row sets.
         # The chat template already writes its own BOS/special tokens, so adding the tokenizer's
         # defaults again would double them; plain text gets the defaults as a base model expects.
-        ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
+        ids = tokenizer(id_texts, add_special_tokens=not apply_chat_template)["input_ids"]
 
-        self.num_rows = len(rows)
+        self.num_rows = len(rows) + self.num_bad_image_rows
         self._examples: list[dict] = []
-        for (source, row), text, prompt_ids in zip(rows, texts, ids):
+        # With vision, the media columns travel as references in the example, not in `extra`
+        # (which is shipped to the reward with every sample).
+        own = (prompt_key, answer_key) + ((self.media.image_key, self.media.video_key) if vision else ())
+        for (source, row), text, prompt_ids, m in zip(rows, texts, ids, row_media):
             if len(prompt_ids) > max_prompt_length:
                 continue
-            extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-            self._examples.append(dict(prompt_ids=list(prompt_ids), prompt_text=text, answer=row[answer_key],
-                                       extra=extra, source=source, index=len(self._examples)))
-        self.num_filtered = self.num_rows - len(self._examples)
+            extra = {k: v for k, v in row.items() if k not in own}
+            ex = dict(prompt_ids=list(prompt_ids), prompt_text=text, answer=row[answer_key],
+                      extra=extra, source=source, index=len(self._examples))
+            if m is not None:
+                ex.update(images=m.images, image_sizes=m.image_sizes, videos=m.videos, video_sizes=m.video_sizes)
+            self._examples.append(ex)
+        self.num_filtered = len(rows) - len(self._examples)
         if not self._examples:
             lengths = [len(x) for x in ids]
             raise DataError(
@@ -259,6 +316,72 @@ class PromptDataset:
             messages.insert(0, {"role": "system", "content": system_prompt})
         return messages
 
+    def _refuse_media(self, source: str, row: dict) -> None:
+        """A text policy cannot see images: a row that has some is not silently read as text."""
+        for key, noun in ((self.media.image_key, "images"), (self.media.video_key, "videos")):
+            if row.get(key) not in (None, [], "", b""):
+                raise DataError(f"{source}: row has {noun} (column {key!r}) but actor.model.path is a text model; "
+                                f"use a vision-language model or drop the {key!r} column")
+
+    def _bad_row(self, source: str, e: Exception) -> None:
+        """``data.on_bad_image``: stop naming the row and image, or count the row as skipped."""
+        if self.media.on_bad_image == "error":
+            raise DataError(f"{source}: {e}; fix or remove the row, or set data.on_bad_image=skip") from None
+        self.bad_image_counts[getattr(e, "kind", "bad image")] += 1
+
+    def _bad_image_text(self) -> str:
+        return ", ".join(f"{n} {kind}" for kind, n in self.bad_image_counts.most_common())
+
+    @property
+    def has_vision(self) -> bool:
+        """The prompts are for a vision-language policy (batches carry ``multi_modal_inputs``)."""
+        return self.vision is not None
+
+    def multi_modal_inputs(self, i: int) -> Optional[dict]:
+        """The model inputs of ``ds[i]``'s images and videos, decoded now; ``None`` without any.
+
+        Keys (tensors on CPU): ``pixel_values`` (float32, ``(patches, C*tp*p*p)``) and
+        ``image_grid_thw`` (int64, ``(images, 3)``) when the row has images;
+        ``pixel_values_videos``, ``video_grid_thw`` and, for Qwen2.5-VL, ``second_per_grid_ts``
+        (float32, ``(videos,)``) when it has videos (:mod:`fitrl.data.vision`).
+        """
+        ex = self._examples[i]
+        if not ex.get("images") and not ex.get("videos"):
+            return None
+        m, spec = self.media, self.vision
+        try:
+            images = [load_image(r, max_side=m.max_image_side) for r in ex["images"]]
+            videos = [[load_image(r, max_side=m.max_image_side) for r in frames] for frames in ex["videos"]]
+        except BadImage as e:
+            raise DataError(f"{ex['source']}: an image of this row cannot be read any more ({e}); "
+                            f"it changed since start-up") from None
+        out: dict = {}
+        if images:
+            out.update(process_images(images, spec, m.min_pixels, m.max_pixels))
+            expected = [[1, h // spec.patch_size, w // spec.patch_size] for h, w in ex["image_sizes"]]
+            if out["image_grid_thw"].tolist() != expected:
+                raise DataError(f"{ex['source']}: an image of this row changed size since start-up; its image "
+                                f"tokens no longer match the prompt")
+        if videos:
+            vmin, vmax = video_pixel_limits(m)
+            out.update(process_videos(videos, spec, fps=m.video_fps, max_frames=m.max_frames,
+                                      max_pixels=vmax, min_pixels=vmin))
+            expected = [[t // spec.temporal_patch_size, h // spec.patch_size, w // spec.patch_size]
+                        for t, h, w in ex["video_sizes"]]
+            if out["video_grid_thw"].tolist() != expected:
+                raise DataError(f"{ex['source']}: a video frame of this row changed size since start-up; its "
+                                f"tokens no longer match the prompt")
+        return out
+
+    def image_stats(self) -> list[list[int]]:
+        """Per prompt, the pixels of each image after resizing (``h' * w'``): what the memory
+        planner reads for typical image sizes. Empty lists without vision."""
+        return [[h * w for h, w in ex.get("image_sizes", [])] for ex in self._examples]
+
+    def video_stats(self) -> list[list[tuple[int, int]]]:
+        """Per prompt, ``(frames, pixels per frame after resizing)`` of each video."""
+        return [[(t, h * w) for t, h, w in ex.get("video_sizes", [])] for ex in self._examples]
+
     def __len__(self) -> int:
         return len(self._examples)
 
@@ -274,8 +397,14 @@ class PromptDataset:
         n_files = len(self.files)
         dropped = (f" ({self.num_filtered} longer than {self.max_prompt_length} tokens dropped)"
                    if self.num_filtered else "")
+        if self.num_bad_image_rows:
+            dropped += f" ({self.num_bad_image_rows} rows with bad images skipped: {self._bad_image_text()})"
+        images = ""
+        if self.has_vision:
+            per_row = [len(ex["images"]) + len(ex["videos"]) for ex in self._examples]
+            images = f"; {sum(per_row)} images/videos in {sum(1 for n in per_row if n)} prompts"
         return (f"{self.name}: {len(self)} prompts from {n_files} file{'s' if n_files != 1 else ''}{dropped}; "
-                f"prompt tokens min/mean/max {min(lengths)}/{sum(lengths) / len(lengths):.1f}/{max(lengths)}")
+                f"prompt tokens min/mean/max {min(lengths)}/{sum(lengths) / len(lengths):.1f}/{max(lengths)}{images}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,14 +9,16 @@ without a word when the vocabulary file is missing). What is checked, cheapest f
   model families and the memory planner read (:data:`SHAPE_KEYS`) as positive integers
   (:func:`read_model_config`; standard library only: ``fitrl plan`` needs nothing more);
 - its ``model_type`` is one a family claims or transformers builds for the head the role
-  needs (causal LM, or token classification for a critic);
+  needs (causal LM, or token classification for a critic); a vision-language type
+  (:mod:`fitrl.models.vl_types`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) serves as a policy too;
 - the weights: present (``model.safetensors``, shards with their index, or
   ``pytorch_model*.bin``), every file the index names exists, and every safetensors header
   parses and covers the file (only the header is read: a truncated or garbage file is named
   without reading its tensors), the embedding's shape agrees with ``config.json``;
 - the tokenizer (``tokenizer_path`` or the model's directory): it is a local directory (never a
   message about a hub), it loads, it is not empty, it has an end-of-sequence token, a chat
-  template when ``data.apply_chat_template`` is on, and its ids fit the model's embedding.
+  template when ``data.apply_chat_template`` is on, and its ids fit the model's embedding;
+- a vision-language actor's image processor config (``preprocessor_config.json``) is there.
 
 Every failure is a :class:`~fitrl.core.errors.ModelDirError` (a ``ConfigError``: exit 2).
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fitrl.core.errors import ModelDirError
+from fitrl.models.vl_types import IMAGE_PROCESSOR_FILE, is_vision_language
 
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 """``config.json`` keys every text model has and fitrl reads (the planner's tensor shapes, the
@@ -111,6 +114,8 @@ def check_model_type(config: dict[str, Any], path: str, head: str = "causal_lm")
 
     kind = config["model_type"]
     if any(kind in MODEL_FAMILIES.get(name).model_types for name in MODEL_FAMILIES):
+        return
+    if head == "causal_lm" and is_vision_language(kind):  # transformers builds it as image-text-to-text
         return
     import transformers.models.auto.modeling_auto as auto
 
@@ -291,6 +296,30 @@ def check_tokenizer(model_path: str, tokenizer_path: Optional[str], config: dict
     return tok
 
 
+def check_image_processor(model_path: str, tokenizer_path: Optional[str], config: dict[str, Any], *,
+                          prefix: str = "actor.model") -> Optional[Path]:
+    """A vision-language model's image processor config (:data:`IMAGE_PROCESSOR_FILE`) is in its
+    directory (or in ``tokenizer_path``, where the tokenizer came from); returns its path, None
+    for a text model. Only the file's presence and JSON are checked: the image pipeline reads it."""
+    if not is_vision_language(str(config.get("model_type", ""))):
+        return None
+    places = [Path(p) for p in (tokenizer_path, model_path) if p]
+    found = next((d / IMAGE_PROCESSOR_FILE for d in places if (d / IMAGE_PROCESSOR_FILE).is_file()), None)
+    if found is None:
+        raise ModelDirError(f"{Path(model_path) / IMAGE_PROCESSOR_FILE} is missing ({prefix}.path): "
+                            f"{config['model_type']} is a vision-language model and its image processor config "
+                            "(patch and merge size, mean/std, pixel budget) is read from that file; copy it from "
+                            "the checkpoint the weights came with")
+    try:
+        json.loads(found.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"{found}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno}); restore the "
+                            f"{IMAGE_PROCESSOR_FILE} that came with the model") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"cannot read {found}: {e}") from None
+    return found
+
+
 def _eos_ids(tok, model_path: str, config: dict[str, Any]) -> list[int]:
     """End-of-sequence ids as generation will see them: the tokenizer's, generation_config.json's
     and config.json's (the rollout engine stops at any of them)."""
@@ -366,6 +395,7 @@ def check_run_models(cfg) -> Any:
         if tokenizer is None:  # the actor: its tokenizer is the run's
             tokenizer = check_tokenizer(model.path, model.tokenizer_path, config, prefix=prefix,
                                         chat_template=cfg.data.apply_chat_template)
+            check_image_processor(model.path, model.tokenizer_path, config, prefix=prefix)
         elif shape_value(config, "vocab_size") < len(tokenizer):  # the actor's ids index this embedding too
             raise ModelDirError(f"{prefix}.path={model.path!r} has vocab_size={shape_value(config, 'vocab_size')} but "
                                 f"the actor's tokenizer has {len(tokenizer)} tokens: the {prefix.split('.')[0]} "

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
-from fitrl.core.padding import trim_padding
+from fitrl.core.padding import model_positions, trim_padding
 
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
@@ -143,10 +143,13 @@ def response_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    model_kwargs: Optional[dict] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the last ``response_length`` tokens of each row under ``model``.
 
-    input_ids (B, P+R): left-padded prompt then right-padded response. Returns (B, R) tensors.
+    input_ids (B, P+R): left-padded prompt then right-padded response; position_ids (B, P+R),
+    or (B, k, P+R) for a multimodal rope. ``model_kwargs``: further forward inputs (a
+    vision-language model's pixel values and grids). Returns (B, R) tensors.
     No (B, R, V) logits are ever materialised: for the length of this call the lm_head's forward
     is ``head_logprobs``, so the whole computation runs inside the model's own forward. FSDP2
     then gathers the head's weight for it whichever unit owns it and whether or not the root
@@ -173,8 +176,8 @@ def response_logprobs(
 
     head.forward = chunked_head  # an instance attribute shadows nn.Linear.forward
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=False, logits_to_keep=response_length + 1).logits  # (B, R, 2)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=model_positions(position_ids),
+                    use_cache=False, logits_to_keep=response_length + 1, **(model_kwargs or {})).logits  # (B, R, 2)
     finally:
         del head.forward
     out = torch.nn.functional.pad(out, (0, 0, 0, full_length - response_length))  # back to (B, R, 2)

@@ -18,6 +18,7 @@ from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
 from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_sum
+from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.telemetry.guard import GUARD
 
@@ -76,8 +77,9 @@ class WeightedMetrics:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int,
-                 seed: int = 0, max_response_length: int = 1):
+                 seed: int = 0, max_response_length: int = 1, inputs: ModelInputs = TEXT_INPUTS):
         self.model = model
+        self.inputs = inputs  # the family's extra forward inputs (a VL model's images)
         self.max_response_length = max_response_length  # Dr.GRPO's constant normaliser
         self.seed = seed
         self.num_updates = 0  # RL steps optimised so far (seeds the mini-batch shuffle)
@@ -126,6 +128,7 @@ class Actor:
             self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
             micro["responses"].shape[1], temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            model_kwargs=self.inputs.extra(micro, micro["input_ids"].device),
         )
 
     def denominators(self, mini: Batch) -> Denominators:

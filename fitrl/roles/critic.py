@@ -15,23 +15,27 @@ from fitrl.algo.losses import Denominators, value_loss
 from fitrl.config.schema import CriticConfig
 from fitrl.data.batch import Batch
 from fitrl.distributed.collectives import all_reduce_sum
-from fitrl.core.padding import trim_padding
+from fitrl.core.padding import model_positions, trim_padding
+from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.telemetry.guard import GUARD
 from fitrl.roles.actor import WeightedMetrics, apply_configured_lr, build_optimizer, clip_gradients, lr_factor
 
 
-def response_values(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
+def response_values(model: torch.nn.Module, micro: Batch, inputs: ModelInputs = TEXT_INPUTS) -> torch.Tensor:
     """(B, R) values at the positions that predict each response token."""
     R = micro["responses"].shape[1]
     ids, mask, pos, keep = trim_padding(micro["input_ids"], micro["attention_mask"], micro["position_ids"], R)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=model_positions(pos), use_cache=False,
+                **inputs.extra(micro, ids.device))
     values = out.logits[:, -keep - 1:-1, 0].float()  # (B, R')
     return torch.nn.functional.pad(values, (0, R - keep))
 
 
 class Critic:
-    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, total_steps: int, max_response_length: int):
+    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, total_steps: int, max_response_length: int,
+                 inputs: ModelInputs = TEXT_INPUTS):
         self.model, self.cfg = model, cfg
+        self.inputs = inputs  # the family's extra forward inputs (a VL model's images)
         self.max_response_length = max_response_length
         self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -50,7 +54,7 @@ class Critic:
         values = []
         for m in batch.split(self.cfg.values_micro_batch_size):
             GUARD.check(m["response_mask"].device)  # safe point (read-only phase)
-            values.append(response_values(self.model, m) * m["response_mask"])
+            values.append(response_values(self.model, m, self.inputs) * m["response_mask"])
         return Batch({"values": torch.cat(values)})
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int) -> dict[str, float]:
@@ -67,7 +71,7 @@ class Critic:
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.split(self.cfg.micro_batch_size):
                     m_mask = micro["response_mask"].float()
-                    loss, m = value_loss(response_values(self.model, micro), micro["values"], micro["returns"],
+                    loss, m = value_loss(response_values(self.model, micro, self.inputs), micro["values"], micro["returns"],
                                          m_mask, cliprange_value=self.cfg.cliprange_value,
                                          agg_mode=self.cfg.loss_agg_mode, denom=denom)
                     loss.backward()

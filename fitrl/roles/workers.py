@@ -70,10 +70,11 @@ class PolicyWorker:
         self.params = parameter_set(cfg.actor.lora)  # full, or LoRA adapters on a frozen base
         self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device,
                                  nnodes=cfg.trainer.nnodes, params=self.params)
+        inputs = family_for(cfg.actor.model.path).inputs_for(self.model)  # positions, images
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
-                           seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length)
-        family = family_for(cfg.actor.model.path)
-        self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, position_ids=family.position_ids)
+                           seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length,
+                           inputs=inputs)
+        self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs)
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer)
 
     @dispatch("dp", gather=gather_rollouts)  # ranks generate to different widths
@@ -150,6 +151,7 @@ class ReferenceWorker:
         self.model = build_model("causal_lm", model_cfg, cfg.ref.fsdp, self.device, what="ref.model.path",
                                  nnodes=cfg.trainer.nnodes)
         self.model.eval().requires_grad_(False)
+        self.inputs = family_for(model_cfg.path).inputs_for(self.model)
         self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device)
 
     @dispatch("dp")
@@ -163,7 +165,7 @@ class ReferenceWorker:
                 lp, _ = response_logprobs(
                     self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
                     micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
-                    chunk_size=self.cfg.actor.logprob_chunk_size)
+                    chunk_size=self.cfg.actor.logprob_chunk_size, model_kwargs=self.inputs.extra(micro, self.device))
                 out.append(lp)
         return Batch({"ref_logprobs": torch.cat(out).cpu()})
 
@@ -174,10 +176,12 @@ class CriticWorker:
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + 7919)  # the value head's init (rank 0's is broadcast)
-        self.model = build_model("value", cfg.critic.model or cfg.actor.model, cfg.critic.fsdp, self.device,
+        model_cfg = cfg.critic.model or cfg.actor.model
+        self.model = build_model("value", model_cfg, cfg.critic.fsdp, self.device,
                                  what="critic.model.path", nnodes=cfg.trainer.nnodes)
         self.critic = Critic(self.model, cfg.critic, total_steps=cfg.trainer.max_steps,
-                             max_response_length=cfg.rollout.max_response_length)
+                             max_response_length=cfg.rollout.max_response_length,
+                             inputs=family_for(model_cfg.path).inputs_for(self.model))
         self.offload = OffloadBetweenPhases(self.model, cfg.critic.fsdp, self.device, self.critic.optimizer)
 
     @dispatch("dp")

@@ -15,24 +15,25 @@ R = longest response actually generated (<= ``sampling.max_tokens``):
 
   input_ids        (B, P+R)  prompt left-padded | response right-padded
   attention_mask   (B, P+R)  1 on real prompt tokens and on response tokens up to EOS
-  position_ids     (B, P+R)  from the model family (real tokens counted, for text models)
+  position_ids     (B, P+R)  from the model family (real tokens counted, for text models);
+                   (B, 3, P+R) for a multimodal rope (Qwen-VL: temporal, height, width)
   responses        (B, R)
   response_mask    (B, R)    1 up to and including the first EOS
   finished         (B,)      1 when the response emitted EOS (0: cut at max_tokens)
   rollout_logprobs (B, R)    log-prob of each sampled token at the sampling temperature
-  fields: the prompts' per-prompt fields repeated n times, and ``response_text``
+  fields: the prompts' per-prompt fields repeated n times (a vision-language prompt's
+          ``multi_modal_inputs`` among them, shared, not copied), and ``response_text``
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
-
 import torch
 
 from fitrl.config.schema import RolloutConfig, SamplingConfig
 from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
+from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 
 ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine")
 
@@ -41,9 +42,10 @@ class RolloutEngine(ABC):
     @classmethod
     @abstractmethod
     def from_config(cls, model: torch.nn.Module, tokenizer, cfg: RolloutConfig, *,
-                    position_ids: Callable[[torch.Tensor], torch.Tensor]) -> "RolloutEngine":
-        """The engine for the trained ``model`` on this rank. ``position_ids`` is the model
-        family's function from a (B, P+R) attention mask to the positions its forward takes."""
+                    inputs: ModelInputs = TEXT_INPUTS) -> "RolloutEngine":
+        """The engine for the trained ``model`` on this rank. ``inputs`` is the model family's
+        :class:`~fitrl.models.families.base.ModelInputs` for it: the positions of whole
+        sequences and any extra inputs (images) of a batch."""
 
     @abstractmethod
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
@@ -63,7 +65,7 @@ class RolloutEngine(ABC):
 
 
 def build_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, *,
-                 position_ids: Callable[[torch.Tensor], torch.Tensor]) -> RolloutEngine:
+                 inputs: ModelInputs = TEXT_INPUTS) -> RolloutEngine:
     """The engine ``rollout.engine`` names (its module must have been imported: :mod:`fitrl.rollout`
     imports every built-in engine)."""
-    return ROLLOUT_ENGINES.get(cfg.engine).from_config(model, tokenizer, cfg, position_ids=position_ids)
+    return ROLLOUT_ENGINES.get(cfg.engine).from_config(model, tokenizer, cfg, inputs=inputs)

@@ -13,16 +13,17 @@ truncation, which is what the trainer recomputes (as veRL does).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from fitrl.config.schema import SamplingConfig
 from fitrl.core.errors import Diverged
-from fitrl.core.padding import first_eos_mask, left_pad, pad_right, position_ids_from_mask
+from fitrl.core.padding import first_eos_mask, left_pad, pad_right
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import gathered_for_generation
+from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.telemetry.guard import GUARD
 
@@ -35,9 +36,10 @@ class SampleAndRecord(LogitsProcessor):
     one vocabulary row per sequence instead of all R steps' logits.
     """
 
-    def __init__(self, sampling: SamplingConfig, eos_ids: list[int] = ()):
+    def __init__(self, sampling: SamplingConfig, eos_ids: list[int] = (), never_ids: list[int] = ()):
         self.sampling = sampling
         self.eos_ids = list(eos_ids)
+        self.never_ids = list(never_ids)  # never sampled (ModelInputs.never_generate)
         self.pending: Optional[torch.Tensor] = None  # (B, V) fp32 log-probs of the last step
         self.logprobs: list[torch.Tensor] = []  # one (B,) per generated token
         self.nonfinite: Optional[torch.Tensor] = None  # () bool on the device: a NaN/+inf logit was seen
@@ -62,6 +64,9 @@ class SampleAndRecord(LogitsProcessor):
         if s.ignore_eos and self.eos_ids:
             scores = scores.clone()
             scores[:, self.eos_ids] = float("-inf")
+        if self.never_ids:  # after the record, like ignore_eos: log-probs stay the full distribution's
+            scores = scores.clone()
+            scores[:, self.never_ids] = float("-inf")
         if s.greedy:
             return scores
         if s.top_k > 0 and s.top_k < scores.shape[-1]:
@@ -93,10 +98,10 @@ class SampleAndRecord(LogitsProcessor):
 @ROLLOUT_ENGINES.register("hf")
 class HFRollout(RolloutEngine):
     def __init__(self, model: torch.nn.Module, tokenizer, *, micro_batch_size: int = 64,
-                 position_ids: Callable[[torch.Tensor], torch.Tensor] = position_ids_from_mask):
-        """``position_ids``: the model family's positions for a (B, P+R) attention mask."""
+                 inputs: ModelInputs = TEXT_INPUTS):
+        """``inputs``: the model family's positions and extra inputs (images) for ``model``."""
         self.model = model
-        self.position_ids = position_ids
+        self.inputs = inputs
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -106,8 +111,8 @@ class HFRollout(RolloutEngine):
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
     @classmethod
-    def from_config(cls, model, tokenizer, cfg, *, position_ids) -> "HFRollout":
-        return cls(model, tokenizer, micro_batch_size=cfg.micro_batch_size, position_ids=position_ids)
+    def from_config(cls, model, tokenizer, cfg, *, inputs=TEXT_INPUTS) -> "HFRollout":
+        return cls(model, tokenizer, micro_batch_size=cfg.micro_batch_size, inputs=inputs)
 
     @torch.no_grad()
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
@@ -127,7 +132,9 @@ class HFRollout(RolloutEngine):
                     # collective, and ranks may have different numbers of micro-batches
                     GUARD.check(collective=False)
                     sl = slice(start, start + self.micro_batch_size)
-                    r, lp = self._generate_micro(prompt_ids[sl].to(device), prompt_mask[sl].to(device), sampling)
+                    ids = prompt_ids[sl].to(device)
+                    extra = self.inputs.generate_extra(ids, seqs.index(sl), device)  # images of these prompts
+                    r, lp = self._generate_micro(ids, prompt_mask[sl].to(device), sampling, extra)
                     responses.append(r)
                     logprobs.append(lp)
         finally:
@@ -142,7 +149,7 @@ class HFRollout(RolloutEngine):
             tensors={
                 "input_ids": input_ids,
                 "attention_mask": attention_mask,
-                "position_ids": self.position_ids(attention_mask),
+                "position_ids": self.inputs.positions(input_ids, attention_mask, seqs),
                 "responses": responses,
                 "response_mask": response_mask,
                 "finished": torch.isin(responses, torch.tensor(self.eos_ids, device=device)).any(-1).long(),
@@ -154,8 +161,9 @@ class HFRollout(RolloutEngine):
         out.fields["response_text"] = self.decode(responses, response_mask)
         return out
 
-    def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig):
-        recorder = SampleAndRecord(sampling, self.eos_ids)
+    def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
+                        extra: dict[str, torch.Tensor]):
+        recorder = SampleAndRecord(sampling, self.eos_ids, self.inputs.never_generate)
         config = GenerationConfig(
             do_sample=not sampling.greedy,
             # Sampling happens in `recorder`; every HF processor is explicitly neutral. Warpers
@@ -170,7 +178,7 @@ class HFRollout(RolloutEngine):
         )
         seq = self.model.generate(
             input_ids=ids, attention_mask=mask, generation_config=config,
-            logits_processor=LogitsProcessorList([recorder]),
+            logits_processor=LogitsProcessorList([recorder]), **extra,
         )
         responses = seq[:, ids.shape[1]:]
         logprobs = recorder.finish(seq[:, -1], responses.shape[1])

@@ -29,9 +29,9 @@ def concat_rollouts(batches: list[Batch], pad_id: int = 0) -> Batch:
         tensors = dict(b.tensors)
         for k in FULL_WIDTH:
             fill = pad_id if k == "input_ids" else 0
-            prompt, resp = tensors[k][:, :p], tensors[k][:, p:]
+            prompt, resp = tensors[k][..., :p], tensors[k][..., p:]  # (B, [k,] P+R): a multimodal rope's 3 axes
             tensors[k] = torch.cat([torch.nn.functional.pad(prompt, (prompt_w - p, 0), value=fill),
-                                    torch.nn.functional.pad(resp, (0, resp_w - r), value=fill)], dim=1)
+                                    torch.nn.functional.pad(resp, (0, resp_w - r), value=fill)], dim=-1)
         for k in RESPONSE_WIDTH:
             fill = pad_id if k == "responses" else 0
             tensors[k] = torch.nn.functional.pad(tensors[k], (0, resp_w - r), value=fill)

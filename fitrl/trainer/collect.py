@@ -37,6 +37,8 @@ def prompts_batch(dataset: PromptDataset, indices: list[int], tag: str) -> Batch
         "extra": [r["extra"] for r in rows],
         # one uid per prompt draw: the n samples of a prompt form one group
         "uid": [f"{tag}-{j}" for j in range(len(rows))],
+        # vision-language policies: per prompt its pixel_values/image_grid_thw/... or None
+        **({"multi_modal_inputs": [dataset.multi_modal_inputs(i) for i in indices]} if dataset.has_vision else {}),
     })
 
 

@@ -16,6 +16,7 @@ from fitrl.config.schema import check_critic_batch_sizes, derived_batch_numbers
 from fitrl.core.device import resolve_device
 from fitrl.core.errors import DataError
 from fitrl.data.dataset import PromptDataset
+from fitrl.data.vision import VisionSpec
 from fitrl.models.check import check_model_configs, check_run_models
 from fitrl.roles.reward import RewardScorer
 from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker
@@ -37,7 +38,9 @@ def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, P
     d = cfg.data
     common = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, prompt_template=d.prompt_template,
                   system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template,
-                  max_prompt_length=d.max_prompt_length)
+                  max_prompt_length=d.max_prompt_length,
+                  # a Qwen-VL policy (None for a text model): image rows, pixel budget, tokenizer check
+                  vision=VisionSpec.from_model_dir(cfg.actor.model.path), media=d)
     train = None
     if not cfg.trainer.val_only:
         if not d.train_files:

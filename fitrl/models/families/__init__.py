@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 
 from fitrl.core.errors import ConfigError
-from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, ModelFamily
+from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, TEXT_INPUTS, ModelFamily, ModelInputs
 from fitrl.models.families.causal_lm import CAUSAL_LM, CausalLMFamily
+from fitrl.models.families.qwen_vl import QWEN_VL, VISION_LANGUAGE_TYPES, QwenVLFamily
 
-__all__ = ["CAUSAL_LM", "DTYPES", "HEADS", "MODEL_FAMILIES", "CausalLMFamily", "ModelFamily", "family_for",
-           "model_type"]
+__all__ = ["CAUSAL_LM", "DTYPES", "HEADS", "MODEL_FAMILIES", "QWEN_VL", "TEXT_INPUTS", "VISION_LANGUAGE_TYPES",
+           "CausalLMFamily", "ModelFamily", "ModelInputs", "QwenVLFamily", "family_for", "model_type"]
 
 
 def model_type(model_path: str | Path) -> str:

@@ -5,8 +5,9 @@ A family knows, for the checkpoints it claims (by ``config.json``'s ``model_type
 - how to build its models: ``"causal_lm"`` (the policy and the reference: next-token logits)
   and ``"value"`` (the critic: one value per token, a token-classification head);
 - which blocks become FSDP units (decoder layers; a vision-language family adds vision blocks);
-- how to compute position ids and any extra model inputs for a batch (a causal LM counts real
-  tokens; a Qwen-VL family computes multimodal rope indices from the image grid).
+- what a model instance takes besides ids and mask (:class:`ModelInputs`: position ids and extra
+  inputs; a causal LM counts real tokens, a Qwen-VL family computes multimodal rope indices from
+  the image grids and passes the pixel values).
 
 Families are stateless singletons registered in :data:`MODEL_FAMILIES`;
 :func:`fitrl.models.families.family_for` picks one for a checkpoint.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from fitrl.config.schema import ModelConfig
+from fitrl.core.padding import position_ids_from_mask
 from fitrl.core.registry import Registry
 
 HEADS = ("causal_lm", "value")
@@ -49,21 +51,43 @@ class ModelFamily(ABC):
     def blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:
         """The blocks that each become one FSDP unit (the root is wrapped after them)."""
 
-    @abstractmethod
-    def position_ids(self, attention_mask: torch.Tensor, *, input_ids: Optional[torch.Tensor] = None,
-                     **extra: Any) -> torch.Tensor:
-        """Position ids for a (B, T) batch from its attention mask; a multimodal rope also reads
-        ``input_ids`` and ``extra`` (the batch's other model inputs, what :meth:`extra_inputs`
-        returns). A text family needs the mask only, so ``family.position_ids`` also serves where
-        a ``mask -> positions`` function is expected."""
-
-    def extra_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """Model inputs beyond ids, mask and positions (pixel values, image grids), read from a
-        batch's fields; none by default."""
-        return {}
+    def inputs_for(self, model: nn.Module) -> "ModelInputs":
+        """What this model instance takes besides ids and mask: its positions and extra inputs
+        (a vision-language model's image tensors). Text families: :data:`TEXT_INPUTS`."""
+        return TEXT_INPUTS
 
     def __repr__(self) -> str:
         return f"<model family {self.name!r}>"
+
+
+class ModelInputs:
+    """The inputs of one model instance beyond ids and mask, for a rollout batch (or a slice of
+    one): what the rollout engine, the actor, the reference and the critic all feed the model.
+
+    The text version: positions count real tokens (as HF ``generate`` does for left-padded
+    prompts) and there is nothing else. ``batch`` is anything with ``in`` and ``[]`` over field
+    names (a :class:`~fitrl.data.batch.Batch`)."""
+
+    never_generate: tuple[int, ...] = ()
+    """Token ids the rollout never samples (a Qwen-VL model's image/video pads and vision markers:
+    one in a response would be taken for an image the sample does not have)."""
+
+    def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  batch: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
+        """(B, T) positions, or (B, k, T) for a k-axis rotary embedding, of whole sequences."""
+        return position_ids_from_mask(attention_mask)
+
+    def extra(self, batch: Optional[Mapping[str, Any]], device: torch.device) -> dict[str, torch.Tensor]:
+        """Extra keyword inputs of a forward over ``batch``'s samples, on ``device``."""
+        return {}
+
+    def generate_extra(self, input_ids: torch.Tensor, batch: Optional[Mapping[str, Any]],
+                       device: torch.device) -> dict[str, torch.Tensor]:
+        """Extra keyword inputs of ``generate`` for the prompts ``input_ids`` of ``batch``."""
+        return self.extra(batch, device)
+
+
+TEXT_INPUTS = ModelInputs()
 
 
 MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family", "actor.model.family")

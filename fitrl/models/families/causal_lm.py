@@ -1,15 +1,13 @@
-"""The text-only causal-LM family: every Hugging Face decoder (Qwen2, Llama, ...) for now."""
+"""The text-only causal-LM family: every Hugging Face decoder (Qwen2, Llama, ...); positions
+count real tokens and there are no extra inputs (the base :class:`ModelInputs`)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
-
 import torch
 from torch import nn
 
 from fitrl.config.schema import ModelConfig
-from fitrl.core.padding import position_ids_from_mask
 from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, ModelFamily
 
 
@@ -32,10 +30,6 @@ class CausalLMFamily(ModelFamily):
         if layers is None:
             raise ValueError(f"cannot find decoder layers in {type(model).__name__}: FSDP needs one unit per layer")
         return list(layers)
-
-    def position_ids(self, attention_mask: torch.Tensor, *, input_ids: Optional[torch.Tensor] = None,
-                     **extra: Any) -> torch.Tensor:
-        return position_ids_from_mask(attention_mask)
 
 
 CAUSAL_LM = CausalLMFamily()

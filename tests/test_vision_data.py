@@ -1,0 +1,573 @@
+"""Tests for the vision-language data path: fitrl.data.images (loading, checks, the pixel budget),
+fitrl.data.vision (spec, processing, placeholders) and PromptDataset with images and videos.
+
+Pixel budgets and token counts are computed by hand; processing is compared with transformers'
+own ``Qwen2VLImageProcessorPil``; every bad-image case is checked in both ``on_bad_image`` modes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fitrl.config.roles import DataConfig
+from fitrl.core.errors import DataError, ModelDirError
+from fitrl.data.dataset import PromptDataset
+from fitrl.data.images import BadImage, image_tokens, load_image, smart_resize
+from fitrl.data.vision import (VisionSpec, expand_placeholders, insert_vision_markers, process_images,
+                               process_videos, sample_frames)
+
+QWEN25 = VisionSpec("qwen2_5_vl")
+QWEN2 = VisionSpec("qwen2_vl")
+QWEN3 = VisionSpec("qwen3_vl", patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, supports_video=False)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A tiny byte-level BPE with ChatML and Qwen's four vision tokens (no model directory needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["What is in the image? Describe the picture.", "user assistant system"] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHATML, additional_special_tokens=specials[3:])
+
+
+def rgb(h, w, seed=0):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def encode(img, fmt="PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def png_header(w, h) -> bytes:
+    """A PNG that is only a signature and an IHDR chunk claiming ``w x h``: no pixels at all."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def gif_animated() -> bytes:
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
+    return encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+
+
+# ------------------------------------------------------------------------------ pixel budget
+
+
+@pytest.mark.parametrize("h, w, factor, min_px, max_px, want, tokens", [
+    # 100x200 at most 28*28*16: rounding gives 112x196 = 21952 > 12544, so beta = sqrt(20000/12544)
+    # = 1.2627; floor(100/1.2627/28) = 2 -> 56, floor(200/1.2627/28) = 5 -> 140; 4x10 patches -> 10 tokens
+    (100, 200, 28, 3136, 28 * 28 * 16, (56, 140), 10),
+    # inside the budget: sides rounded to the nearest multiple of 28
+    (100, 100, 28, 3136, 1048576, (112, 112), 16),
+    (224, 224, 28, 3136, 1048576, (224, 224), 64),
+    (300, 500, 28, 3136, 1048576, (308, 504), 198),  # 22x36 patches
+    # too small: 10x20 rounds to 0x28 < 3136, beta = sqrt(3136/200) = 3.96;
+    # ceil(10*3.96/28) = ceil(1.41) = 2 -> 56, ceil(20*3.96/28) = ceil(2.83) = 3 -> 84; 4x6 patches -> 6 tokens
+    (10, 20, 28, 3136, 1048576, (56, 84), 6),
+    # Qwen3-VL (patch 16, factor 32): 96x192 = 18432 > 16384, beta = sqrt(20000/16384) = 1.105 -> 64x160
+    (100, 200, 32, 4096, 32 * 32 * 16, (64, 160), 10),
+])
+def test_smart_resize_by_hand(h, w, factor, min_px, max_px, want, tokens):
+    assert smart_resize(h, w, factor=factor, min_pixels=min_px, max_pixels=max_px) == want
+    assert image_tokens(h, w, VisionSpec("x", patch_size=factor // 2), min_px, max_px) == tokens
+
+
+def test_image_tokens_by_hand():
+    assert image_tokens(100, 200, QWEN25, 3136, 28 * 28 * 16) == 10   # 56x140: 4x10 patches / 4
+    assert image_tokens(224, 224, QWEN25, 3136, 1048576) == 64        # 16x16 patches / 4
+    assert image_tokens(300, 500, QWEN25, 3136, 1048576) == 198       # 308x504: 22x36 patches / 4
+    assert image_tokens(100, 200, QWEN3, 4096, 32 * 32 * 16) == 10     # 64x160: 4x10 patches / 4
+    # the budget in tokens is about max_pixels / (patch * merge)**2
+    assert image_tokens(4000, 3000, QWEN25, 3136, 28 * 28 * 256) <= 256
+
+
+def test_smart_resize_matches_transformers():
+    # the PIL module's copy: image_processing_qwen2_vl itself imports torchvision
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        h, w = (int(x) for x in rng.integers(1, 3000, 2))
+        if max(h, w) / min(h, w) > 200:
+            continue
+        factor = int(rng.choice([28, 32]))
+        lo = int(rng.integers(1, 100000))
+        hi = lo + int(rng.integers(0, 2000000))
+        assert smart_resize(h, w, factor=factor, min_pixels=lo, max_pixels=hi) == \
+            hf_smart_resize(h, w, factor=factor, min_pixels=lo, max_pixels=hi), (h, w, factor, lo, hi)
+
+
+def test_aspect_ratio_over_200_is_a_bad_image():
+    with pytest.raises(BadImage, match="aspect ratio over 200") as e:
+        smart_resize(1, 201, factor=28, min_pixels=3136, max_pixels=1048576)
+    assert e.value.kind == "aspect ratio"
+    assert smart_resize(1, 200, factor=28, min_pixels=3136, max_pixels=1048576)  # exactly 200 is allowed
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def test_load_image_from_every_kind_of_value(tmp_path):
+    img = rgb(20, 30)
+    (tmp_path / "a.png").write_bytes(encode(img))
+    want = np.asarray(img)
+    for value in ["a.png", str(tmp_path / "a.png"), encode(img), {"bytes": encode(img), "path": "ignored.png"},
+                  {"bytes": None, "path": "a.png"}, img]:
+        out = load_image(value, base_dir=str(tmp_path))
+        assert out.mode == "RGB" and np.array_equal(np.asarray(out), want), type(value)
+
+
+def test_modes_convert_to_rgb_with_alpha_on_white():
+    # CMYK: (C, M, Y, K) -> 255 * (1 - C) * (1 - K) per channel
+    out = load_image(encode(Image.new("CMYK", (2, 2), (0, 255, 0, 0)), "JPEG", quality=100))
+    assert out.mode == "RGB"
+    assert np.allclose(np.asarray(out)[0, 0], (255, 0, 255), atol=3)
+    assert np.asarray(load_image(encode(Image.new("L", (2, 2), 77)))).tolist() == [[[77] * 3] * 2] * 2
+    # fully transparent pixels become white, not black; half transparent blends toward white
+    assert np.asarray(load_image(encode(Image.new("RGBA", (2, 2), (0, 0, 0, 0)))))[0, 0].tolist() == [255, 255, 255]
+    assert np.asarray(load_image(encode(Image.new("RGBA", (2, 2), (200, 0, 0, 255)))))[0, 0].tolist() == [200, 0, 0]
+    half = np.asarray(load_image(encode(Image.new("RGBA", (2, 2), (0, 0, 0, 128)))))[0, 0]
+    assert np.allclose(half, 127, atol=1)
+    assert np.asarray(load_image(encode(Image.new("LA", (2, 2), (10, 0)))))[0, 0].tolist() == [255, 255, 255]
+    assert np.asarray(load_image(encode(Image.new("LA", (2, 2), (10, 255)))))[0, 0].tolist() == [10, 10, 10]
+    # palette without transparency, and with a transparent index
+    p = Image.new("P", (2, 2), 1)
+    p.putpalette([0, 0, 0, 30, 60, 90] + [0] * 762)
+    assert np.asarray(load_image(encode(p)))[0, 0].tolist() == [30, 60, 90]
+    buf = io.BytesIO()
+    p.save(buf, "PNG", transparency=1)
+    assert np.asarray(load_image(buf.getvalue()))[0, 0].tolist() == [255, 255, 255]
+    # 16-bit grey is scaled to 8 bits (PIL's own conversion would clip 40000 to 255)
+    g16 = Image.fromarray(np.full((2, 2), 40000, dtype=np.uint16))
+    g16_png = encode(g16)
+    assert Image.open(io.BytesIO(g16_png)).mode.startswith("I")
+    assert np.asarray(load_image(g16_png))[0, 0].tolist() == [40000 >> 8] * 3
+
+
+@pytest.mark.parametrize("value, kind, reason", [
+    ("nope.png", "missing file", "file not found"),
+    (b"", "empty file", r"empty image bytes \(0 bytes\)"),
+    (b"this is not an image", "not an image", "not an image or corrupt"),
+    (encode(rgb(64, 64))[:3000], "truncated", "truncated file"),
+    (encode(rgb(64, 64), "JPEG")[:1000], "truncated", "truncated file"),
+    (png_header(0, 10), "zero size", r"zero-size image \(0x10\)"),
+    (png_header(20000, 16), "too large", "20000x16, a side over data.max_image_side=16384"),
+    (png_header(100000, 100000), "too large", "too many pixels to decode safely"),
+    (gif_animated(), "animated", r"animated image \(3 frames\); use a video column for frames"),
+])
+def test_bad_images(tmp_path, value, kind, reason):
+    with pytest.raises(BadImage, match=reason) as e:
+        load_image(value, base_dir=str(tmp_path), max_side=16384)
+    assert e.value.kind == kind
+
+
+def test_truncated_is_refused_even_if_pil_was_told_to_accept_it():
+    from PIL import ImageFile
+
+    ImageFile.LOAD_TRUNCATED_IMAGES = True
+    try:
+        with pytest.raises(BadImage, match="truncated"):
+            load_image(encode(rgb(64, 64), "JPEG")[:1000])
+        assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # restored
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+def test_zero_byte_file_zero_size_pil_and_small_max_side(tmp_path):
+    (tmp_path / "empty.png").write_bytes(b"")
+    with pytest.raises(BadImage, match=r"empty file \(0 bytes\)"):
+        load_image("empty.png", base_dir=str(tmp_path))
+    with pytest.raises(BadImage, match=r"zero-size image \(0x3\)"):
+        load_image(Image.new("RGB", (0, 3)))
+    with pytest.raises(BadImage, match="100x50, a side over data.max_image_side=64"):
+        load_image(encode(rgb(50, 100)), max_side=64)
+
+
+# ------------------------------------------------------------------------------ processing
+
+
+@pytest.mark.parametrize("spec", [QWEN25, QWEN3], ids=["qwen2_5_vl", "qwen3_vl"])
+def test_process_images_equals_the_transformers_processor(spec):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    images = [rgb(100, 200, 1), rgb(37, 41, 2), rgb(300, 120, 3)]
+    lo, hi = 3136, 28 * 28 * 40
+    ours = process_images(images, spec, lo, hi)
+    hf = Qwen2VLImageProcessorPil(min_pixels=lo, max_pixels=hi, patch_size=spec.patch_size,
+                                  merge_size=spec.merge_size, temporal_patch_size=spec.temporal_patch_size,
+                                  image_mean=list(spec.image_mean), image_std=list(spec.image_std))(
+        images=images, return_tensors="pt")
+    assert torch.equal(ours["pixel_values"], hf["pixel_values"])
+    assert torch.equal(ours["image_grid_thw"], hf["image_grid_thw"])
+    assert ours["pixel_values"].dtype == torch.float32 and ours["image_grid_thw"].dtype == torch.int64
+    p = spec.patch_size
+    for img, (t, gh, gw) in zip(images, ours["image_grid_thw"].tolist()):
+        h, w = smart_resize(img.height, img.width, factor=spec.factor, min_pixels=lo, max_pixels=hi)
+        assert (t, gh, gw) == (1, h // p, w // p)
+    assert ours["pixel_values"].shape == (int(ours["image_grid_thw"].prod(-1).sum()), 3 * 2 * p * p)
+
+
+def test_sample_frames():
+    assert sample_frames(10, 4) == [0, 2, 5, 7]
+    assert sample_frames(3, 16) == [0, 1, 2]
+    assert sample_frames(16, 16) == list(range(16))
+    assert sample_frames(17, 16)[0] == 0 and len(sample_frames(17, 16)) == 16
+
+
+def test_video_patch_layout_by_hand():
+    """patch 1, merge 2, temporal 2, mean 0, std 1: a row is one patch of the 2x2 merge block in
+    (row, column) order, holding channel-major, then time, values x / 255."""
+    spec = VisionSpec("qwen2_5_vl", patch_size=1, merge_size=2, temporal_patch_size=2,
+                      image_mean=(0.0,) * 3, image_std=(1.0,) * 3)
+    f0 = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)          # (H, W, C)
+    f1 = f0 + 100
+    out = process_videos([[Image.fromarray(f0), Image.fromarray(f1)]], spec, fps=4.0, max_frames=8,
+                         max_pixels=4, min_pixels=1)
+    assert out["video_grid_thw"].tolist() == [[1, 2, 2]]
+    want = [[f[i, j, c] / 255 for c in range(3) for f in (f0, f1)] for i in range(2) for j in range(2)]
+    assert torch.allclose(out["pixel_values_videos"], torch.tensor(want, dtype=torch.float32))
+    assert out["second_per_grid_ts"].tolist() == [0.5]  # temporal_patch_size / fps
+
+
+def test_video_of_one_repeated_image_equals_the_image():
+    img = rgb(90, 130)
+    a = process_images([img], QWEN25, 3136, 28 * 28 * 20)
+    b = process_videos([[img, img]], QWEN25, fps=2.0, max_frames=4, max_pixels=28 * 28 * 20, min_pixels=3136)
+    assert torch.equal(a["pixel_values"], b["pixel_values_videos"])
+    assert torch.equal(a["image_grid_thw"], b["video_grid_thw"])
+
+
+def test_video_frames_subsampled_padded_and_resized_to_the_first():
+    frames = [rgb(56, 84, s) for s in range(9)] + [rgb(200, 100, 9)]  # the last frame has another size
+    out = process_videos([frames, frames[:3]], QWEN25, fps=2.0, max_frames=5, max_pixels=56 * 84, min_pixels=3136)
+    # video 1: 10 frames -> 5 sampled -> padded to 6 -> grid_t 3; video 2: 3 frames -> 4 -> grid_t 2
+    assert out["video_grid_thw"].tolist() == [[3, 4, 6], [2, 4, 6]]
+    assert out["pixel_values_videos"].shape == (3 * 24 + 2 * 24, 3 * 2 * 14 * 14)
+    assert out["second_per_grid_ts"].tolist() == [1.0, 1.0]
+    # the padding repeats the last frame: in video 2's second temporal patch both halves are frame 2
+    last = out["pixel_values_videos"][3 * 24 + 24:].reshape(24, 3, 2, 14 * 14)
+    assert torch.equal(last[:, :, 0], last[:, :, 1])
+    # Qwen2-VL's model takes no second_per_grid_ts; Qwen3-VL videos are refused
+    assert "second_per_grid_ts" not in process_videos([frames[:2]], QWEN2, fps=2.0, max_frames=4,
+                                                      max_pixels=56 * 84, min_pixels=3136)
+    with pytest.raises(DataError, match="videos are not supported for qwen3_vl yet"):
+        process_videos([frames[:2]], QWEN3, fps=2.0, max_frames=4, max_pixels=56 * 84, min_pixels=3136)
+
+
+# ------------------------------------------------------------------------------ prompt text
+
+
+def test_markers_and_expansion():
+    msgs = [{"role": "user", "content": "<image> left, <image> right"}]
+    out = insert_vision_markers(msgs, 2, 0, spec=QWEN25, image_placeholder="<image>", video_placeholder="<video>")
+    assert out[0]["content"] == f"{MARK} left, {MARK} right"
+    assert msgs[0]["content"] == "<image> left, <image> right"  # not edited in place
+    out = insert_vision_markers([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], 2, 1,
+                                spec=QWEN25, image_placeholder="<image>", video_placeholder="<video>")
+    assert out[1]["content"] == "<|vision_start|><|video_pad|><|vision_end|>" + MARK * 2 + "q"
+    with pytest.raises(BadImage, match="2 <image> placeholders but 1 image"):
+        insert_vision_markers(msgs, 1, 0, spec=QWEN25, image_placeholder="<image>", video_placeholder="<video>")
+    with pytest.raises(BadImage, match="1 <video> placeholder but 0 videos"):
+        insert_vision_markers([{"role": "user", "content": "<video>"}], 0, 0, spec=QWEN25,
+                              image_placeholder="<image>", video_placeholder="<video>")
+    text = f"a{MARK}b<|vision_start|><|video_pad|><|vision_end|>c{MARK}"
+    assert expand_placeholders(text, [2, 3], [1], QWEN25) == (
+        "a<|vision_start|>" + "<|image_pad|>" * 2 + "<|vision_end|>b<|vision_start|><|video_pad|><|vision_end|>c"
+        "<|vision_start|>" + "<|image_pad|>" * 3 + "<|vision_end|>")
+    with pytest.raises(BadImage, match="holds 2 <|image_pad|> tokens for 1 image"):
+        expand_placeholders(text, [2], [1], QWEN25)
+
+
+# ------------------------------------------------------------------------------ the spec
+
+
+def write_vl_dir(path, model_type="qwen2_5_vl", pre=None, **config):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, **config}))
+    if pre is not None:
+        (path / "preprocessor_config.json").write_text(pre if isinstance(pre, str) else json.dumps(pre))
+    return path
+
+
+def test_spec_from_model_dir(tmp_path, tokenizer):
+    assert VisionSpec.from_model_dir(write_vl_dir(tmp_path / "text", "qwen2")) is None
+    q3 = VisionSpec.from_model_dir(write_vl_dir(
+        tmp_path / "q3", "qwen3_vl", pre={"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
+                                          "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
+        vision_config={"patch_size": 16, "spatial_merge_size": 2}))
+    assert (q3.patch_size, q3.factor, q3.image_mean, q3.supports_video) == (16, 32, (0.5,) * 3, False)
+    with pytest.raises(ModelDirError, match="preprocessor_config.json: not found"):
+        VisionSpec.from_model_dir(write_vl_dir(tmp_path / "nopre"))
+    with pytest.raises(ModelDirError, match="preprocessor_config.json: cannot be read as JSON"):
+        VisionSpec.from_model_dir(write_vl_dir(tmp_path / "badpre", pre="{oops"))
+    with pytest.raises(ModelDirError, match="patch_size=14 but .* vision_config.patch_size=16"):
+        VisionSpec.from_model_dir(write_vl_dir(tmp_path / "mismatch", pre={"patch_size": 14},
+                                               vision_config={"patch_size": 16}))
+    # the tokenizer must know the vision tokens with config.json's ids
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                           "<|vision_end|>")}
+    ok = VisionSpec.from_model_dir(write_vl_dir(tmp_path / "ok", pre={}, image_token_id=ids["<|image_pad|>"],
+                                                video_token_id=ids["<|video_pad|>"],
+                                                vision_start_token_id=ids["<|vision_start|>"],
+                                                vision_end_token_id=ids["<|vision_end|>"]))
+    ok.check_tokenizer(tokenizer)
+    bad = VisionSpec.from_model_dir(write_vl_dir(tmp_path / "ids", pre={}))  # transformers' default ids 151655...
+    with pytest.raises(ModelDirError, match="maps <|vision_start|> to id .* but config.json says 151652"):
+        bad.check_tokenizer(tokenizer)
+
+
+# ------------------------------------------------------------------------------ the dataset
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def make_ds(files, tokenizer, spec=QWEN25, **opts):
+    kw = {k: opts.pop(k) for k in list(opts) if k in ("max_prompt_length", "name")}
+    media = DataConfig(min_pixels=3136, max_pixels=28 * 28 * 16, **opts)
+    return PromptDataset([str(f) for f in (files if isinstance(files, list) else [files])], tokenizer,
+                         prompt_key="prompt", answer_key="answer", max_prompt_length=kw.get("max_prompt_length", 4096),
+                         name=kw.get("name", "train"), vision=spec, media=media)
+
+
+def test_dataset_expands_image_tokens_and_keeps_references(tmp_path, tokenizer):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(encode(rgb(100, 200)))   # -> 56x140: 10 tokens
+    (tmp_path / "imgs" / "b.png").write_bytes(encode(rgb(224, 224)))   # -> 112x112 within 12544: 16 tokens
+    data = write_rows(tmp_path / "d.jsonl", [
+        {"prompt": "<image> What is in the image?", "answer": "x", "images": ["imgs/a.png"]},
+        {"prompt": "Describe the picture.", "answer": "y", "images": ["imgs/a.png", "imgs/b.png"]},  # no placeholder
+        {"prompt": "What is 1?", "answer": "1", "images": None},
+        {"prompt": "What is 2?", "answer": "2"},
+    ])
+    ds = make_ds(data, tokenizer)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert len(ds) == 4 and ds.has_vision
+    assert ds[0]["prompt_ids"].count(pad) == 10
+    assert ds[0]["prompt_text"] == f"<|im_start|>user\n{MARK} What is in the image?<|im_end|>\n<|im_start|>assistant\n"
+    assert ds[1]["prompt_ids"].count(pad) == 10 + 16
+    assert ds[1]["prompt_text"].startswith(f"<|im_start|>user\n{MARK}{MARK}Describe")  # prepended, in order
+    assert ds[0]["images"] == [str(tmp_path / "imgs" / "a.png")] and ds[0]["image_sizes"] == [(56, 140)]
+    assert "images" not in ds[0]["extra"]
+    assert ds.image_stats() == [[56 * 140], [56 * 140, 112 * 112], [], []]
+    # the ids are the tokenised text with each image's pad repeated once per token
+    expanded = ds[0]["prompt_text"].replace("<|image_pad|>", "<|image_pad|>" * 10)
+    assert ds[0]["prompt_ids"] == tokenizer(expanded, add_special_tokens=False)["input_ids"]
+
+    mm = ds.multi_modal_inputs(1)
+    assert mm["image_grid_thw"].tolist() == [[1, 4, 10], [1, 8, 8]]
+    assert mm["pixel_values"].shape == (40 + 64, 3 * 2 * 14 * 14)
+    ref = process_images([rgb(100, 200), rgb(224, 224)], QWEN25, 3136, 28 * 28 * 16)
+    assert torch.equal(mm["pixel_values"], ref["pixel_values"])
+    assert ds.multi_modal_inputs(2) is None and ds.multi_modal_inputs(3) is None
+    assert "4 prompts" in ds.summary() and "3 images/videos in 2 prompts" in ds.summary()
+
+    # an image replaced after start-up: the row is named, not a shape error in the model
+    (tmp_path / "imgs" / "b.png").write_bytes(encode(rgb(500, 300)))
+    with pytest.raises(DataError, match=f"{data}:2: an image of this row changed size since start-up"):
+        ds.multi_modal_inputs(1)
+    (tmp_path / "imgs" / "b.png").write_bytes(b"garbage")
+    with pytest.raises(DataError, match=f"{data}:2: an image of this row cannot be read any more"):
+        ds.multi_modal_inputs(1)
+
+
+def test_max_prompt_length_counts_image_tokens(tmp_path, tokenizer):
+    (tmp_path / "a.png").write_bytes(encode(rgb(100, 200)))
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "<image> What?", "answer": "x", "images": ["a.png"]},
+                                             {"prompt": "What?", "answer": "x"}])
+    long_ = len(make_ds(data, tokenizer)[0]["prompt_ids"])
+    short = len(make_ds(data, tokenizer)[1]["prompt_ids"])
+    assert long_ >= short + 10
+    ds = make_ds(data, tokenizer, max_prompt_length=long_ - 1)
+    assert len(ds) == 1 and ds.num_filtered == 1 and ds[0]["extra"] == {}
+
+
+def test_image_dir_and_embedded_images(tmp_path, tokenizer):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(encode(rgb(100, 200)))
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "<image>", "answer": "x", "images": "a.png"}])
+    assert make_ds(data, tokenizer, image_dir=str(tmp_path / "pics"))[0]["images"] == [str(tmp_path / "pics" / "a.png")]
+    # parquet with the datasets Image struct, and a save_to_disk directory with an Image feature: bytes kept
+    png = encode(rgb(100, 200))
+    pq.write_table(pa.Table.from_pylist([{"prompt": "<image>", "answer": "x",
+                                          "images": [{"bytes": png, "path": "a.png"}]}]), tmp_path / "d.parquet")
+    ds = make_ds(tmp_path / "d.parquet", tokenizer)
+    assert ds[0]["images"] == [png] and ds[0]["image_sizes"] == [(56, 140)]
+    saved = tmp_path / "saved"
+    features = datasets.Features({"prompt": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "images": datasets.List(datasets.Image())})
+    datasets.Dataset.from_list([{"prompt": "<image>", "answer": "x", "images": [rgb(100, 200)]}],
+                               features=features).save_to_disk(str(saved))
+    ds = make_ds(saved, tokenizer)
+    assert isinstance(ds[0]["images"][0], bytes) and ds[0]["image_sizes"] == [(56, 140)]
+    assert ds.multi_modal_inputs(0)["image_grid_thw"].tolist() == [[1, 4, 10]]
+
+
+def test_videos_in_the_dataset(tmp_path, tokenizer):
+    for i in range(5):
+        (tmp_path / f"f{i}.png").write_bytes(encode(rgb(56, 84, i)))
+    frames = [f"f{i}.png" for i in range(5)]
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "<video> What happens?", "answer": "x", "videos": [frames]}])
+    ds = make_ds(data, tokenizer, max_frames=4, video_max_pixels=56 * 84)
+    # 5 frames -> sampled to 4 (0, 1, 2, 3) -> grid_t 2; 56x84 -> 4x6 patches: 2 * 24 / 4 = 12 tokens
+    assert ds[0]["prompt_ids"].count(tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 12
+    assert ds[0]["video_sizes"] == [(4, 56, 84)] and ds.video_stats() == [[(4, 56 * 84)]]
+    mm = ds.multi_modal_inputs(0)
+    assert mm["video_grid_thw"].tolist() == [[2, 4, 6]] and "pixel_values" not in mm
+    assert mm["pixel_values_videos"].shape == (48, 3 * 2 * 14 * 14)
+    assert mm["second_per_grid_ts"].tolist() == [1.0]  # 2 frames per temporal patch at data.video_fps=2
+    with pytest.raises(DataError, match=rf"{data}:1: videos are not supported for qwen3_vl yet"):
+        make_ds(data, tokenizer, spec=QWEN3)
+
+
+def test_text_model_refuses_rows_with_images(tmp_path, tokenizer):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "q", "answer": "x", "images": []},
+                                             {"prompt": "q", "answer": "x", "images": ["a.png"]}])
+    with pytest.raises(DataError, match=rf"{data}:2: row has images \(column 'images'\) but actor.model.path is a "
+                                        r"text model; use a vision-language model or drop the 'images' column"):
+        PromptDataset([str(data)], tokenizer, prompt_key="prompt", answer_key="answer", max_prompt_length=512)
+    # another column name is just an extra column
+    ds = PromptDataset([str(data)], tokenizer, prompt_key="prompt", answer_key="answer", max_prompt_length=512,
+                       media=DataConfig(image_key="pictures"))
+    assert ds[1]["extra"] == {"images": ["a.png"]}
+
+
+def bad_rows(tmp_path):
+    """Each bad case as (row, expected reason, kind), with the files it needs written."""
+    files = {
+        "ok.png": encode(rgb(100, 200)),
+        "corrupt.png": b"this is not an image",
+        "trunc.png": encode(rgb(64, 64))[:3000],
+        "trunc.jpg": encode(rgb(64, 64), "JPEG")[:1000],
+        "empty.png": b"",
+        "zero.png": png_header(0, 10),
+        "anim.gif": gif_animated(),
+        "huge.png": png_header(100000, 100000),
+        "long.png": png_header(20000, 16),
+        "thin.png": encode(rgb(1, 300)),
+        "cmyk.jpg": encode(Image.new("CMYK", (40, 40), (0, 255, 0, 0)), "JPEG"),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    return [
+        ({"images": ["ok.png", "missing.png"]}, r"image 2 of 2 \(missing.png\): file not found", "missing file"),
+        ({"images": ["corrupt.png"]}, r"image 1 of 1 \(corrupt.png\): not an image or corrupt", "not an image"),
+        ({"images": ["trunc.png"]}, r"image 1 of 1 \(trunc.png\): truncated file", "truncated"),
+        ({"images": ["trunc.jpg"]}, r"image 1 of 1 \(trunc.jpg\): truncated file", "truncated"),
+        ({"images": ["empty.png"]}, r"image 1 of 1 \(empty.png\): empty file \(0 bytes\)", "empty file"),
+        ({"images": ["zero.png"]}, r"image 1 of 1 \(zero.png\): zero-size image \(0x10\)", "zero size"),
+        ({"images": ["anim.gif"]}, r"animated image \(3 frames\); use a video column for frames", "animated"),
+        ({"images": ["huge.png"]}, r"image 1 of 1 \(huge.png\): too many pixels to decode safely", "too large"),
+        ({"images": ["long.png"]}, r"image is 20000x16, a side over data.max_image_side=16384", "too large"),
+        ({"images": ["thin.png"]}, r"image is 300x1: aspect ratio over 200", "aspect ratio"),
+        ({"images": ["ok.png"] * 5}, r"row has 5 images, more than data.limit_images=4", "too many images"),
+        ({"images": ["ok.png"], "prompt": "<image> and <image>"}, "2 <image> placeholders but 1 image",
+         "placeholder mismatch"),
+        ({"images": [], "prompt": "<image> what?"}, "1 <image> placeholder but 0 images", "placeholder mismatch"),
+        ({"images": [{"bytes": None, "path": None}]}, "image value has neither bytes nor path", "not an image"),
+    ]
+
+
+def test_every_bad_image_stops_naming_file_row_and_image(tmp_path, tokenizer):
+    for case, (extra, reason, _) in enumerate(bad_rows(tmp_path)):
+        good = {"prompt": "What?", "answer": "x", "images": ["ok.png"]}
+        data = write_rows(tmp_path / f"d{case}.jsonl", [good, {"prompt": "What?", "answer": "x", **extra}])
+        with pytest.raises(DataError) as e:
+            make_ds(data, tokenizer)
+        msg = str(e.value)
+        assert msg.startswith(f"{data}:2: ") and msg.endswith(
+            "; fix or remove the row, or set data.on_bad_image=skip"), msg
+        assert __import__("re").search(reason, msg), (reason, msg)
+
+
+def test_skip_drops_bad_rows_and_counts_them(tmp_path, tokenizer):
+    cases = bad_rows(tmp_path)
+    rows = [{"prompt": "What?", "answer": "x", **extra} for extra, _, _ in cases]
+    rows += [{"prompt": "What?", "answer": "ok", "images": ["ok.png"]}, {"prompt": "Plain", "answer": "ok"},
+             {"prompt": "What?", "answer": "ok", "images": ["cmyk.jpg"]}]  # CMYK is fine
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    ds = make_ds(data, tokenizer, on_bad_image="skip")
+    assert len(ds) == 3 and ds.num_rows == len(rows) and ds.num_filtered == 0
+    assert [ex["answer"] for ex in (ds[i] for i in range(3))] == ["ok"] * 3
+    kinds = {}
+    for _, _, kind in cases:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    assert dict(ds.bad_image_counts) == kinds
+    summary = ds.summary()
+    assert f"({len(cases)} rows with bad images skipped: " in summary
+    assert "2 truncated" in summary and "1 missing file" in summary and "2 placeholder mismatch" in summary
+
+    # every row bad: one error that says so
+    data = write_rows(tmp_path / "all_bad.jsonl", rows[:3])
+    with pytest.raises(DataError, match=r"every row of .* has a bad image and was skipped \(1 missing file, "
+                                        r"1 not an image, 1 truncated\)"):
+        make_ds(data, tokenizer, on_bad_image="skip")
+
+
+def test_with_a_tiny_vl_model_dir(tmp_path):
+    """The real path: a tiny Qwen2.5-VL directory's spec and tokenizer, and its model accepting the
+    prompt ids and pixels (the vision tower's features must match the image tokens one for one)."""
+    import transformers
+
+    from fitrl.models.tiny import make_tiny_model
+
+    try:
+        model_dir = make_tiny_model(tmp_path / "m", arch="qwen2_5_vl")
+    except ValueError as e:
+        pytest.skip(f"no tiny qwen2_5_vl model yet: {e}")
+    spec = VisionSpec.from_model_dir(model_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    spec.check_tokenizer(tok)
+    (tmp_path / "a.png").write_bytes(encode(rgb(100, 200)))
+    for i in range(3):
+        (tmp_path / f"f{i}.png").write_bytes(encode(rgb(60, 90, i)))
+    data = write_rows(tmp_path / "d.jsonl", [
+        {"prompt": "<image> What is 1 + 2?", "answer": "3", "images": ["a.png"]},
+        {"prompt": "<video> then <image>?", "answer": "3", "images": ["a.png"],
+         "videos": [["f0.png", "f1.png", "f2.png"]]},
+    ])
+    ds = make_ds(data, tok, spec=spec, video_max_pixels=28 * 28 * 8)
+    image_pad, video_pad = tok.convert_tokens_to_ids("<|image_pad|>"), tok.convert_tokens_to_ids("<|video_pad|>")
+    assert ds[0]["prompt_ids"].count(image_pad) == 10
+    # 3 frames -> 4 (padded) -> grid_t 2; 60x90 -> 56x84 (4x6 patches): 2 * 24 / 4 = 12 tokens
+    assert ds[1]["prompt_ids"].count(video_pad) == 12
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir)
+    for i in range(len(ds)):
+        ids = torch.tensor([ds[i]["prompt_ids"]])
+        # the processor's mm_token_type_ids: 1 on image tokens, 2 on video tokens
+        types = (ids == image_pad).long() + 2 * (ids == video_pad).long()
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                        **ds.multi_modal_inputs(i))
+        assert out.logits.shape[:2] == ids.shape and torch.isfinite(out.logits).all()

@@ -109,6 +109,10 @@ def gathered_for_generation(m: nn.Module) -> Iterator[None]:
     if not modules:
         yield
         return
+    # FSDP2 picks its root at the first forward, which must be the root's. A vision-language
+    # model's ``generate`` encodes the images (vision blocks are FSDP units) before its first
+    # root forward, so the root is fixed here, as that forward would (private API: torch 2.13).
+    m._get_fsdp_state()._lazy_init()
     for x in modules:
         x.set_reshard_after_forward(False, recurse=False)
         x.unshard()

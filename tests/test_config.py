@@ -231,6 +231,21 @@ def test_unknown_key_with_nothing_close_lists_the_section():
     assert "valid keys in the top level: data, algorithm" in error_of(overrides=["qqq=1"])
 
 
+def test_moved_key_names_what_replaced_it(tmp_path):
+    """An old config's ``plan.images`` gets one line naming the run keys that replaced it."""
+    path = write(tmp_path / "old.yaml", "plan:\n  images: {per_prompt: 1, max_pixels: 4194304}\n")
+    message = error_of(path)
+    assert message.startswith(f"config key 'plan.images' (in {path}) was replaced: ")
+    assert "plan.images.max_pixels -> data.max_pixels" in message
+    assert "plan.images.per_prompt -> data.limit_images" in message and "plan.images.pixels" not in message
+    assert error_of(overrides=["plan.images.max_pixels=1048576"]) == (
+        "config key 'plan.images.max_pixels' (in overrides) was replaced: plan.images.max_pixels -> data.max_pixels")
+    assert "plan.images.pixels -> nothing" in error_of(overrides=["plan.images.typo=1"])  # every moved key named
+    proc = subprocess.run([sys.executable, "-m", "fitrl.cli", "plan", path], capture_output=True, text=True)
+    assert proc.returncode == 2 and "plan.images.max_pixels -> data.max_pixels" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_free_form_dict_keys_are_allowed_but_base_is_not_an_override():
     assert load_config(None, ["reward.kwargs.anything_goes=1"]).reward.kwargs == {"anything_goes": 1}
     assert "unknown config key 'base'" in error_of(overrides=["base=x.yaml"])

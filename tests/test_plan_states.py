@@ -87,5 +87,87 @@ def test_vision_tower_tensors_match_transformers():
     real = sorted(p.numel() for p in model.parameters())
     assert sorted(numel(s) for _, s in ModelShape.from_path(path).tensors()) == real
     v = ModelShape.from_path(path).vision
-    assert (v.patches(1_048_576), v.llm_tokens(1_048_576)) == (5349, 1337)   # 1 MP: 14x14 patches, 2x2 merged
-    assert v.pixel_values_bytes(1_048_576) == 5349 * 1176 * 4                 # rows of 3 x 2 x 14 x 14 fp32
+    one = v.largest_image(1_048_576)  # 1 MP at 28 px per LM token: at most 1,337 = 7 x 191 tokens
+    assert (one.height, one.width, one.grid) == (196, 5348, (1, 14, 382))
+    assert (one.patches, one.llm_tokens) == (5348, 1337)          # 14x14 patches, 2x2 merged
+    assert one.pixel_values_bytes == 5348 * 1176 * 4              # rows of 3 x 2 x 14 x 14 fp32
+    assert v.largest_image(4 * 1_048_576).llm_tokens == 5348      # 28 x 191 (a square 4 MP image: 73 x 73)
+
+
+@pytest.mark.parametrize("patch,max_pixels", [(14, 1_048_576), (14, 4_194_304), (16, 1_048_576), (14, 1_003_520)])
+def test_largest_image_bounds_every_smart_resize(patch, max_pixels):
+    """No image comes out of the processor's resize larger than ``largest_image``, which one does reach."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from fitrl.memory.shapes import VisionShape
+
+    v = VisionShape("qwen2_5_vl", 1, 8, 8, 8, patch=patch)
+    big = v.largest_image(max_pixels, 3136)
+    assert smart_resize(big.height, big.width, v.factor, 3136, max_pixels) == (big.height, big.width)
+    sides = [*range(28, 3000, 37), *range(3000, 20000, 997)]
+    worst = max(h * w for a in sides for b in sides if max(a, b) / min(a, b) <= 200
+                for h, w in [smart_resize(a, b, v.factor, 3136, max_pixels)])
+    assert worst <= big.height * big.width <= max_pixels
+
+
+def test_pixel_values_equal_the_processor():
+    """The processor's own output for the worst-case image: (patches, 3 * 2 * p * p) fp32 rows."""
+    import numpy as np
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    v = ModelShape.from_path(f"{STORY_MODELS}/qwen2.5-vl-7b-instruct").vision
+    one = v.largest_image(1_048_576)
+    out = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=1_048_576)(
+        images=[np.zeros((one.height, one.width, 3), dtype=np.uint8)], return_tensors="pt")
+    pv = out["pixel_values"]
+    assert out["image_grid_thw"].tolist() == [list(one.grid)]
+    assert pv.numel() * pv.element_size() == one.pixel_values_bytes
+
+
+def test_qwen3_vl_tensors_match_transformers():
+    """Qwen3-VL: biased patch embedding (16 x 16 patches), learned positions, deepstack mergers;
+    a Qwen3 decoder (q/k norms, no qkv bias). Checked name by name on the meta device."""
+    from transformers import AutoModelForImageTextToText, Qwen3VLConfig
+
+    cfg = Qwen3VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=1000,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0, 2]))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg)
+    shape = ModelShape.from_dict(cfg.to_dict())
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    real = {n.removeprefix("model."): tuple(p.shape) for n, p in model.named_parameters() if ".visual." in f".{n}"}
+    assert real == {n: s for n, s in shape.tensors() if n.startswith("visual.")}
+    assert (shape.qk_norm, shape.qkv_bias, shape.vision.patch, shape.vision.factor) == (True, False, 16, 32)
+    assert shape.vision.largest_image(1_048_576).grid == (1, 64, 64)  # 32 x 32 LM tokens
+
+
+def test_frozen_vision_tower_has_no_gradients_or_adamw_states():
+    """``actor.model.freeze_vision_tower``: the tower keeps its weights; gradients and AdamW states
+    (built over the parameters that require grad) cover the language model only."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+
+    from fitrl.models.families.qwen_vl import freeze_vision_tower
+
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[1]))
+    model = freeze_vision_tower(AutoModelForImageTextToText.from_config(cfg))
+    shape = ModelShape.from_dict(cfg.to_dict())
+    opt = build_optimizer(model, OptimConfig(lr=1e-3))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    st = trained_states(shape, frozen_vision=True)
+    assert st.params == sum(p.numel() * 4 for p in model.parameters())
+    assert st.grads == sum(p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)
+    assert st.optimizer == sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert st.grads < trained_states(shape).grads

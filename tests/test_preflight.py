@@ -136,9 +136,9 @@ def test_detected_hardware_replaces_plan_hardware(tiny_model_dir, tmp_path, monk
     c, out = console()
     plan = preflight(toy_config(tiny_model_dir, tmp_path / "run", "memory.plan=enforce", "trainer.device=cpu",
                                 "plan.hardware.host_memory=2TiB",  # a user's plan.hardware (for other machines)
-                                "plan.images.per_prompt=1"), c)
+                                "plan.steps=7"), c)
     assert plan.hardware.host_memory == 64 * 1024**3
-    assert plan.cfg.plan.images.per_prompt == 1
+    assert plan.cfg.plan.steps == 7
     assert "plan.hardware is read by `fitrl plan`" in out.getvalue()
 
 

@@ -33,6 +33,14 @@ __all__ = ["load_config", "config_from_dict", "config_to_dict", "save_config", "
 
 OVERRIDES = "overrides"  # the source label of command-line overrides
 
+MOVED: dict[str, str] = {
+    "plan.images.max_pixels": "data.max_pixels",
+    "plan.images.per_prompt": "data.limit_images (images per prompt; the plan counts this worst case)",
+    "plan.images.pixels": "nothing (the plan counts the largest image within data.max_pixels)",
+}
+"""Keys that are gone -> what replaced them. A config that still sets one gets this, in one line,
+instead of "unknown config key"."""
+
 
 # ----------------------------------------------------------------------------- loading
 
@@ -163,7 +171,8 @@ def _build(cls: type, data: Any, prefix: str, origins: dict[str, str]) -> Any:
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in hints:
-            raise ConfigError(_unknown_key_message(key, value, list(hints), origins))
+            raise ConfigError(_moved_key_message(key, value, origins)
+                              or _unknown_key_message(key, value, list(hints), origins))
         kwargs[name] = _convert(value, hints[name], key, origins)
     return cls(**kwargs)  # a ConfigError from __post_init__ passes through unchanged
 
@@ -229,6 +238,26 @@ def _convert(value: Any, tp: Any, key: str, origins: dict[str, str]) -> Any:
     else:
         raise TypeError(f"fitrl schema: unsupported annotation {tp} at {key}")
     raise ConfigError(f"config key '{key}'{_where(key, origins)} expects {_type_text(tp)}, got {_given(value)}")
+
+
+def _moved_key_message(key: str, value: Any, origins: dict[str, str]) -> Optional[str]:
+    """``config key 'plan.images.max_pixels' (in x.yaml) was replaced: plan.images.max_pixels ->
+    data.max_pixels`` when ``key`` (or a key under it) is in :data:`MOVED`, else None. The keys
+    named are those set under ``key``, or every moved key under it when none of them is."""
+    under = [old for old in MOVED if old == key or old.startswith(key + ".")]
+    if not under:
+        return None
+    given, stack = [], [(key, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict) and v:
+            stack += [(f"{path}.{k}", sub) for k, sub in reversed(list(v.items()))]
+        else:
+            given.append(path)
+    named = [old for old in under if old in given] or under
+    shown = named[0] if len(named) == 1 and named == given else key
+    return (f"config key '{shown}'{_where(key, origins)} was replaced: "
+            + ", ".join(f"{old} -> {MOVED[old]}" for old in named))
 
 
 def _unknown_key_message(key: str, value: Any, siblings: list[str], origins: dict[str, str]) -> str:

@@ -2,15 +2,15 @@
 
 ``fitrl plan`` predicts memory for a config; this section says which machines the prediction is
 for (``plan.hardware``) and holds the what-if inputs fitrl has no run key for yet: a vLLM
-rollout engine's memory settings (``plan.rollout``) and images (``plan.images``). They become
-``rollout.*`` and ``data.*`` keys when the vLLM and vision-language engines land. ``fitrl train``
-reads ``plan.rollout``, ``plan.images`` and the rest, never ``plan.hardware``: it plans for the
+rollout engine's memory settings (``plan.rollout``), which become ``rollout.*`` keys when the
+vLLM engine lands. Images are no longer here: the planner reads the run's own ``data.max_pixels``
+and ``data.limit_images`` (the loader names what replaced an old ``plan.images``).
+``fitrl train`` reads ``plan.rollout`` and the rest, never ``plan.hardware``: it plans for the
 hardware it detects. Field docstrings are what ``fitrl config --doc`` prints::
 
     plan:
       hardware: {nodes: 1, gpus_per_node: 8, gpu_memory: 80GiB, host_memory: 2TiB}
       rollout: {engine: vllm, gpu_memory_utilization: 0.6, tensor_parallel_size: 2, sleep_level: 1}
-      images: {per_prompt: 1, max_pixels: 4194304}
 """
 
 from __future__ import annotations
@@ -90,35 +90,11 @@ class PlanRolloutConfig:
 
 
 @dataclass
-class PlanImagesConfig:
-    per_prompt: float = 0.0
-    """Images per prompt (0: a text-only run)."""
-    max_pixels: int = 4194304
-    """The processor resizes larger images down to this many pixels (the proposed ``data.max_pixels``)."""
-    pixels: int = 0
-    """Pixels of a typical image after resizing (0: ``max_pixels``, the worst case)."""
-
-    def __post_init__(self) -> None:
-        for name in ("per_prompt", "pixels"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"plan.images.{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_pixels < 1:
-            raise ConfigError(f"plan.images.max_pixels must be >= 1, got {self.max_pixels}")
-
-    @property
-    def effective_pixels(self) -> int:
-        """Pixels of one image as the planner counts it: ``pixels``, at most ``max_pixels``."""
-        return min(self.pixels or self.max_pixels, self.max_pixels)
-
-
-@dataclass
 class PlanConfig:
     hardware: PlanHardwareConfig = field(default_factory=PlanHardwareConfig)
     """The machines ``fitrl plan`` plans for (``--nodes``, ``--gpu-memory``, ... override it); ``fitrl train`` detects its own."""
     rollout: PlanRolloutConfig = field(default_factory=PlanRolloutConfig)
     """The rollout engine's memory settings, a what-if input until the vLLM engine lands."""
-    images: PlanImagesConfig = field(default_factory=PlanImagesConfig)
-    """Images per prompt and their size, a what-if input until the vision-language engine lands."""
     steps: int = 0
     """Steps over which host memory growth is checked (0: ``trainer.max_steps``)."""
     object_store_fraction: float = 0.30

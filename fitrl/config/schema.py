@@ -53,7 +53,7 @@ class FitrlConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """The memory plan before the run, telemetry and leak detection during it, the guard at the edge."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """What the memory planner reads beyond the run's keys: ``fitrl plan``'s hardware, and what-if inputs (``plan.rollout``: a vLLM engine's memory settings, ``plan.images``) that become ``rollout.*`` and ``data.*`` keys when the vLLM and vision-language engines land. The trainer ignores ``plan.hardware`` (it detects the hardware it runs on)."""
+    """What the memory planner reads beyond the run's keys: ``fitrl plan``'s hardware, and what-if inputs (``plan.rollout``: a vLLM engine's memory settings) that become ``rollout.*`` keys when the vLLM engine lands. Images are planned from the run's own ``data.max_pixels`` and ``data.limit_images``. The trainer ignores ``plan.hardware`` (it detects the hardware it runs on)."""
 
     @property
     def world_size(self) -> int:

@@ -108,4 +108,12 @@ BATCH_BYTES_PER_RESPONSE_TOKEN = 2 * 8 + 8 * 4
 """Closed form: responses and response_mask int64, and eight fp32 (B, R) tensors (rollout,
 old and ref log-probs, entropy, advantages, returns, token rewards, values or scores)."""
 IMAGE_DECODED_BYTES_PER_PIXEL = 3
-"""Closed form: a decoded RGB uint8 image held until the processor has made its pixel values."""
+"""Closed form: a decoded RGB uint8 image (PIL), held while the processor makes its pixel values."""
+IMAGE_PROCESSING_BYTES_PER_PIXEL = 39
+"""Measured: the working copies of transformers' ``Qwen2VLImageProcessorPil`` (fitrl/data/vision.py,
+``process_images``) while it turns one image into pixel values, per resized pixel, on top of the
+24 B/px of the pixel values it returns: its traced peak (``tracemalloc``; numpy's float32 copies
+for rescaling, normalising and patchifying) minus those, 163.5 MB for a 784 x 5348 and for a
+2048 x 2048 source at max_pixels=4194304, 39.0 B/px both. A source larger than the budget adds
+a float32 copy of itself (12 B per source pixel, before the resize); the plan counts sources at
+the budget. Videos: assumed the same per frame (not measured)."""

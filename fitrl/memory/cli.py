@@ -26,7 +26,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         description="Predict peak GPU memory per device and host memory per node for each phase of a run, "
                     "say whether it fits (GPU <= 90%, host <= 85%), and rank changes that make it fit. "
                     "Needs only the model's config.json (actor.model.path may hold nothing else).")
-    p.add_argument("config", nargs="?", help="YAML config (its `plan:` section: hardware, rollout engine, images)")
+    p.add_argument("config", nargs="?", help="YAML config (its `plan:` section: hardware, rollout engine)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.micro_batch_size=2 or plan.rollout.engine=vllm")
     p.add_argument("--nodes", type=int, help="nodes (default: plan.hardware.nodes, else trainer.nnodes)")
     p.add_argument("--gpus-per-node", type=int,

@@ -17,6 +17,7 @@ The phase modules (:mod:`.trainer`, :mod:`.services`) build :class:`ProcessPlan`
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
-from fitrl.memory.shapes import ModelShape
+from fitrl.memory.shapes import ModelShape, VisualInput
 from fitrl.memory.states import States, frozen_states, lora_states, trained_states
 
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
@@ -260,16 +261,66 @@ class Run:
         b = max(1, budget // self.seq_len) if budget else size
         return min(b, self.seqs_per_rank)
 
-    def image_bytes_per_seq(self) -> int:
-        im = self.cfg.plan.images
-        if not im.per_prompt or self.shape.vision is None:
-            return 0
-        return int(im.per_prompt * self.shape.vision.pixel_values_bytes(im.effective_pixels))
-
     def batch_bytes(self, seqs: int) -> int:
-        """A rollout batch of ``seqs`` sequences as fitrl holds it (closed form, plus pixel values)."""
-        return seqs * (self.seq_len * C.BATCH_BYTES_PER_TOKEN + self.response_len * C.BATCH_BYTES_PER_RESPONSE_TOKEN
-                       + self.image_bytes_per_seq())
+        """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are
+        counted per prompt (:meth:`pixel_values_bytes`), not per sequence."""
+        return seqs * (self.seq_len * C.BATCH_BYTES_PER_TOKEN + self.response_len * C.BATCH_BYTES_PER_RESPONSE_TOKEN)
+
+    # ------------------------------------------------------------------ images (docs/architecture.md, "Memory model")
+    @property
+    def images_per_prompt(self) -> int:
+        """Images one prompt may carry, the worst case ``data.limit_images``, for a
+        vision-language model (its config.json has a vision tower); 0 for a text model."""
+        return self.cfg.data.limit_images if self.shape.vision is not None else 0
+
+    @functools.cached_property
+    def visual(self) -> Optional[VisualInput]:
+        """The largest image the processor makes within ``data.max_pixels`` (the worst case of
+        every image slot; None without images). Videos are not planned: nothing says whether the
+        data has any, and a slot planned as ``data.max_frames`` frames would overstate every
+        image-only run whose ``data.max_pixels`` is small."""
+        v, d = self.shape.vision, self.cfg.data
+        if v is None or not self.images_per_prompt:
+            return None
+        return v.largest_image(d.max_pixels, d.min_pixels)
+
+    def pixel_values_bytes(self, prompts: int) -> int:
+        """The fp32 ``pixel_values`` of ``prompts`` prompts, each with ``images_per_prompt`` of the
+        largest input: per image (patches, 3 * 2 * p * p) fp32, ``patches * 3 * 2 * p * p * 4``
+        bytes (a still image is repeated over the temporal patch of 2)."""
+        return prompts * self.images_per_prompt * self.visual.pixel_values_bytes if self.visual else 0
+
+    def image_processing_bytes(self) -> int:
+        """What making one prompt's pixel values holds besides them
+        (``PromptDataset.multi_modal_inputs``, one prompt at a time): its images decoded to RGB
+        uint8 (3 B per source pixel; sources counted at the ``data.max_pixels`` budget) and the
+        processor's working copies (:data:`~fitrl.memory.calibration.IMAGE_PROCESSING_BYTES_PER_PIXEL`
+        per resized pixel)."""
+        visual = self.visual
+        if visual is None:
+            return 0
+        resized = visual.height * visual.width
+        return self.images_per_prompt * (self.cfg.data.max_pixels * C.IMAGE_DECODED_BYTES_PER_PIXEL
+                                         + resized * C.IMAGE_PROCESSING_BYTES_PER_PIXEL)
+
+    def prompts_received(self, phase: str) -> int:
+        """Prompts whose images one trainer rank receives in ``phase``'s call under Ray (0 in-process,
+        where nothing is pickled). Each rank unpickles its shard of the batch into tensors of its own;
+        pickling keeps one copy of a prompt's images however many of its samples the shard holds
+        (they point at one dict). ``generate`` gets 1/world of the step's prompts; the log-prob and
+        update calls get ``seqs_per_rank`` sequences ordered by length
+        (fitrl/data/balance.py, ``equal_count_shards``), which scatters a prompt's n samples over the
+        ranks: up to one prompt per sequence, at most every prompt of the step."""
+        if not self.fsdp:
+            return 0
+        d = self.cfg.data
+        if phase == "rollout":
+            return -(-d.rollout_batch_size // self.world)
+        if phase == "validation":
+            return -(-d.val_batch_size // self.world)
+        if phase in ("old_logprob", "ref_logprob", "update"):
+            return min(self.seqs_per_rank, d.rollout_batch_size)
+        return 0
 
 
 def role_states(run: Run) -> dict[str, tuple[States, object]]:
@@ -282,7 +333,8 @@ def role_states(run: Run) -> dict[str, tuple[States, object]]:
     if run.lora:  # the frozen base and the adapters; the adapters alone have gradients and AdamW states
         roles["actor"] = (lora_states(run.shape, run.lora.rank, run.lora_targets, n, cfg.actor.model.dtype, pinned), a)
     else:
-        roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pinned), a)
+        roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pinned,
+                                         frozen_vision=cfg.actor.model.freeze_vision_tower), a)
     if run.spec.reference and not run.lora:  # with LoRA the reference is the policy with its adapters off
         r = cfg.ref.fsdp
         dtype = (cfg.ref.model or cfg.actor.model).dtype

@@ -40,13 +40,15 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
 
 
 def _image_notes(run: Run, notes: list[str]) -> None:
-    v, im = run.shape.vision, run.cfg.plan.images
-    if v is None or not im.per_prompt:
+    visual, k = run.visual, run.images_per_prompt
+    if visual is None:
         return
-    px = im.effective_pixels
-    tokens = int(im.per_prompt * v.llm_tokens(px))
-    notes.append(f"images: {px:,} pixels -> {v.patches(px):,} patches, {v.llm_tokens(px):,} LM tokens, "
-                 f"{v.pixel_values_bytes(px) / C.MIB:.0f} MiB of fp32 pixel values each")
+    d = run.cfg.data
+    notes.append(f"images: up to data.limit_images={k} per prompt, each up to data.max_pixels={d.max_pixels:,} -> "
+                 f"{visual.height:,} x {visual.width:,} pixels -> {visual.patches:,} patches, {visual.llm_tokens:,} "
+                 f"LM tokens, {visual.pixel_values_bytes / C.MIB:.0f} MiB of fp32 pixel values (host: x "
+                 f"{d.rollout_batch_size} prompts on the driver, not x rollout.n)")
+    tokens = k * visual.llm_tokens
     if tokens > run.prompt_len:
-        notes.append(f"{im.per_prompt:g} image(s) of {px:,} pixels take {tokens:,} tokens: more than "
-                     f"data.max_prompt_length={run.prompt_len}, so such prompts are dropped")
+        notes.append(f"a prompt with {k} image(s) of the largest size takes {tokens:,} LM tokens, more than "
+                     f"data.max_prompt_length={run.prompt_len:,}: such prompts are dropped")

@@ -1,7 +1,8 @@
 """Recommendations: single changes to the config, ranked by what they cost in speed, each
 re-planned so its effect is a prediction in GiB, not advice.
 
-Every candidate is a list of dotted overrides (``plan.*`` ones change the what-if inputs).
+Every candidate is a list of dotted overrides (``plan.*`` ones change the what-if inputs; the
+rest, ``data.max_pixels`` included, are keys the run applies).
 Those that remove a problem, or are faster and keep the plan fitting, are reported in speed
 order (the cheapest one that fits always among those shown); when no single one fits, the
 cheapest ones are combined greedily until the plan fits. LoRA (``actor.lora.rank=16``) is
@@ -123,10 +124,10 @@ def candidates(plan: Plan) -> list[Change]:
     if not cfg.actor.lora.enabled and e.engine == "hf":
         out.append(Change([("actor.lora.rank", LORA_RANK)], "training change: adapters train, the base is frozen",
                           f"LoRA (actor.lora.rank={LORA_RANK})", only_if_fits=True))
-    im = cfg.plan.images
-    if plan.shape.vision is not None and im.per_prompt and im.max_pixels > 262144:
-        out.append(Change([("plan.images.max_pixels", im.max_pixels // 4)], "lower image resolution (task change)",
-                          f"max_pixels {im.max_pixels:,} -> {im.max_pixels // 4:,}"))
+    d = cfg.data
+    if plan.shape.vision is not None and d.limit_images and d.max_pixels > 262144:
+        out.append(Change([("data.max_pixels", d.max_pixels // 4)], "lower image resolution (task change)",
+                          f"data.max_pixels {d.max_pixels:,} -> {d.max_pixels // 4:,}"))
     return out
 
 

@@ -52,20 +52,36 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
     return ProcessPlan("engine", hw.gpus_per_node // tp, phases), growth
 
 
+def driver_images(run: Run, phase: str) -> int:
+    """Host bytes of images the driver holds in ``phase`` (in-process, the driver is the trainer's
+    process and this is the only copy). ``prompts_batch`` (fitrl/trainer/collect.py) makes each
+    drawn prompt's fp32 ``pixel_values`` (patches, 3 * 2 * p * p), decoding and processing one
+    prompt at a time (:meth:`Run.image_processing_bytes`); the n samples of a prompt share its
+    tensors (one dict per prompt, repeated by reference), so a step holds
+    ``data.rollout_batch_size`` prompts' worth (:meth:`Run.pixel_values_bytes`), not x n. Under
+    Ray ``generate`` returns the rollout with its prompts' images, unpickled here: a second copy
+    until the prompts batch is dropped after the rollout is scored. The later phases of the step
+    hold the rollout batch's copy, counted as long as the token batch is (every phase but load
+    and validation)."""
+    d = run.cfg.data
+    if phase == "load":
+        return 0
+    if phase in ("rollout", "validation"):
+        prompts = d.rollout_batch_size if phase == "rollout" else d.val_batch_size
+        copies = 2 if run.fsdp else 1
+        return copies * run.pixel_values_bytes(prompts) + run.image_processing_bytes()
+    return run.pixel_values_bytes(d.rollout_batch_size)
+
+
 def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
     cfg, hw = run.cfg, run.hw
     seqs_step = cfg.data.rollout_batch_size * cfg.rollout.n
-    im = run.cfg.plan.images
-    decoded = int(im.per_prompt * im.effective_pixels * C.IMAGE_DECODED_BYTES_PER_PIXEL) if run.shape.vision else 0
     driver, node, rank0 = {}, {}, {}
     for ph in PHASES:
         d, n, r0 = Usage(), Usage(), Usage()
         if run.fsdp:  # in-process, the driver is the trainer's process (runtime and batch counted there)
             d.add("host", "runtime", C.DRIVER_RUNTIME)
-        if ph in ("rollout", "validation"):
-            prompts = cfg.data.rollout_batch_size if ph == "rollout" else cfg.data.val_batch_size
-            per_prompt = run.image_bytes_per_seq() + decoded
-            d.add("host", "image buffers", prompts * per_prompt)
+        d.add("host", "image buffers", driver_images(run, ph))
         if ph not in ("load", "validation") and run.fsdp:
             d.add("host", "batch", run.batch_bytes(seqs_step))
         n.add("host", "reward workers", cfg.reward.num_workers * C.REWARD_WORKER_HOST)
@@ -73,7 +89,12 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
             n.add("host", "ray", C.RAY_SYSTEM_HOST)
             if ph != "load":
                 seqs = seqs_step if ph != "validation" else cfg.data.val_batch_size * cfg.rollout.val.n
-                store = min(C.RAY_OBJECT_COPIES * run.batch_bytes(seqs) // hw.nodes,
+                # a call's arguments over 100 KiB go through the object store: the shards of the
+                # token batch (and the ranks' results: RAY_OBJECT_COPIES), and each rank's pickled
+                # images for as long as the call runs; generate's results carry them back again
+                copies = 2 if ph in ("rollout", "validation") else 1
+                images = copies * hw.gpus_per_node * run.pixel_values_bytes(run.prompts_received(ph))
+                store = min(C.RAY_OBJECT_COPIES * run.batch_bytes(seqs) // hw.nodes + images,
                             int(run.cfg.plan.object_store_fraction * hw.host_memory))
                 n.add("host", "object store", store)
         if ph == "load" and run.fsdp and cfg.actor.fsdp.init == "rank0":

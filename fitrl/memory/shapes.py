@@ -2,37 +2,50 @@
 
 The planner never loads weights: a bare ``config.json`` is enough. ``ModelShape.tensors()``
 lists each parameter's name and shape as the transformers modules create them (decoder:
-``qwen2``, ``qwen3``, ``llama``, ``mistral``; vision towers of ``qwen2_vl`` and
-``qwen2_5_vl``), so per-rank shard sizes (FSDP2 pads dim 0 to a multiple of the world size) and
+``qwen2``, ``qwen3``, ``llama``, ``mistral``; vision towers of ``qwen2_vl``, ``qwen2_5_vl`` and
+``qwen3_vl``), so per-rank shard sizes (FSDP2 pads dim 0 to a multiple of the world size) and
 pinned-memory rounding can be computed tensor by tensor. ``tests/test_plan_states.py`` checks
 the totals against real models, tensor for tensor.
+
+Images go through the processor's geometry (:meth:`VisionShape.largest_image`): each side resized
+to a multiple of ``patch * merge`` pixels within the pixel budget, cut into patches of
+``temporal_patch x patch x patch`` pixels, ``merge x merge`` patches per language-model token.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 DECODERS = ("qwen2", "qwen3", "llama", "mistral")
-VISION = ("qwen2_vl", "qwen2_5_vl")
+VISION_DECODER = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+"""Vision-language model types and the decoder family of their language model."""
+VISION = tuple(VISION_DECODER)
+MAX_ASPECT_RATIO = 200
+"""The Qwen-VL processors refuse an image whose long side is more than 200 times its short side."""
 
 
 @dataclass(frozen=True)
 class VisionShape:
-    kind: str             # qwen2_vl | qwen2_5_vl
+    kind: str             # qwen2_vl | qwen2_5_vl | qwen3_vl
     depth: int
     hidden: int           # embed_dim
     intermediate: int     # MLP width
     out_hidden: int       # the language model's hidden size (merger output)
-    patch: int = 14
+    patch: int = 14       # 16 for Qwen3-VL
     temporal_patch: int = 2
     merge: int = 2        # spatial_merge_size: merge x merge patches become one LM token
     in_chans: int = 3
+    positions: int = 0    # qwen3_vl: learned position embeddings (num_position_embeddings)
+    deepstack: int = 0    # qwen3_vl: deepstack mergers (len(deepstack_visual_indexes))
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         e, i, m2 = self.hidden, self.intermediate, self.hidden * self.merge**2
+        if self.kind == "qwen3_vl":
+            return self._qwen3_tensors()
         out = [("visual.patch_embed.proj.weight", (e, self.in_chans, self.temporal_patch, self.patch, self.patch))]
         ln = [(e,), (e,)] if self.kind == "qwen2_vl" else [(e,)]  # LayerNorm (weight, bias) vs RMSNorm
         for b in range(self.depth):
@@ -53,18 +66,87 @@ class VisionShape:
                 ("visual.merger.mlp.2.weight", (self.out_hidden, m2)), ("visual.merger.mlp.2.bias", (self.out_hidden,))]
         return out
 
-    def patches(self, pixels: int) -> int:
-        """Vision-tower tokens of one image of ``pixels`` pixels (after resizing to ``max_pixels``)."""
-        return max(1, pixels // (self.patch * self.patch))
+    def _qwen3_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Qwen3-VL: a biased patch embedding, learned position embeddings, LayerNorm blocks with a
+        plain (fc1, fc2) MLP, the merger, and one more merger per deepstack layer (its LayerNorm
+        over the merged width)."""
+        e, i, m2 = self.hidden, self.intermediate, self.hidden * self.merge**2
+        out = [("visual.patch_embed.proj.weight", (e, self.in_chans, self.temporal_patch, self.patch, self.patch)),
+               ("visual.patch_embed.proj.bias", (e,)), ("visual.pos_embed.weight", (self.positions, e))]
+        for b in range(self.depth):
+            p = f"visual.blocks.{b}."
+            out += [(p + f"{norm}.{k}", (e,)) for norm in ("norm1", "norm2") for k in ("weight", "bias")]
+            out += [(p + "attn.qkv.weight", (3 * e, e)), (p + "attn.qkv.bias", (3 * e,)),
+                    (p + "attn.proj.weight", (e, e)), (p + "attn.proj.bias", (e,)),
+                    (p + "mlp.linear_fc1.weight", (i, e)), (p + "mlp.linear_fc1.bias", (i,)),
+                    (p + "mlp.linear_fc2.weight", (e, i)), (p + "mlp.linear_fc2.bias", (e,))]
+        for prefix, norm in [("visual.merger.", e)] + [(f"visual.deepstack_merger_list.{k}.", m2)
+                                                       for k in range(self.deepstack)]:
+            out += [(prefix + "norm.weight", (norm,)), (prefix + "norm.bias", (norm,)),
+                    (prefix + "linear_fc1.weight", (m2, m2)), (prefix + "linear_fc1.bias", (m2,)),
+                    (prefix + "linear_fc2.weight", (self.out_hidden, m2)),
+                    (prefix + "linear_fc2.bias", (self.out_hidden,))]
+        return out
 
-    def llm_tokens(self, pixels: int) -> int:
-        """Language-model tokens of one image: patches merged ``merge x merge``."""
-        return max(1, self.patches(pixels) // self.merge**2)
+    @property
+    def factor(self) -> int:
+        """Pixels per side of one language-model token: the processor resizes each side to a multiple
+        of it (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+        return self.patch * self.merge
 
-    def pixel_values_bytes(self, pixels: int) -> int:
-        """The processor's fp32 ``pixel_values`` of one image: one row of C*t*p*p values per patch
-        (a still image is repeated over the temporal patch): 24 bytes per pixel for Qwen2-VL."""
-        return self.patches(pixels) * self.in_chans * self.temporal_patch * self.patch * self.patch * 4
+    def largest_image(self, max_pixels: int, min_pixels: int = 0) -> "VisualInput":
+        """The largest image the processor can emit within ``max_pixels``. transformers'
+        ``smart_resize`` makes each side a multiple of ``f = patch * merge`` with at most
+        ``max_pixels`` (and at least ``min_pixels``) pixels; an image already ``a*f x b*f`` with
+        ``a*b*f*f <= max_pixels`` passes unchanged and no other comes out larger, so the worst case
+        is the largest ``a*b <= max_pixels // f**2`` whose aspect ratio the processor accepts (the
+        most square such pair). 4 MP at f=28: 28 x 191 tokens (5,348 of them; a square 2048 x 2048
+        image becomes 73 x 73 = 5,329)."""
+        f = self.factor
+        n = max(1, max_pixels // (f * f), -(-min_pixels // (f * f)))
+        for cells in range(n, 0, -1):
+            a = next((a for a in range(math.isqrt(cells), 0, -1)
+                      if cells % a == 0 and cells // a <= MAX_ASPECT_RATIO * a), None)
+            if a is not None:
+                return VisualInput(self, 1, a * f, cells // a * f)
+        raise AssertionError("unreachable: a 1 x 1 grid is always accepted")
+
+
+@dataclass(frozen=True)
+class VisualInput:
+    """One image (``frames=1``; a video has more) as the processor hands it to the model: frames of
+    ``height x width`` pixels (multiples of ``patch * merge``) cut into patches of
+    ``temporal_patch x patch x patch`` pixels. A still image is one frame repeated over the temporal
+    patch, so its ``pixel_values`` hold every pixel twice (Qwen2-VL's processor, ``patchify``)."""
+    vision: VisionShape
+    frames: int
+    height: int
+    width: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """``image_grid_thw``: (frames / temporal patch, rounded up; rows; columns) of patches."""
+        v = self.vision
+        return -(-self.frames // v.temporal_patch), self.height // v.patch, self.width // v.patch
+
+    @property
+    def patches(self) -> int:
+        """Vision-tower tokens: the rows of ``pixel_values``."""
+        t, h, w = self.grid
+        return t * h * w
+
+    @property
+    def llm_tokens(self) -> int:
+        """Language-model tokens (image pad tokens in the prompt): patches merged ``merge x merge``."""
+        return self.patches // self.vision.merge**2
+
+    @property
+    def pixel_values_bytes(self) -> int:
+        """The processor's fp32 ``pixel_values``, (patches, C * t * p * p): for a still image
+        ``patches * 3 * 2 * 14 * 14 * 4`` bytes = 24 bytes per resized pixel (Qwen2/2.5-VL; the
+        same per pixel for Qwen3-VL's 16 x 16 patches)."""
+        v = self.vision
+        return self.patches * v.in_chans * v.temporal_patch * v.patch * v.patch * 4
 
 
 @dataclass(frozen=True)
@@ -109,12 +191,19 @@ class ModelShape:
                 vision = VisionShape(mt, v["depth"], e, int(e * v.get("mlp_ratio", 4)), v.get("hidden_size", h),
                                      v.get("patch_size", 14), v.get("temporal_patch_size", 2),
                                      v.get("spatial_merge_size", 2), v.get("in_chans", v.get("in_channels", 3)))
+            elif mt == "qwen3_vl":  # transformers' Qwen3VLVisionConfig defaults
+                vision = VisionShape(mt, v.get("depth", 27), v.get("hidden_size", 1152),
+                                     v.get("intermediate_size", 4304), v.get("out_hidden_size", h),
+                                     v.get("patch_size", 16), v.get("temporal_patch_size", 2),
+                                     v.get("spatial_merge_size", 2),
+                                     v.get("in_channels", 3), v.get("num_position_embeddings", 2304),
+                                     len(v.get("deepstack_visual_indexes", (8, 16, 24))))
             else:
                 vision = VisionShape(mt, v["depth"], v["hidden_size"], v["intermediate_size"],
                                      v.get("out_hidden_size", h), v.get("patch_size", 14),
                                      v.get("temporal_patch_size", 2), v.get("spatial_merge_size", 2),
                                      v.get("in_chans", v.get("in_channels", 3)))
-        family = "qwen2" if mt in VISION else mt
+        family = VISION_DECODER.get(mt, mt)
         return cls(
             model_type=mt, hidden=h, layers=text["num_hidden_layers"], heads=heads,
             kv_heads=text.get("num_key_value_heads") or heads,
@@ -196,7 +285,7 @@ class ModelShape:
 
     def text_config(self, layers: Optional[int] = None) -> dict[str, Any]:
         """A plain decoder config of the same text shape (for tracing; ``layers`` overrides the depth)."""
-        family = "qwen2" if self.model_type in VISION else self.model_type
+        family = VISION_DECODER.get(self.model_type, self.model_type)
         return dict(model_type=family, hidden_size=self.hidden, num_hidden_layers=layers or self.layers,
                     num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
                     intermediate_size=self.intermediate, vocab_size=self.vocab, tie_word_embeddings=self.tied,

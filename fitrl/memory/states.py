@@ -59,17 +59,20 @@ class States:
 
 
 def trained_states(shape: ModelShape, world: int = 1, dtype: str = "float32", pinned: bool = False,
-                   with_vision: bool = True) -> States:
+                   with_vision: bool = True, frozen_vision: bool = False) -> States:
     """A trained role (actor, critic): weights and gradients in ``dtype``, fp32 AdamW moments.
 
     With ``pinned`` (FSDP2 CPUOffloadPolicy on CUDA) weights and gradients are pinned host
     tensors, rounded per tensor; AdamW's states are created by ``zeros_like`` of the weights
-    (pageable), so they are not.
+    (pageable), so they are not. ``frozen_vision`` (``actor.model.freeze_vision_tower``): the
+    vision tower keeps its weights but has no gradients, and the optimizer (built over the
+    parameters that require grad) no states for it.
     """
     shapes = [s for _, s in shape.tensors(with_vision)]
+    trained = [s for _, s in shape.tensors(with_vision and not frozen_vision)]
     b = DTYPE_BYTES[dtype]
-    return States(params=tensors_bytes(shapes, b, world, pinned), grads=tensors_bytes(shapes, b, world, pinned),
-                  optimizer=tensors_bytes(shapes, 8, world) + ADAM_STEP_BYTES * len(shapes))
+    return States(params=tensors_bytes(shapes, b, world, pinned), grads=tensors_bytes(trained, b, world, pinned),
+                  optimizer=tensors_bytes(trained, 8, world) + ADAM_STEP_BYTES * len(trained))
 
 
 def lora_states(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str], world: int = 1,

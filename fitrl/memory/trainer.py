@@ -32,18 +32,33 @@ def _logits_part(run: Run, batch: int, grad: bool) -> int:
 
 
 def _vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool) -> int:
-    """Vision tower (analytic: the per-layer activation formula of docs/architecture.md, "Memory model", at
-    its width): per patch token and block ``12e + 8I`` bytes-in-dtype without checkpointing, ``2e`` with
-    it; one block's working set without grad."""
-    v, im = run.shape.vision, run.cfg.plan.images
-    if v is None or not im.per_prompt:
+    """The vision tower over a micro-batch's images (analytic: the per-layer activation formula of
+    docs/architecture.md, "Memory model", at the tower's width e and MLP width I). Every sequence
+    brings its prompt's images (the forward concatenates each sample's pixel values, shared prompt
+    or not): ``seqs * images_per_prompt * patches`` tokens. Per token, in the compute dtype: saved for
+    backward ``(12e + 8I)`` per block, or with checkpointing ``2e`` per block plus one block's
+    ``12e + 8I`` recomputed in backward; without grad (log-probs, generation, or a frozen tower,
+    ``actor.model.freeze_vision_tower``, whose forward autograd does not record) one block's working
+    set ``4e + 2I``."""
+    v, visual = run.shape.vision, run.visual
+    if visual is None:
         return 0
-    tokens = seqs * im.per_prompt * v.patches(im.effective_pixels)
+    tokens = seqs * run.images_per_prompt * visual.patches
     b = DTYPE_BYTES[run.compute_dtype]
-    if not grad:
-        return int(tokens * (4 * v.hidden + 2 * v.intermediate) * b)
-    per = 2 * v.hidden if checkpointing else 12 * v.hidden + 8 * v.intermediate
-    return int(tokens * per * b * v.depth)
+    block = 12 * v.hidden + 8 * v.intermediate
+    if not grad or run.cfg.actor.model.freeze_vision_tower:
+        return tokens * (4 * v.hidden + 2 * v.intermediate) * b
+    if checkpointing:
+        return tokens * (2 * v.hidden * v.depth + block) * b
+    return tokens * block * v.depth * b
+
+
+def _micro_images(run: Run, seqs: int) -> int:
+    """A forward's pixel values: ``concat_multi_modal`` (fitrl/models/families/qwen_vl.py)
+    concatenates the micro-batch's ``seqs`` samples' fp32 ``pixel_values`` (a copy per sample, shared
+    prompt or not) and moves them to the device (on CUDA via a host tensor of the same size, freed
+    after the copy)."""
+    return seqs * run.images_per_prompt * run.visual.pixel_values_bytes if run.visual else 0
 
 
 def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
@@ -78,11 +93,13 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
             u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",
                   st.optimizer)
         seqs = run.seqs_per_rank
+        # under Ray each call's shard arrives pickled: the pixel values of the prompts it touches,
+        # this process's own copy (in-process the driver's copy is the only one: counted there)
+        u.add("host", "image buffers", run.pixel_values_bytes(run.prompts_received(ph)))
         if ph in ("old_logprob", "ref_logprob", "update"):
             u.add("host", "batch", run.batch_bytes(seqs))
             if cuda:  # the rank's token tensors go to the device; pixel values one micro-batch at a time
-                u.add("gpu", "batch", run.batch_bytes(seqs) - seqs * run.image_bytes_per_seq())
-                u.add("gpu", "image buffers", run.micro(cfg.actor.logprob_micro_batch_size) * run.image_bytes_per_seq())
+                u.add("gpu", "batch", run.batch_bytes(seqs))
         slack = C.GPU_ALLOCATOR_SLACK if cuda else C.CPU_ALLOCATOR_SLACK
         if ph in ("old_logprob", "ref_logprob", "update"):
             grad = ph == "update"
@@ -90,6 +107,9 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
             size = cfg.actor.micro_batch_size if grad else (
                 cfg.ref.logprob_micro_batch_size if ref_model else cfg.actor.logprob_micro_batch_size)
             b = run.micro(size)
+            u.add(dev, "image buffers", _micro_images(run, b))
+            if cuda:
+                u.add("host", "image buffers", _micro_images(run, b))
             dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.fsdp else None
             tr = _trace(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
                         adapters=ph != "ref_logprob",
@@ -171,7 +191,11 @@ def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
     if run.fsdp:  # gathered_for_generation: the full weights for the whole call
         u.add(dev, "gathered weights", (shape.num_params + _adapters(run)[1]) * cb)
     u.add(dev, "kv cache", b * run.seq_len * shape.kv_bytes_per_token(cb))
+    u.add(dev, "image buffers", _micro_images(run, b))  # a generate call's pixel values, one row per sequence
+    if run.cuda:
+        u.add("host", "image buffers", _micro_images(run, b))
     prefill = _trace(run, "prefill", b, run.prompt_len) - b * run.prompt_len * shape.kv_bytes_per_token(cb)
+    prefill += _vision_activations(run, b, grad=False, checkpointing=False)  # the prefill encodes the images
     # SampleAndRecord: the fp32 scores, the tempered copy, the pending log-softmax, top-k/top-p copies
     sampling = b * shape.vocab * 4 * (4 + 5 * (cfg.rollout.top_p < 1.0))
     u.add(dev, "activations", max(prefill, sampling))

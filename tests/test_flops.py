@@ -199,3 +199,45 @@ def test_short_run_logs_perf(tiny_model_dir, tmp_path, monkeypatch):
         assert step[key] > 0, key
     assert step["perf/mfu"] < 1
     assert (tmp_path / "xdg" / "fitrl" / "peak_flops.json").is_file()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_tower_macs_equal_its_weights_per_patch(tmp_path, arch):
+    """Without attention, a patch costs one MAC per weight of the patch embedding and the blocks'
+    linears, and a merged token one per weight of each merger: counted on the real tiny towers."""
+    from fitrl.models.families.qwen_vl import backbone
+    from fitrl.models.tiny import make_tiny_model
+    from transformers import AutoModelForImageTextToText
+
+    path = make_tiny_model(tmp_path / arch, arch=arch)
+    visual = backbone(AutoModelForImageTextToText.from_pretrained(path)).visual
+    v = FlopsShape.from_config(json.loads((path / "config.json").read_text())).vision
+    per_patch = sum(m.weight.numel() for n, m in visual.named_modules()
+                    if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d)) and "merger" not in n)
+    per_merged = sum(m.weight.numel() for n, m in visual.named_modules() if isinstance(m, torch.nn.Linear) and "merger" in n)
+    patches = 64
+    attended = [patches] * v.depth if v.window_patches is None else None
+    attention = 2 * patches * v.hidden * sum(attended) if attended else None
+    if attention is None:  # qwen2_5_vl: one full-attention block, the other windowed
+        window = min(patches, v.window_patches)
+        attention = 2 * patches * v.hidden * (patches * v.full_attention_blocks + window * (v.depth - v.full_attention_blocks))
+    assert v.forward_flops(patches) == 2 * (patches * per_patch + patches // 4 * per_merged) + 2 * attention
+
+
+@pytest.mark.parametrize("frozen,factor", [(False, 3), (True, 1)])
+def test_step_perf_counts_the_vision_tower_over_each_sequences_images(tmp_path, frozen, factor):
+    from fitrl.models.tiny import make_tiny_model
+    from fitrl.trainer.perf import StepPerf, image_patches
+
+    path = make_tiny_model(tmp_path / "vl", arch="qwen2_5_vl")
+    batch = _rollout_batch([4, 2], [3, 1])
+    batch.fields["multi_modal_inputs"] = [{"image_grid_thw": torch.tensor([[1, 4, 4], [1, 2, 4]])}, None]
+    assert image_patches(batch) == [[16, 8], []]
+    cfg = toy_config(path, "unused", "trainer.peak_flops=1e9", f"actor.model.freeze_vision_tower={frozen}")
+    m = StepPerf(cfg).metrics(batch, {"rollout": [([4, 2], [3, 1])]}, {"rollout": 1.0, "old_logprob": 1.0,
+                                                                          "update": 1.0})
+    shape = FlopsShape.from_config(json.loads((path / "config.json").read_text()))
+    text = shape.forward_flops(4, 3) + shape.forward_flops(2, 1)
+    vision = shape.vision_flops([16, 8])
+    # rollout and old log-prob: one forward each; the update: 3x the text, factor x the tower
+    assert m["perf/step_flops"] == pytest.approx(2 * (text + vision) + 3 * text + factor * vision)

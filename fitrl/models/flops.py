@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
-VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,10 @@ class VisionFlopsShape:
     down), ``out_hidden_size`` (merger output), ``window_size`` (pixels) and
     ``fullatt_block_indexes``: the other blocks attend within windows of
     ``(window_size / patch_size)^2`` patches.
-    Both: ``patch_size`` 14, ``temporal_patch_size`` 2, ``spatial_merge_size`` 2 (2 x 2 patches
+    ``qwen3_vl``: ``hidden_size``, ``intermediate_size`` (MLP = fc1, fc2), ``out_hidden_size``,
+    ``patch_size`` 16, and one more merger per ``deepstack_visual_indexes`` entry (their outputs
+    are added to the first decoder layers' hidden states); every block attends over the image.
+    All: ``patch_size`` 14 (16), ``temporal_patch_size`` 2, ``spatial_merge_size`` 2 (2 x 2 patches
     become one language-model token through a 2-layer MLP merger), ``in_chans`` 3.
     """
 
@@ -63,6 +66,7 @@ class VisionFlopsShape:
     in_chans: int = 3
     window_patches: Optional[int] = None  # qwen2_5_vl: patches per attention window
     full_attention_blocks: int = 0         # qwen2_5_vl: blocks attending over the whole image
+    mergers: int = 1                       # qwen3_vl: 1 + its deepstack mergers
 
     @property
     def gated_mlp(self) -> bool:
@@ -84,7 +88,7 @@ class VisionFlopsShape:
         attention = sum(2 * a * e for a in attended)  # Q.K^T and A.V: a keys x e per patch
         merged = patches // m2
         merger = (e * m2) * (e * m2) + (e * m2) * self.out_hidden
-        macs = patches * (embed + self.depth * block_linear) + patches * attention + merged * merger
+        macs = patches * (embed + self.depth * block_linear) + patches * attention + self.mergers * merged * merger
         return 2 * macs
 
 
@@ -181,6 +185,10 @@ def _vision_shape(model_type: str, v: dict[str, Any], text_hidden: int) -> Visio
         e = v.get("embed_dim", 1280)
         return VisionFlopsShape(model_type, v["depth"], e, int(e * v.get("mlp_ratio", 4)),
                                 v.get("hidden_size", text_hidden), **common)
+    if model_type == "qwen3_vl":
+        return VisionFlopsShape(model_type, v["depth"], v["hidden_size"], v["intermediate_size"],
+                                v.get("out_hidden_size", text_hidden), **common,
+                                mergers=1 + len(v.get("deepstack_visual_indexes", [])))
     window = v.get("window_size")
     return VisionFlopsShape(model_type, v["depth"], v["hidden_size"], v["intermediate_size"],
                             v.get("out_hidden_size", text_hidden), **common,

@@ -11,7 +11,8 @@ policy's ``config.json`` (:mod:`fitrl.models.flops`), the device peak from
 - update: (prompt + response tokens) x ``actor.ppo_epochs`` / ``time/update``;
 - overall: the step batch's prompt + response tokens / ``time/step``, and MFU = the model FLOPs
   of the rollout (ReMax's greedy baseline included), log-prob and update phases / (``time/step``
-  x peak x devices). The critic's phases take time but their FLOPs are not counted.
+  x peak x devices). The critic's phases take time but their FLOPs are not counted. A
+  vision-language model's tower is counted over each sequence's image patches.
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ def sequence_lengths(batch: Batch) -> Lengths:
     return [int(x) for x in prompt.tolist()], [int(x) for x in response.sum(-1).tolist()]
 
 
+def image_patches(batch: Batch) -> list[list[int]]:
+    """Vision-tower patches of each image and video of every sequence (a VL rollout's per-prompt
+    ``multi_modal_inputs``: t x h x w of each grid); empty lists for text."""
+    if "multi_modal_inputs" not in batch:
+        return [[] for _ in range(len(batch))]
+    out = []
+    for mm in batch["multi_modal_inputs"]:
+        grids = [mm[k] for k in ("image_grid_thw", "video_grid_thw") if mm is not None and mm.get(k) is not None]
+        out.append([int(g.prod()) for grid in grids for g in grid])
+    return out
+
+
 def compute_dtype(cfg: FitrlConfig) -> str:
     """The dtype the policy's matmuls run in: bf16 under FSDP2 mixed precision, else its weights'."""
     if cfg.trainer.backend == "ray" and cfg.actor.fsdp.mixed_precision:
@@ -63,6 +76,7 @@ class StepPerf:
         if self.shape is None:
             log.warning("perf/mfu not logged: no FLOPs formula for %s (%s)", cfg.actor.model.path, why)
         self.lora = cfg.actor.lora.enabled
+        self.frozen_tower = cfg.actor.model.freeze_vision_tower
         self.ppo_epochs = cfg.actor.ppo_epochs
         self.recompute_old_logprob = cfg.algorithm.recompute_old_logprob
         self.devices = cfg.world_size
@@ -114,6 +128,16 @@ class StepPerf:
             "update": (self.ppo_epochs * self.shape.batch_training_flops(prompt, response, lora=self.lora)
                        if "update" in times else 0),
         }
+        # a VL model's tower encodes every sequence's images in each pass (the rollout too: the n
+        # samples of a prompt are generated as n sequences). In the update: frozen, forward only
+        # (nothing upstream of it needs a gradient); LoRA, forward + activation gradients (2x);
+        # trained, forward + backward (3x)
+        vision = sum(self.shape.vision_flops(p) for p in image_patches(batch))
+        if vision:
+            phase_flops["rollout"] += vision
+            phase_flops["logprob"] += logprob_passes * vision
+            if phase_flops["update"]:
+                phase_flops["update"] += self.ppo_epochs * vision * (1 if self.frozen_tower else 2 if self.lora else 3)
         baseline = sum(self.shape.batch_forward_flops(p, r) for p, r in generated.get("baseline_rollout", []))
         total = sum(phase_flops.values()) + baseline
         m["perf/flops_per_token"] = forward / tokens

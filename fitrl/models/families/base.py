@@ -90,4 +90,23 @@ class ModelInputs:
 TEXT_INPUTS = ModelInputs()
 
 
+def auto_builders(auto_class: str, model: ModelConfig, **config_kwargs: Any) -> tuple[Builder, Builder]:
+    """``(from_pretrained, from_config)`` through the transformers auto class named ``auto_class``
+    (``AutoModelForCausalLM``, ``AutoModelForImageTextToText``, ...), in ``model.dtype`` with its
+    attention kernel; ``config_kwargs`` change the loaded config (a value head's ``num_labels``).
+    transformers is imported here: importing the family registry stays cheap."""
+    import transformers
+
+    cls = getattr(transformers, auto_class)
+    kwargs = dict(dtype=DTYPES[model.dtype], attn_implementation=model.attn_implementation)
+
+    def from_pretrained() -> nn.Module:
+        return cls.from_pretrained(model.path, local_files_only=True, **config_kwargs, **kwargs)
+
+    def from_config() -> nn.Module:
+        config = transformers.AutoConfig.from_pretrained(model.path, local_files_only=True, **config_kwargs)
+        return cls.from_config(config, **kwargs)
+    return from_pretrained, from_config
+
+
 MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family", "actor.model.family")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fitrl.config.schema import ModelConfig
-from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, ModelFamily
+from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, ModelFamily, auto_builders
 
 
 class CausalLMFamily(ModelFamily):
@@ -19,7 +19,7 @@ class CausalLMFamily(ModelFamily):
 
     def builders(self, head: str, model: ModelConfig) -> tuple[Builder, Builder]:
         if head == "causal_lm":
-            return _causal_lm_builders(model)
+            return auto_builders("AutoModelForCausalLM", model)
         if head == "value":
             return _value_model_builders(model)
         raise ValueError(f"unknown model head {head!r}; valid: {', '.join(HEADS)}")
@@ -34,21 +34,6 @@ class CausalLMFamily(ModelFamily):
 
 CAUSAL_LM = CausalLMFamily()
 MODEL_FAMILIES.add(CAUSAL_LM.name, CAUSAL_LM)
-
-
-# transformers is imported inside the builders: importing the family registry stays cheap.
-def _causal_lm_builders(model: ModelConfig) -> tuple[Builder, Builder]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(dtype=DTYPES[model.dtype], attn_implementation=model.attn_implementation)
-
-    def from_pretrained() -> nn.Module:
-        return AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, **kwargs)
-
-    def from_config() -> nn.Module:
-        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
-        return AutoModelForCausalLM.from_config(config, **kwargs)
-    return from_pretrained, from_config
 
 
 def _value_model_builders(model: ModelConfig) -> tuple[Builder, Builder]:

@@ -31,7 +31,7 @@ from torch import nn
 
 from fitrl.config.schema import ModelConfig
 from fitrl.core.padding import position_ids_from_mask
-from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, ModelFamily, ModelInputs
+from fitrl.models.families.base import HEADS, MODEL_FAMILIES, Builder, ModelFamily, ModelInputs, auto_builders
 from fitrl.models.vl_types import VISION_LANGUAGE_TYPES
 
 
@@ -117,7 +117,7 @@ class QwenVLFamily(ModelFamily):
 
     def builders(self, head: str, model: ModelConfig) -> tuple[Builder, Builder]:
         if head == "causal_lm":
-            load, build = _policy_builders(model)
+            load, build = auto_builders("AutoModelForImageTextToText", model)
         elif head == "value":
             load, build = _value_builders(model)
         else:
@@ -144,20 +144,6 @@ QWEN_VL = QwenVLFamily()
 MODEL_FAMILIES.add(QWEN_VL.name, QWEN_VL)
 
 
-def _policy_builders(model: ModelConfig) -> tuple[Builder, Builder]:
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    kwargs = dict(dtype=DTYPES[model.dtype], attn_implementation=model.attn_implementation)
-
-    def from_pretrained() -> nn.Module:
-        return AutoModelForImageTextToText.from_pretrained(model.path, local_files_only=True, **kwargs)
-
-    def from_config() -> nn.Module:
-        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
-        return AutoModelForImageTextToText.from_config(config, **kwargs)
-    return from_pretrained, from_config
-
-
 class QwenVLValueModel(nn.Module):
     """The critic: the multimodal backbone (vision tower + decoder, no lm_head) and a one-output
     linear ``score`` head on the last hidden states; ``forward(...).logits`` is (B, T, 1) as a
@@ -179,19 +165,10 @@ class QwenVLValueModel(nn.Module):
 
 
 def _value_builders(model: ModelConfig) -> tuple[Builder, Builder]:
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    kwargs = dict(dtype=DTYPES[model.dtype], attn_implementation=model.attn_implementation)
+    load, build = auto_builders("AutoModelForImageTextToText", model)
 
     def wrap(policy: nn.Module) -> nn.Module:
+        # the score head starts random (seeded by the critic worker), as a token-classification head would
         inner = backbone(policy)
         return QwenVLValueModel(inner, inner.config.text_config.hidden_size)
-
-    def from_pretrained() -> nn.Module:
-        # the score head starts random (seeded by the critic worker), as a token-classification head would
-        return wrap(AutoModelForImageTextToText.from_pretrained(model.path, local_files_only=True, **kwargs))
-
-    def from_config() -> nn.Module:
-        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
-        return wrap(AutoModelForImageTextToText.from_config(config, **kwargs))
-    return from_pretrained, from_config
+    return (lambda: wrap(load())), (lambda: wrap(build()))

@@ -70,3 +70,15 @@ def test_vl_resume_continues_exactly(vl_models, tmp_path):
     want = [h["reward/mean"] for h in straight][2:]
     got = [h["reward/mean"] for h in resumed][-2:]
     assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_lora_on_a_vl_policy_with_the_base_as_reference(vl_models, tmp_path):
+    from fitrl.trainer.run import train
+
+    run_dir = tmp_path / "run"
+    train(shapes_config(vl_models["qwen2_5_vl"], run_dir, "trainer.max_steps=2", "actor.lora.rank=4",
+                        "algorithm.use_kl_loss=true", "checkpoint.save_freq=2"))
+    steps = [r for r in read_metrics(run_dir) if "reward/mean" in r]
+    assert steps[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and steps[1]["actor/kl_loss"] > 0
+    assert all(r["rollout/logprob_diff_mean"] < 1e-5 for r in steps)
+    assert (run_dir / "checkpoints" / "step_2").is_dir()

@@ -12,7 +12,6 @@ from fitrl.models.families.qwen_vl import backbone, concat_multi_modal
 from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker
 from helpers import toy_config
 
-ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 BATCH = ["data.rollout_batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
          "trainer.device=cpu", "actor.optim.lr=1e-3", "actor.optim.warmup_steps=0"]
 
@@ -44,7 +43,9 @@ def vl_prompts(tokenizer, config, grids_per_prompt, seed=0):
 GRIDS = [[], [(1, 4, 4)], [(1, 2, 4), (1, 4, 2), (1, 4, 4)], [(1, 2, 2)]]  # 0, 1, 3 and 1 images
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=[
+    "qwen2_5_vl",  # the fast tier runs one family; the other two run in the slow tier (make test)
+    pytest.param("qwen2_vl", marks=pytest.mark.slow), pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def vl_dir(request, tmp_path_factory):
     from fitrl.models.tiny import make_tiny_model
 

@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- build the venv, make a tiny local model, run GRPO on the toy task
+#   make demo-vl -- the same with a tiny vision-language model on pictures of shapes (CPU, minutes)
 #   make test   -- build the venv, run the test suite (what CI runs)
 #   make test-fast -- the fast tier: unit and single-process tests, about a minute
 PYTHON ?= python3
@@ -7,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fitrl-installed
 
-.PHONY: demo test test-fast bench install browser clean
+.PHONY: demo demo-vl test test-fast bench install browser clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,9 @@ browser:
 
 demo: $(STAMP)
 	$(BIN)/fitrl demo
+
+demo-vl: $(STAMP)
+	$(BIN)/fitrl demo --vl
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q

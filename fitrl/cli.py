@@ -14,7 +14,13 @@ from pathlib import Path
 
 from fitrl.core.errors import Interrupted, RunStopped, UserError, WorkerFailed  # standard library only
 
-DEMO_CONFIG = "examples/arith.yaml"  # its paths are relative to the repository root
+# `fitrl demo` variants: the config (its paths are relative to the repository root), the arch of
+# the tiny model it builds when missing, and what writes the data when a data file is missing
+# ("module:function(out_dir, seed)"; None: the data is committed only).
+DEMOS = {
+    "text": ("examples/arith.yaml", "qwen2", None),
+    "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "fitrl.data.toy_images:write_shapes_data"),
+}
 
 
 def _load(config: str | None, overrides: list[str]):
@@ -32,11 +38,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Make the tiny model if missing, train GRPO on the toy task, judge the reward curve."""
+    """Make the tiny model (and the data) if missing, train GRPO on the toy task, judge the reward curve."""
+    config, arch, write_data = DEMOS["vl" if args.vl else "text"]
     root = Path(__file__).resolve().parent.parent
-    if not Path(DEMO_CONFIG).is_file() and (root / DEMO_CONFIG).is_file():
+    if not Path(config).is_file() and (root / config).is_file():
         os.chdir(root)  # the demo's data and model paths are relative to the repository root
-    cfg = _load(DEMO_CONFIG, args.overrides)
+    cfg = _load(config, args.overrides)
     from rich.console import Console
 
     from fitrl.models.tiny import make_tiny_model
@@ -45,8 +52,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     model_dir = Path(cfg.actor.model.path)
     if not (model_dir / "config.json").is_file():
-        console.print(f"making a tiny random-initialised qwen2 model in {model_dir} (nothing is downloaded)")
-        make_tiny_model(model_dir, arch="qwen2", size="tiny", seed=cfg.trainer.seed)
+        console.print(f"making a tiny random-initialised {arch} model in {model_dir} (nothing is downloaded)")
+        make_tiny_model(model_dir, arch=arch, size="tiny", seed=cfg.trainer.seed)
+    data_files = [Path(f) for f in cfg.data.train_files + cfg.data.val_files]
+    if write_data and not all(f.exists() for f in data_files):
+        import importlib
+
+        module, name = write_data.split(":")
+        console.print(f"writing the toy data to {data_files[0].parent} ({write_data})")
+        getattr(importlib.import_module(module), name)(data_files[0].parent, seed=0)
     history = train(cfg, console)
     verdict = judge_rise([h["reward/mean"] for h in history])
     console.print(verdict["message"], highlight=False)
@@ -104,13 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=20 actor.optim.lr=1e-5")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("demo", help="GRPO on the toy arithmetic task with a tiny local model (CPU, minutes)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith.yaml")
+    p = sub.add_parser("demo", help="GRPO on a toy task with a tiny local model (CPU, minutes): arithmetic, "
+                                     "or with --vl questions about pictures")
+    p.add_argument("--vl", action="store_true", help="a tiny vision-language model (Qwen2.5-VL architecture) on "
+                                                     "pictures of shapes: examples/shapes_vl.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith.yaml (--vl: examples/shapes_vl.yaml)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("make-tiny-model", help="write a random-initialised HF model + locally trained tokenizer")
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
+                   help="qwen2_vl, qwen2_5_vl, qwen3_vl: vision-language (sizes tiny, small), with the image "
+                        "processor's files")
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny_model)

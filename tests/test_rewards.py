@@ -12,6 +12,7 @@ import torch
 
 import fitrl.rewards.answers
 import fitrl.rewards.arith
+import fitrl.rewards.choice
 import fitrl.rewards.functions
 import fitrl.rewards.rules
 from fitrl.config.schema import ConfigError, RewardConfig
@@ -25,7 +26,7 @@ def reward_cfg(function, kwargs=None, **options):
 
 
 @pytest.mark.parametrize("module", [fitrl.rewards.arith, fitrl.rewards.answers, fitrl.rewards.rules,
-                                    fitrl.rewards.functions], ids=lambda m: m.__name__)
+                                    fitrl.rewards.functions, fitrl.rewards.choice], ids=lambda m: m.__name__)
 def test_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

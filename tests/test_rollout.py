@@ -74,6 +74,16 @@ def test_top_k_and_top_p_restrict_the_support():
     assert torch.isfinite(p[0, :2]).all() and torch.isinf(p[0, 2:]).all()
 
 
+def test_never_generate_ids_are_not_sampled_but_logprobs_stay_the_full_distributions():
+    # a Qwen-VL policy's image pad / vision markers (ModelInputs.never_generate): one in a response
+    # would be read as an image the sample does not have
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    rec = SampleAndRecord(SamplingConfig(temperature=0.0), never_ids=[0])
+    out = rec(torch.zeros(1, 1, dtype=torch.long), scores.clone())
+    assert out.argmax(-1).item() == 1 and torch.isinf(out[0, 0])
+    assert torch.allclose(rec.pending, torch.log_softmax(scores, -1))
+
+
 def test_chunked_logprobs_equal_unchunked():
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50)

@@ -24,10 +24,12 @@ from typing import Any, Callable
 
 from fitrl.core.errors import ConfigError, UserError
 from fitrl.rewards.arith import arith_reward
+from fitrl.rewards.choice import choice_reward
 from fitrl.rewards.rules import math_reward, r1v_reward, think_format_reward
 
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "arith": arith_reward,
+    "choice": choice_reward,
     "math": math_reward,
     "r1v": r1v_reward,
     "think_format": think_format_reward,

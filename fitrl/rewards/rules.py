@@ -11,6 +11,7 @@ import re
 from typing import Any, Optional
 
 from fitrl.rewards.answers import extract_final_answer, extract_tag, same_answer
+from fitrl.rewards.choice import normalise_choice
 
 # Both parts must say something: an empty <think></think> or <answer></answer> earns no format credit.
 _THINK_THEN_REST = re.compile(r"\s*<think>(.*?)</think>(.*)", re.DOTALL)
@@ -101,12 +102,16 @@ def final_answer(reward: str, response: str, kwargs: Optional[dict[str, Any]] = 
 
     >>> final_answer("arith", " 7 "), final_answer("math", r"so \boxed{4}."), final_answer("r1v", "<answer>B</answer>")
     ('7', '4', 'B')
+    >>> final_answer("choice", " Red.")
+    'red'
     >>> final_answer("math", "no answer here") is None, final_answer("my.py:fn", "just 12")
     (True, 'just 12')
     """
     kwargs = kwargs or {}
     if reward == "arith":
         return response.strip() or None
+    if reward == "choice":
+        return normalise_choice(response) or None
     if reward == "math":
         body = _split_think(response)[1] if kwargs.get("think") else response
         return extract_final_answer(body)

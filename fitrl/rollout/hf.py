@@ -133,8 +133,10 @@ class HFRollout(RolloutEngine):
                     GUARD.check(collective=False)
                     sl = slice(start, start + self.micro_batch_size)
                     ids = prompt_ids[sl].to(device)
-                    extra = self.inputs.generate_extra(ids, seqs.index(sl), device)  # images of these prompts
-                    r, lp = self._generate_micro(ids, prompt_mask[sl].to(device), sampling, extra)
+                    # the micro-batch's images (one concatenated copy per sequence), made in the
+                    # call so that they are freed before the next micro-batch makes its own
+                    r, lp = self._generate_micro(ids, prompt_mask[sl].to(device), sampling,
+                                                 self.inputs.generate_extra(ids, seqs.index(sl), device))
                     responses.append(r)
                     logprobs.append(lp)
         finally:

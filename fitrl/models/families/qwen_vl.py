@@ -51,14 +51,19 @@ def backbone(model: nn.Module) -> nn.Module:
     return inner
 
 
-def concat_multi_modal(per_sample: Optional[list], device: torch.device) -> dict[str, torch.Tensor]:
+GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+"""What positions need: the grids (and time scale), not the pixels."""
+
+
+def concat_multi_modal(per_sample: Optional[list], device: torch.device,
+                       keys: tuple[str, ...] = MM_KEYS) -> dict[str, torch.Tensor]:
     """One forward's image inputs from its samples' ``multi_modal_inputs`` (None entries are
-    text-only prompts), concatenated in batch order."""
+    text-only prompts), concatenated in batch order; ``keys``: which of them."""
     if not per_sample:
         return {}
     parts: dict[str, list[torch.Tensor]] = {}
     for mm in per_sample:
-        for key in MM_KEYS:
+        for key in keys:
             if mm is not None and mm.get(key) is not None:
                 parts.setdefault(key, []).append(torch.as_tensor(mm[key]))
     return {k: torch.cat(v).to(device) for k, v in parts.items()}
@@ -85,7 +90,10 @@ class QwenVLInputs(ModelInputs):
 
     def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   batch: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
-        mm = concat_multi_modal(_field(batch), input_ids.device)
+        # the grids only: concatenating the pixel values too would copy every sequence's (the
+        # whole rollout's, n per prompt: 16 x 100 MB for 8 prompts x 2 of 2048 x 2048 pictures)
+        # for nothing (bench/vl_image_memory.py)
+        mm = concat_multi_modal(_field(batch), input_ids.device, GRID_KEYS)
         if "image_grid_thw" not in mm and "video_grid_thw" not in mm:
             # text-only: the three rope axes all count real tokens
             return position_ids_from_mask(attention_mask)[:, None, :].expand(-1, 3, -1).contiguous()

@@ -89,6 +89,16 @@ batch) / the update's transients, measured with the gradients freed: 0.60-0.93, 
 (0.62 when the gradients were still held and counted apart); a second run gave 0.46-1.00, mean
 0.70. That spread, and up to 0.14 between two runs of one configuration, bounds the accuracy of
 a CPU run's phases after an update under the default allocator (about ±20%)."""
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB
+"""Documented (glibc malloc, ``DEFAULT_MMAP_THRESHOLD_MAX`` = 4 MiB x sizeof(long) on 64-bit): the
+dynamic mmap threshold never rises above 32 MiB, so an allocation of at least that size that no
+free heap chunk fits is mapped, and unmapped when freed: the heap does not keep it, and
+:data:`CPU_RETAINED_AFTER_UPDATE` (fitted on tensors below it) does not apply. Used for the vision
+tower's activations (closed-form tensor sizes; the language model's are traced as one total).
+Measured (``bench/vl_image_memory.py``, 2048 x 2048 pictures, 4 sequences per micro-batch:
+``tokens x e`` tensors of 10.9 MB, ``tokens x I`` of 43.6 MB): the phases after the update kept
+0.12-0.54 GiB of the tower's activations (mean 0.35, 6 steps of 4 runs), 0.27 GiB predicted with
+the ``tokens x I`` ones left out, 0.59 GiB with all of them."""
 PINNED_POWER_OF_TWO = True
 """Documented (torch 2.13, ``ATen/core/CachingHostAllocator.h``): the pinned host caching
 allocator rounds each allocation up to a power of two (unless ``pinned_max_round_threshold`` is
@@ -107,13 +117,20 @@ BATCH_BYTES_PER_TOKEN = 3 * 8
 BATCH_BYTES_PER_RESPONSE_TOKEN = 2 * 8 + 8 * 4
 """Closed form: responses and response_mask int64, and eight fp32 (B, R) tensors (rollout,
 old and ref log-probs, entropy, advantages, returns, token rewards, values or scores)."""
-IMAGE_DECODED_BYTES_PER_PIXEL = 3
-"""Closed form: a decoded RGB uint8 image (PIL), held while the processor makes its pixel values."""
-IMAGE_PROCESSING_BYTES_PER_PIXEL = 39
+IMAGE_DECODED_BYTES_PER_PIXEL = 4 + 3
+"""Measured, per source pixel: the decoded image, held while the processor makes its pixel values
+(PIL keeps an RGB image as 4 bytes per pixel, RGBX: +16.3 MiB RSS for a 2048 x 2048 PNG), and the
+processor's uint8 numpy copy of it (3 B), which its input list holds to the end (tracemalloc)."""
+IMAGE_PROCESSING_BYTES_PER_PIXEL = 36
 """Measured: the working copies of transformers' ``Qwen2VLImageProcessorPil`` (fitrl/data/vision.py,
 ``process_images``) while it turns one image into pixel values, per resized pixel, on top of the
-24 B/px of the pixel values it returns: its traced peak (``tracemalloc``; numpy's float32 copies
-for rescaling, normalising and patchifying) minus those, 163.5 MB for a 784 x 5348 and for a
-2048 x 2048 source at max_pixels=4194304, 39.0 B/px both. A source larger than the budget adds
-a float32 copy of itself (12 B per source pixel, before the resize); the plan counts sources at
-the budget. Videos: assumed the same per frame (not measured)."""
+24 B/px of the pixel values it returns. Its traced peak (``tracemalloc``) is at the final
+``np.concatenate``: the normalised float32 image (12 B/px), the patchified copy (24 B/px), the
+concatenated output (the pixel values) and the numpy copy of the source (counted per source
+pixel above): 251.1 MiB for a 2048 x 2048 source at max_pixels=4194304 (2044 x 2044), 36.0 B
+per resized pixel (the earlier figure, 39, counted the source copy here). Together with the
+decoded source: 187 MiB of RSS over the pixel values in a fresh process (planned 171: the rest is
+glibc's; ``bench/vl_image_memory.py``). A source larger than the budget peaks at the resize
+instead: ~14 B per source pixel (the RGBX image, the numpy copy, its channels-last copy and the
+RGBX image PIL resizes), 35-67 MiB for a 2048 x 2048 source at max_pixels=12544; the plan counts
+sources at the budget. Videos: assumed the same per frame (not measured)."""

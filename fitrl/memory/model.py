@@ -292,10 +292,10 @@ class Run:
 
     def image_processing_bytes(self) -> int:
         """What making one prompt's pixel values holds besides them
-        (``PromptDataset.multi_modal_inputs``, one prompt at a time): its images decoded to RGB
-        uint8 (3 B per source pixel; sources counted at the ``data.max_pixels`` budget) and the
-        processor's working copies (:data:`~fitrl.memory.calibration.IMAGE_PROCESSING_BYTES_PER_PIXEL`
-        per resized pixel)."""
+        (``PromptDataset.multi_modal_inputs``, one prompt at a time): its images decoded (PIL's
+        RGBX and the processor's uint8 copy, 7 B per source pixel; sources counted at the
+        ``data.max_pixels`` budget) and the processor's working copies
+        (:data:`~fitrl.memory.calibration.IMAGE_PROCESSING_BYTES_PER_PIXEL` per resized pixel)."""
         visual = self.visual
         if visual is None:
             return 0

@@ -13,7 +13,7 @@ from fitrl.memory import calibration as C
 from fitrl.memory.model import Hardware, Plan, Run
 from fitrl.memory.services import driver_and_node_plans, vllm_plan
 from fitrl.memory.shapes import ModelShape
-from fitrl.memory.trainer import trainer_plan
+from fitrl.memory.trainer import TRANSIENT, trainer_plan
 
 
 def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape] = None) -> Plan:
@@ -35,8 +35,26 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     processes += driver_and_node_plans(run)
     if not run.fsdp:  # one process: trainer, driver and node share it
         processes = [p for p in processes if p.kind != "rank0"]
+        _decoding_before_generate(run, processes)
     _image_notes(run, notes)
     return Plan(cfg, hardware, shape, spec, processes, notes, growth)
+
+
+def _decoding_before_generate(run: Run, processes: list) -> None:
+    """In one process the driver decodes and processes a phase's prompts (``prompts_batch``, one
+    prompt at a time: :meth:`Run.image_processing_bytes`) and frees that working memory before
+    ``generate`` makes its own (a micro-batch's images, the KV cache and activations, and on CPU
+    the heap glibc kept from the last update, which both reuse): the phase's peak holds the larger
+    of the two transients, not their sum (measured: telemetry's ``data`` and ``rollout`` phases,
+    ``bench/vl_image_memory.py``). Under Ray the driver is a process of its own, counted apart."""
+    decoding = run.image_processing_bytes()
+    if not decoding:
+        return
+    trainer, driver = (next(p for p in processes if p.kind == kind) for kind in ("trainer", "driver"))
+    for ph in ("rollout", "validation"):
+        engine = trainer.phases[ph].host
+        generating = sum(engine.get(k, 0) for k in (*TRANSIENT, "allocator (retained)", "image buffers"))
+        driver.phases[ph].host["image buffers"] -= min(decoding, generating)
 
 
 def _image_notes(run: Run, notes: list[str]) -> None:

@@ -56,7 +56,8 @@ def driver_images(run: Run, phase: str) -> int:
     """Host bytes of images the driver holds in ``phase`` (in-process, the driver is the trainer's
     process and this is the only copy). ``prompts_batch`` (fitrl/trainer/collect.py) makes each
     drawn prompt's fp32 ``pixel_values`` (patches, 3 * 2 * p * p), decoding and processing one
-    prompt at a time (:meth:`Run.image_processing_bytes`); the n samples of a prompt share its
+    prompt at a time (:meth:`Run.image_processing_bytes`; in one process that transient is over
+    before ``generate`` starts, see ``fitrl/memory/plan.py``); the n samples of a prompt share its
     tensors (one dict per prompt, repeated by reference), so a step holds
     ``data.rollout_batch_size`` prompts' worth (:meth:`Run.pixel_values_bytes`), not x n. Under
     Ray ``generate`` returns the rollout with its prompts' images, unpickled here: a second copy

@@ -31,26 +31,43 @@ def _logits_part(run: Run, batch: int, grad: bool) -> int:
     return 2 * tokens * run.shape.vocab * 4 + (run.shape.vocab * run.shape.hidden * 4 if grad else 0)
 
 
-def _vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool) -> int:
-    """The vision tower over a micro-batch's images (analytic: the per-layer activation formula of
-    docs/architecture.md, "Memory model", at the tower's width e and MLP width I). Every sequence
-    brings its prompt's images (the forward concatenates each sample's pixel values, shared prompt
-    or not): ``seqs * images_per_prompt * patches`` tokens. Per token, in the compute dtype: saved for
-    backward ``(12e + 8I)`` per block, or with checkpointing ``2e`` per block plus one block's
-    ``12e + 8I`` recomputed in backward; without grad (log-probs, generation, or a frozen tower,
-    ``actor.model.freeze_vision_tower``, whose forward autograd does not record) one block's working
-    set ``4e + 2I``."""
+def _vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool, mapped_only: bool = False) -> int:
+    """The vision tower over a micro-batch's images (analytic, at the tower's width e and MLP width
+    I). Every sequence brings its prompt's images (the forward concatenates each sample's pixel
+    values, shared prompt or not): ``seqs * images_per_prompt * patches`` tokens. Per token, in the
+    compute dtype: saved for backward ``(14e + 4I)`` per block, or with checkpointing ``2e`` per
+    block plus one block's ``14e + 4I`` recomputed in backward; without grad (log-probs, generation,
+    or a frozen tower, ``actor.model.freeze_vision_tower``, whose forward autograd does not record)
+    one block's working set ``4e + 2I``.
+
+    ``14e + 4I`` is measured: the distinct tensors a Qwen2.5-VL vision block saves for backward
+    (transformers' block, SDPA; ``bench/vl_image_memory.py --vision-block``), per patch: 932,
+    3718 and 30338 elements in fp32 and 1000, 3980 and 32916 in bf16 at (e, I) = (32, 128),
+    (128, 512) and (1280, 3420) (Qwen2.5-VL-7B's), within 4.2% of 14e + 4I (norms, qkv, rotary
+    q and k, attention output, projection input; the SwiGLU MLP's gate, up, activation and
+    product). The earlier ``12e + 8I`` counted the MLP twice (+30-41% at the 7B's widths). On CPU
+    (``bench/vl_image_memory.py``, 2048 x 2048 pictures, ``MALLOC_MMAP_THRESHOLD_``) an update's
+    tower measured 0.70 GiB for 0.61 planned: the patch embedding, rotary tables and merger outside
+    the blocks (5-6e per patch, measured) are not counted. With checkpointing a block saves its
+    input only (e per patch, measured) besides what its backward recomputes: ``2e`` is kept as a
+    margin for the gradient flowing through (not measured as a peak).
+
+    ``mapped_only``: the part held in tensors of at least
+    :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX` (``tokens x e`` or ``tokens x I``
+    each), which glibc maps and unmaps: what a CPU process's heap cannot keep after the update."""
     v, visual = run.shape.vision, run.visual
     if visual is None:
         return 0
     tokens = seqs * run.images_per_prompt * visual.patches
     b = DTYPE_BYTES[run.compute_dtype]
-    block = 12 * v.hidden + 8 * v.intermediate
     if not grad or run.cfg.actor.model.freeze_vision_tower:
-        return tokens * (4 * v.hidden + 2 * v.intermediate) * b
-    if checkpointing:
-        return tokens * (2 * v.hidden * v.depth + block) * b
-    return tokens * block * v.depth * b
+        per_e, per_i = 4, 2
+    elif checkpointing:
+        per_e, per_i = 2 * v.depth + 14, 4
+    else:
+        per_e, per_i = 14 * v.depth, 4 * v.depth
+    parts = ((per_e, tokens * v.hidden * b), (per_i, tokens * v.intermediate * b))  # (count, bytes of one tensor)
+    return sum(k * one for k, one in parts if not mapped_only or one >= C.GLIBC_MMAP_THRESHOLD_MAX)
 
 
 def _micro_images(run: Run, seqs: int) -> int:
@@ -67,6 +84,7 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
     cb = DTYPE_BYTES[run.compute_dtype]
     eng = run.cfg.plan.rollout
     phases = {}
+    unretained = 0  # the update's transient bytes glibc cannot keep (mapped tensors)
     for ph in PHASES:
         u = Usage()
         u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.fsdp)
@@ -115,12 +133,21 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
                         adapters=ph != "ref_logprob",
                         checkpointing=grad and cfg.actor.model.gradient_checkpointing,
                         entropy_grad=grad and cfg.actor.entropy_coeff != 0)
+            ckpt = cfg.actor.model.gradient_checkpointing
+            vit = _vision_activations(run, b, grad, ckpt)
             if not cuda and run.cfg.plan.host_malloc == "glibc":
-                tr = _cpu_transient(tr, grad, cfg.actor.model.gradient_checkpointing, lora=run.lora is not None)
+                tr = _cpu_transient(tr, grad, ckpt, lora=run.lora is not None)
+                # the vision tower's tensors get the same excess from glibc (measured, 2048 x 2048
+                # pictures, bench/vl_image_memory.py: an update's tower took 0.95 GiB of RSS under
+                # glibc's defaults, mean of 4 runs, against 0.70 with MALLOC_MMAP_THRESHOLD_: 1.36x);
+                # LoRA's larger one is PEFT's adapter sum in the adapted language-model layers
+                vit = _cpu_transient(vit, grad, ckpt)
+                if grad:
+                    unretained = _cpu_transient(_vision_activations(run, b, grad, ckpt, mapped_only=True), grad, ckpt)
             logits = min(tr, _logits_part(run, b, grad and not run.lora))  # LoRA: no lm_head gradient
             _logits_note(run, ph, b, notes)
             u.add(dev, "logits", logits * slack)
-            u.add(dev, "activations", (tr - logits + _vision_activations(run, b, grad, cfg.actor.model.gradient_checkpointing)) * slack)
+            u.add(dev, "activations", (tr - logits + vit) * slack)
             if run.fsdp:  # gathered units: the root stays gathered forward to backward, two layers in flight
                 # (unsharded gradients are the traced incoming gradients already: not added again)
                 # (LoRA: each unit gathers its adapters with its base weights)
@@ -136,7 +163,7 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
             _checkpoint(run, u, roles)
         phases[ph] = u
     if not cuda and run.cfg.plan.host_malloc == "glibc":
-        _cpu_retention(phases)
+        _cpu_retention(phases, unretained)
     if run.lora:
         notes.append(_lora_note(run))
     if cuda and eng.engine == "hf":
@@ -161,10 +188,13 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
 TRANSIENT = ("activations", "logits", "gathered weights", "kv cache")
 
 
-def _cpu_retention(phases: dict[str, Usage]) -> None:
+def _cpu_retention(phases: dict[str, Usage], unretained: int = 0) -> None:
     """On the host, glibc keeps part of the update's peak heap resident into the next step: from
-    step 2 on, every other phase holds at least that (shown as "allocator (retained)")."""
-    retained = int(C.CPU_RETAINED_AFTER_UPDATE * sum(phases["update"].host.get(k, 0) for k in TRANSIENT))
+    step 2 on, every other phase holds at least that (shown as "allocator (retained)").
+    ``unretained``: the update's transient bytes in tensors glibc maps (the vision tower's of at
+    least :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX`), which it cannot keep."""
+    update = sum(phases["update"].host.get(k, 0) for k in TRANSIENT)
+    retained = int(C.CPU_RETAINED_AFTER_UPDATE * max(0, update - unretained))
     for ph, u in phases.items():
         if ph not in ("update", "load"):
             own = sum(u.host.get(k, 0) for k in TRANSIENT)

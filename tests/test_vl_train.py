@@ -44,11 +44,12 @@ def test_grpo_steps_on_each_vl_family(vl_models, tmp_path, arch):
         assert r["actor/grad_norm"] > 0
 
 
-def test_grpo_under_ray_with_two_fsdp_ranks_and_a_reference(ray_cluster, vl_models, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_grpo_under_ray_with_two_fsdp_ranks_and_a_reference(ray_cluster, vl_models, tmp_path, arch):
     from fitrl.trainer.run import train
 
     run_dir = tmp_path / "run"
-    train(shapes_config(vl_models["qwen2_5_vl"], run_dir, "trainer.max_steps=2", "trainer.backend=ray",
+    train(shapes_config(vl_models[arch], run_dir, "trainer.max_steps=2", "trainer.backend=ray",
                         "trainer.devices_per_node=2", "algorithm.use_kl_loss=true"))
     steps = [r for r in read_metrics(run_dir) if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]

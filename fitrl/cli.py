@@ -89,7 +89,7 @@ def judge_rise(rewards: list[float], window: int = 10) -> dict:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from fitrl.models.tiny import describe, make_tiny_model
 
-    out = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
+    out = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, head_dim=args.head_dim)
     info = describe(out)
     print(f"wrote {out}: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     return 0
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "processor's files")
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head-dim", type=int, default=None, metavar="N",
+                   help="attention head size of the decoder (default: the size's own, 16 for tiny): the same width "
+                        "in hidden_size/N heads, e.g. 32 for a tiny model vLLM's CPU attention can run")
     p.set_defaults(fn=cmd_make_tiny_model)
 
     from fitrl.checkpoint.export import add_export_command

@@ -16,7 +16,7 @@ from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from fitrl.algo.shaping import overlong_penalty
 from fitrl.config.schema import ConfigError
 
-ALGO_MODULES = ["spec", "advantages", "losses", "kl", "filtering", "shaping"]
+ALGO_MODULES = ["spec", "advantages", "losses", "kl", "filtering", "shaping", "mismatch"]
 
 
 @pytest.mark.parametrize("module", ALGO_MODULES)

@@ -246,6 +246,26 @@ def test_moved_key_names_what_replaced_it(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_moved_plan_rollout_names_the_run_keys_and_plan_emulate(tmp_path):
+    """An old config's ``plan.rollout``: the vLLM engine's settings are ``rollout.*`` keys now, and
+    the other frameworks' behaviours that fitrl's engine never has are ``plan.emulate.*``."""
+    path = write(tmp_path / "old.yaml", "plan:\n  rollout: {engine: vllm, sleep_level: 2, swap_space_gib: 4}\n")
+    assert error_of(path) == (
+        f"config key 'plan.rollout' (in {path}) was replaced: plan.rollout.engine -> rollout.engine, "
+        "plan.rollout.sleep_level -> rollout.sleep_level, plan.rollout.swap_space_gib -> plan.emulate.swap_space_gib")
+    assert error_of(overrides=["plan.rollout.gpu_memory_utilization=0.5"]) == (
+        "config key 'plan.rollout.gpu_memory_utilization' (in overrides) was replaced: "
+        "plan.rollout.gpu_memory_utilization -> rollout.gpu_memory_utilization")
+    assert error_of(overrides=["plan.rollout.free_cache_engine=true"]).endswith(
+        "plan.rollout.free_cache_engine -> plan.emulate.free_cache_engine")
+    message = error_of(overrides=["plan.rollout.typo=1"])  # every moved key named
+    assert "plan.rollout.tensor_parallel_size -> rollout.tensor_parallel_size" in message
+    assert "plan.rollout.separate_processes -> plan.emulate.separate_processes" in message
+    proc = subprocess.run([sys.executable, "-m", "fitrl.cli", "plan", path], capture_output=True, text=True)
+    assert proc.returncode == 2 and "plan.rollout.engine -> rollout.engine" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_free_form_dict_keys_are_allowed_but_base_is_not_an_override():
     assert load_config(None, ["reward.kwargs.anything_goes=1"]).reward.kwargs == {"anything_goes": 1}
     assert "unknown config key 'base'" in error_of(overrides=["base=x.yaml"])

@@ -68,16 +68,16 @@ def test_story_exit_status_and_recommendation(capsys):
 def test_plan_section_and_overrides(tmp_path):
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(f"base: {ROOT / 'examples' / 'arith.yaml'}\n"
-                        "plan:\n  hardware: {gpus_per_node: 4, host_memory: 512GiB}\n  rollout: {engine: vllm}\n")
-    cfg = load_config(str(cfg_path), ["plan.rollout.tensor_parallel_size=2", "rollout.n=16"])
+                        "plan:\n  hardware: {gpus_per_node: 4, host_memory: 512GiB}\n  emulate: {swap_space_gib: 4}\n")
+    cfg = load_config(str(cfg_path), ["plan.emulate.free_cache_engine=true", "rollout.n=16"])
     hardware = Hardware.for_config(cfg)
     assert cfg.rollout.n == 16 and cfg.data.max_prompt_length == 64  # from the base file
     assert (hardware.gpus_per_node, hardware.host_memory) == (4, 512 * 1024**3)
-    assert (cfg.plan.rollout.engine, cfg.plan.rollout.tensor_parallel_size) == ("vllm", 2)
-    with pytest.raises(ConfigError, match="unknown config key 'plan.rollout.gpu_mem'"):
-        load_config(str(cfg_path), ["plan.rollout.gpu_mem=0.5"])
-    with pytest.raises(ConfigError, match="did you mean 'plan.rollout.engine'"):
-        load_config(str(cfg_path), ["plan.rollout.engin=vllm"])
+    assert (cfg.plan.emulate.swap_space_gib, cfg.plan.emulate.free_cache_engine) == (4, True)
+    with pytest.raises(ConfigError, match="unknown config key 'plan.emulate.zzz'"):
+        load_config(str(cfg_path), ["plan.emulate.zzz=0.5"])
+    with pytest.raises(ConfigError, match="did you mean 'plan.emulate.free_cache_engine'"):
+        load_config(str(cfg_path), ["plan.emulate.free_cache_engin=true"])
     with pytest.raises(ConfigError, match="did you mean 'rollout.n'"):
         load_config(str(cfg_path), ["rollout.nn=4"])
     with pytest.raises(ConfigError, match="plan.hardware.host_memory='lots' is not a size"):

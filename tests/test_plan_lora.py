@@ -181,8 +181,8 @@ def test_lora_is_recommended_where_only_it_fits():
 @pytest.mark.slow
 def test_lora_is_not_offered_when_on_or_when_it_does_not_fit():
     assert not any("LoRA" in c.text for c in candidates(_seven_b("actor.lora.rank=8")))
-    # a plan-only vLLM engine: no LoRA weight sync to plan (the failure stories are such runs)
-    assert not any("LoRA" in c.text for c in candidates(_seven_b("plan.rollout.engine=vllm")))
+    # the vLLM engine's plan does not model LoRA's merged-weight push (the failure stories are such runs)
+    assert not any("LoRA" in c.text for c in candidates(_seven_b("rollout.engine=vllm")))
     # 32 GiB (28.8 usable): the frozen 7B base (28.4 GiB), CUDA context and activations do not fit either
     small = plan_config(_seven_b().cfg, Hardware(nodes=1, gpus_per_node=1, gpu_memory=32 * C.GIB,
                                                  host_memory=2048 * C.GIB))

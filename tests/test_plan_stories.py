@@ -26,7 +26,7 @@ def story_plan(name, *overrides):
 CASES = [
     ("1", ("host", "ref_logprob", 0), "actor.fsdp.offload_params"),
     ("2", ("host", "validation", 0), "actor.fsdp.offload_params"),
-    ("3", ("host", "rollout", 3), "plan.rollout.free_cache_engine"),
+    ("3", ("host", "rollout", 3), "plan.emulate.free_cache_engine"),
     ("4", ("gpu", "old_logprob", 0), "actor.logprob_chunk_size"),
     ("5", ("host", "load", 0), "actor.fsdp.init"),
 ]
@@ -123,14 +123,18 @@ def test_story_1_max_pixels_4mp_vs_1mp():
     work = images * (7 * (4_194_304 - 1_048_576) + 36 * (784 - 196) * 5348)
     assert driver[0] - driver[1] == 2 * prompts * d_pv + work
 
-    # GPU, one device, in the update (the GPU peak of both plans): actor.micro_batch_size=4 sequences,
-    # each with its prompt's pixel values, and the vision tower's activations over their patches
+    # GPU, one device, in the update: actor.micro_batch_size=4 sequences, each with its prompt's
+    # pixel values, and the vision tower's activations over their patches
     micro = 4
     gpu = micro * d_pv + 1.10 * micro * images * (PATCHES[4_194_304] - PATCHES[1_048_576]) * VIT_PER_PATCH
-    (phase_big, gpu_big), (phase_small, gpu_small) = peak(big, 0), peak(small, 0)
-    assert phase_big == phase_small == "update"
-    assert gpu_big - gpu_small == pytest.approx(gpu, abs=2)
+    update = [p.peaks()["update"][0] for p in (big, small)]
+    assert update[0] - update[1] == pytest.approx(gpu, abs=2)
     assert gpu / 2**30 == pytest.approx(15.21, abs=0.01)
+    # the device's peak: the update at 4 MP; at 1 MP the rollout, where the vLLM engine takes
+    # rollout.gpu_memory_utilization=0.6 of each of its tensor_parallel_size=2 devices
+    (phase_big, gpu_big), (phase_small, gpu_small) = peak(big, 0), peak(small, 0)
+    assert (phase_big, gpu_big) == ("update", update[0])
+    assert phase_small == "rollout" and small.device("rollout")["engine (weights, kv cache)"] == int(0.6 * 80 * 2**30)
     # a frozen tower saves nothing for backward: one block's working set (4e + 2I) instead
     frozen = story_plan("1", "actor.model.freeze_vision_tower=true").process("trainer").phases["update"].gpu
     saved = 1.10 * micro * images * PATCHES[4_194_304] * (VIT_PER_PATCH - (4 * 1280 + 2 * 3420) * 2)

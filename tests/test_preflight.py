@@ -151,12 +151,13 @@ def test_cli_passes_the_plan_section(tmp_path, monkeypatch):
     monkeypatch.setattr(fitrl.trainer.run, "train", fake_train)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"base": EXAMPLE, "rollout": {"n": 4}, "actor": {"micro_batch_size": 16},
-                                    "plan": {"rollout": {"engine": "vllm"}, "hardware": {"host_memory": "1TiB"}}}))
-    assert main(["train", str(path), "plan.rollout.tensor_parallel_size=2"]) == 0
+                                    "plan": {"emulate": {"swap_space_gib": 4}, "hardware": {"host_memory": "1TiB"}}}))
+    assert main(["train", str(path), "plan.emulate.separate_processes=true"]) == 0
     assert seen["cfg"].rollout.n == 4
-    assert (seen["cfg"].plan.rollout.engine, seen["cfg"].plan.rollout.tensor_parallel_size) == ("vllm", 2)
+    assert (seen["cfg"].plan.emulate.swap_space_gib, seen["cfg"].plan.emulate.separate_processes) == (4, True)
     assert seen["cfg"].plan.hardware.host_memory == "1TiB"  # carried, not read: preflight notes that it ignores it
-    assert main(["train", str(path), "plan.rollout.engin=vllm"]) == 2  # a typo in the plan section is a config error
+    assert main(["train", str(path), "plan.emulate.swap_space=4"]) == 2  # a typo in the plan section is a config error
+    assert main(["train", str(path), "plan.rollout.engine=vllm"]) == 2  # moved to rollout.engine: one line says so
 
 
 def test_cuda_detection_and_fits_line(tiny_model_dir, tmp_path, monkeypatch):

@@ -227,3 +227,78 @@ def test_small_size(tmp_path):
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
+
+
+# sha256 of model.safetensors of `make_tiny_model(arch=..., size="tiny", seed=0)`, as built before the
+# head_dim option existed (transformers 5.19 and 5.23 alike): the demo, tests and planner calibrations
+# rely on these exact weights. config.json is not pinned: it records the transformers version.
+TINY_WEIGHTS_SHA256 = {
+    "qwen2": "ab0dd7a89b363ad54e2dc2b22097b42f7aab93e932e71cf03da94f0b30e33589",
+    "llama": "244e306765287ff0d05fb76da85c52100f773b3d3116a3e8e244150c81399181",
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_default_tiny_weights_are_pinned(arch, tiny_dirs, tmp_path):
+    import hashlib
+
+    path = tiny_dirs[arch]
+    assert hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest() == TINY_WEIGHTS_SHA256[arch]
+    # the size's own head_dim is the default: every file byte for byte
+    own = make_tiny_model(tmp_path / "own", arch=arch, size="tiny", seed=0, head_dim=16)
+    assert sorted(p.name for p in own.iterdir()) == sorted(p.name for p in path.iterdir())
+    for f in path.iterdir():
+        assert (own / f.name).read_bytes() == f.read_bytes(), f.name
+    assert "head_dim" not in (path / "fitrl_tiny.json").read_text()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_head_dim_resplits_the_heads(arch, tiny_dirs, loaded, tmp_path):
+    import json
+
+    from fitrl.models.tiny import head_dims
+
+    assert head_dims(arch, "tiny") == [2, 4, 8, 16, 32, 64]
+    path = make_tiny_model(tmp_path / "hd32", arch=arch, size="tiny", seed=0, head_dim=32)
+    cfg = AutoConfig.from_pretrained(path)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 1)  # q/kv ratio 2 kept
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.model.layers[0].self_attn.head_dim == 32
+    # same shapes, so the same weights for the seed; only the split into heads (and so the outputs) differs
+    assert load_file(str(path / "model.safetensors")).keys() == load_file(str(tiny_dirs[arch] / "model.safetensors")).keys()
+    assert (path / "model.safetensors").read_bytes() == (tiny_dirs[arch] / "model.safetensors").read_bytes()
+    tok, default = loaded[arch]
+    ids = tok("What is 3 + 4? 7", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, b = model(ids).logits, default(ids).logits
+    assert torch.isfinite(a).all() and (a - b).abs().max() > 1e-6
+    assert (path / "tokenizer.json").read_bytes() == (tiny_dirs[arch] / "tokenizer.json").read_bytes()
+    assert json.loads((path / "fitrl_tiny.json").read_text())["head_dim"] == 32
+    info = describe(path)
+    assert (info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (2, 1, 32)
+    assert describe(tiny_dirs[arch])["head_dim"] == 16
+    # one head of 64: the ratio cannot be kept, one kv head (k/v projections of 64 rows instead of 32)
+    one = AutoConfig.from_pretrained(make_tiny_model(tmp_path / "hd64", arch=arch, size="tiny", head_dim=64))
+    assert (one.num_attention_heads, one.num_key_value_heads) == (1, 1)
+
+
+@pytest.mark.parametrize("bad", [24, 0, -32, 128, 3, 1, True, "32", 32.0])
+def test_bad_head_dim_is_one_line(bad, tmp_path):
+    with pytest.raises(ValueError) as e:
+        make_tiny_model(tmp_path / "m", arch="qwen2", size="tiny", head_dim=bad)
+    message = str(e.value)
+    assert "\n" not in message and f"head_dim {bad!r} is not possible for qwen2 size 'tiny'" in message
+    assert message.endswith("valid: 2, 4, 8, 16, 32, 64")
+    assert not (tmp_path / "m").exists()
+
+
+def test_make_tiny_model_command_head_dim(tmp_path, capsys):
+    from fitrl.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--head-dim", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "num_heads=2, num_kv_heads=1, head_dim=32" in out
+    assert main(["make-tiny-model", str(tmp_path / "x"), "--size", "small", "--head-dim", "48"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fitrl: config error: head_dim 48 is not possible for qwen2 size 'small'")
+    assert not (tmp_path / "x").exists()

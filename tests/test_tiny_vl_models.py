@@ -297,3 +297,66 @@ def test_make_tiny_model_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "arch=qwen3_vl" in out and "vision_layers=2" in out and "patch_size=16" in out
     assert (tmp_path / "m" / "preprocessor_config.json").is_file()
+
+
+# sha256 of model.safetensors of `make_tiny_model(arch=..., size="tiny", seed=0)`, as built before the
+# head_dim option existed (transformers 5.19 and 5.23 alike; config.json is not pinned: it differs by version)
+TINY_WEIGHTS_SHA256 = {
+    "qwen2_vl": "cddfcc1f5e7035c551a8666872f6521579226398c159100b1c13c991ac41760b",
+    "qwen2_5_vl": "b67d7aa17d8a74ab41532a7ff446d1516b1a4b4bc6100ac54312b9cd1b437dc0",
+    "qwen3_vl": "2bf45363ebf95d6dd65768f5ba8f8d3874ffc0f4713b93ea4173743122b564d4",
+}
+# the default tiny decoder's multimodal rope sections (head_dim 16) and those at head_dim 32
+MROPE = {"qwen2_vl": ([2, 3, 3], [4, 6, 6]), "qwen2_5_vl": ([2, 3, 3], [4, 6, 6]), "qwen3_vl": ([4, 2, 2], [6, 5, 5])}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_tiny_weights_are_pinned(arch, vl_dirs, loaded):
+    import hashlib
+
+    path = vl_dirs[arch]
+    assert hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest() == TINY_WEIGHTS_SHA256[arch]
+    assert loaded[arch][2].config.text_config.rope_parameters["mrope_section"] == MROPE[arch][0]
+    assert "head_dim" not in (path / "fitrl_tiny.json").read_text()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_dim_resplits_the_heads_and_the_mrope(arch, vl_dirs, loaded, tmp_path):
+    from safetensors.torch import load_file
+
+    from fitrl.models.tiny import head_dims
+
+    assert head_dims(arch, "tiny") == [8, 16, 32, 64]  # 2 and 4 leave an mrope section without a frequency
+    path = make_tiny_model(tmp_path / "hd32", arch=arch, size="tiny", seed=0, head_dim=32)
+    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).eval()
+    text = model.config.text_config
+    assert (text.hidden_size, text.num_attention_heads, text.num_key_value_heads) == (64, 2, 1)
+    assert model.model.language_model.layers[0].self_attn.head_dim == 32
+    assert text.rope_parameters["mrope_section"] == MROPE[arch][1] and sum(MROPE[arch][1]) == 32 // 2
+    if arch == "qwen3_vl":
+        assert text.head_dim == 32
+    assert model.config.vision_config.to_dict() == loaded[arch][2].config.vision_config.to_dict()  # tower unchanged
+    # same shapes, same weights for the seed, but Qwen3-VL's per-head q/k norms (ones, of head_dim)
+    new, old = load_file(str(path / "model.safetensors")), load_file(str(vl_dirs[arch] / "model.safetensors"))
+    assert new.keys() == old.keys()
+    norms = {k for k in new if k.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert bool(norms) == (arch == "qwen3_vl")
+    assert all(torch.equal(new[k], old[k]) for k in new.keys() - norms)
+    assert all(new[k].shape == (32,) and torch.equal(new[k], torch.ones(32)) for k in norms)
+    tok, images, _ = loaded[arch]
+    inputs, _ = image_prompt(tok, images, model, picture())
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape == (1, inputs["input_ids"].shape[1], len(tok)) and torch.isfinite(logits).all()
+    assert describe(path)["head_dim"] == 32
+    for name in ("preprocessor_config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (path / name).read_bytes() == (vl_dirs[arch] / name).read_bytes(), name
+
+
+def test_head_dim_without_mrope_frequencies_is_refused(tmp_path):
+    with pytest.raises(ValueError) as e:
+        make_tiny_model(tmp_path / "m", arch="qwen3_vl", size="tiny", head_dim=4)
+    assert str(e.value) == ("head_dim 4 is not possible for qwen3_vl size 'tiny' (hidden_size 64, head_dim 16): it must "
+                            "be an even divisor of the hidden size whose mrope sections are all positive; "
+                            "valid: 8, 16, 32, 64")
+    assert not (tmp_path / "m").exists()

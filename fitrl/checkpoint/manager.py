@@ -35,7 +35,7 @@ from fitrl.checkpoint import layout, rng
 from fitrl.checkpoint.layout import Checkpoint, CheckpointError
 from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
 from fitrl.core.errors import CheckpointUsageError
-from fitrl.config.schema import LoRAConfig
+from fitrl.config.schema import LoRAConfig, RolloutCorrectionConfig
 
 # Settings that may change between a checkpoint and its resume without changing what the run
 # computes (beyond float rounding): sizes of the work per forward, where and on how many ranks
@@ -54,7 +54,7 @@ RESUME_SAFE = [
     "trainer.divergence.*", "trainer.signal_grace_s",  # when a run stops, never what it trains
 ]  # actor.lora.* is not here: adapters of another rank, targets or scale are another model
 # Sections added after checkpoints were written: a checkpoint without one was saved with its defaults.
-ADDED_SECTIONS = {"actor.lora": LoRAConfig}
+ADDED_SECTIONS = {"actor.lora": LoRAConfig, "algorithm.rollout_correction": RolloutCorrectionConfig}
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.index.json")
 
 

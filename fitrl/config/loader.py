@@ -37,6 +37,15 @@ MOVED: dict[str, str] = {
     "plan.images.max_pixels": "data.max_pixels",
     "plan.images.per_prompt": "data.limit_images (images per prompt; the plan counts this worst case)",
     "plan.images.pixels": "nothing (the plan counts the largest image within data.max_pixels)",
+    # the vLLM engine is fitrl's own now: its settings are run keys the trainer and the planner read
+    "plan.rollout.engine": "rollout.engine",
+    "plan.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "plan.rollout.tensor_parallel_size": "rollout.tensor_parallel_size",
+    "plan.rollout.sleep_level": "rollout.sleep_level",
+    # another framework's engine behaviours, which fitrl's engine never has: planner-only
+    "plan.rollout.free_cache_engine": "plan.emulate.free_cache_engine",
+    "plan.rollout.separate_processes": "plan.emulate.separate_processes",
+    "plan.rollout.swap_space_gib": "plan.emulate.swap_space_gib",
 }
 """Keys that are gone -> what replaced them. A config that still sets one gets this, in one line,
 instead of "unknown config key"."""

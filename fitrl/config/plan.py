@@ -1,16 +1,20 @@
 """The ``plan:`` section: what the memory planner reads beyond the run's own keys.
 
 ``fitrl plan`` predicts memory for a config; this section says which machines the prediction is
-for (``plan.hardware``) and holds the what-if inputs fitrl has no run key for yet: a vLLM
-rollout engine's memory settings (``plan.rollout``), which become ``rollout.*`` keys when the
-vLLM engine lands. Images are no longer here: the planner reads the run's own ``data.max_pixels``
-and ``data.limit_images`` (the loader names what replaced an old ``plan.images``).
-``fitrl train`` reads ``plan.rollout`` and the rest, never ``plan.hardware``: it plans for the
-hardware it detects. Field docstrings are what ``fitrl config --doc`` prints::
+for (``plan.hardware``) and holds what the planner alone reads: behaviours of another
+framework's vLLM integration that fitrl's engine never has (``plan.emulate``), kept to reproduce
+the failure stories' reported runs. The rollout engine itself is planned from the run's own keys
+(``rollout.engine``, ``rollout.gpu_memory_utilization``, ``rollout.kv_cache_memory``,
+``rollout.tensor_parallel_size``, ``rollout.sleep_level``), and images from ``data.max_pixels``
+and ``data.limit_images`` (the loader names what replaced an old ``plan.rollout`` or
+``plan.images`` key). ``fitrl train``'s plan reads ``plan.emulate`` and the rest, never
+``plan.hardware``: it plans for the hardware it detects. Field docstrings are what
+``fitrl config --doc`` prints::
 
+    rollout: {engine: vllm, gpu_memory_utilization: 0.6, tensor_parallel_size: 2, sleep_level: 1}
     plan:
       hardware: {nodes: 1, gpus_per_node: 8, gpu_memory: 80GiB, host_memory: 2TiB}
-      rollout: {engine: vllm, gpu_memory_utilization: 0.6, tensor_parallel_size: 2, sleep_level: 1}
+      emulate: {free_cache_engine: true, swap_space_gib: 4}
 """
 
 from __future__ import annotations
@@ -64,37 +68,29 @@ class PlanHardwareConfig:
 
 
 @dataclass
-class PlanRolloutConfig:
-    engine: Literal["hf", "vllm"] = "hf"
-    """``hf``: fitrl's engine today, transformers ``generate`` inside each trainer rank on the actor's own weights (gathered once per call under FSDP2). ``vllm``: a vLLM engine per ``tensor_parallel_size`` GPUs, colocated with the trainer ranks (planned, not in fitrl yet)."""
-    gpu_memory_utilization: float = 0.6
-    """vLLM: fraction of a device's memory the engine takes while awake (weights + KV cache + activations)."""
-    tensor_parallel_size: int = 1
-    """vLLM: GPUs per engine."""
-    sleep_level: Literal[0, 1, 2] = 1
-    """vLLM between rollouts: 0 stays awake, 1 copies its weights to pinned host memory and frees the KV cache, 2 drops both (weights come back by weight sync)."""
+class PlanEmulateConfig:
+    """Behaviours of another framework's vLLM integration, to reproduce a reported run in the plan
+    (examples/failure_stories/); fitrl's own engine never does any of them. Only the planner
+    reads them (``fitrl plan``, and ``fitrl train``'s plan before the run), with
+    ``rollout.engine=vllm``; training itself never does."""
     free_cache_engine: bool = False
-    """Rebuild the engine's cache and host buffers every step (the behaviour of failure story 3): the old pinned host blocks stay cached, so host memory grows every rollout."""
+    """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): the engine frees and rebuilds its cache and host buffers every step instead of sleeping (failure story 3): the old pinned host blocks stay cached, so host memory grows every rollout."""
     separate_processes: bool = False
-    """Engines in their own processes (not sharing the trainer's): one more CUDA runtime each, and each loads the checkpoint on the host at start-up."""
+    """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): engines in processes of their own instead of inside the trainer ranks: one more CUDA runtime each, and each loads the checkpoint on the host at start-up (failure story 2)."""
     swap_space_gib: float = 0.0
-    """vLLM ``swap_space``: pinned host KV blocks per engine in GiB (vLLM V0's default is 4)."""
+    """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): vLLM V0's ``swap_space``, pinned host KV blocks per engine in GiB (V0's default was 4; failure story 3)."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"plan.rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"plan.rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.swap_space_gib < 0:
-            raise ConfigError(f"plan.rollout.swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        if not self.swap_space_gib >= 0:
+            raise ConfigError(f"plan.emulate.swap_space_gib must be >= 0, got {self.swap_space_gib}")
 
 
 @dataclass
 class PlanConfig:
     hardware: PlanHardwareConfig = field(default_factory=PlanHardwareConfig)
     """The machines ``fitrl plan`` plans for (``--nodes``, ``--gpu-memory``, ... override it); ``fitrl train`` detects its own."""
-    rollout: PlanRolloutConfig = field(default_factory=PlanRolloutConfig)
-    """The rollout engine's memory settings, a what-if input until the vLLM engine lands."""
+    emulate: PlanEmulateConfig = field(default_factory=PlanEmulateConfig)
+    """Behaviours of another framework's vLLM integration that fitrl's engine never has, to reproduce a reported run (the failure stories); the engine's own settings are ``rollout.*`` keys."""
     steps: int = 0
     """Steps over which host memory growth is checked (0: ``trainer.max_steps``)."""
     object_store_fraction: float = 0.30

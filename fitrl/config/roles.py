@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from fitrl.config.plan import parse_bytes
 from fitrl.core.errors import ConfigError
 
 
@@ -306,9 +307,23 @@ def check_sampling(s, prefix: str, training: bool = False) -> None:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf"] = "hf"
-    """Generation engine: ``hf`` (transformers ``generate``; CPU and GPU). Engines implement
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: ``hf`` (transformers ``generate`` on the trained module; CPU and GPU) or
+    ``vllm`` (a vLLM engine colocated with each policy rank, weights pushed after every update;
+    ``pip install fitrl[vllm]``, docs/vllm.md). Engines implement
     :class:`fitrl.rollout.engine.RolloutEngine`; see docs/architecture.md for adding one."""
+    gpu_memory_utilization: float = 0.6
+    """vLLM on a GPU: fraction of each device's memory the engine takes while awake (weights + KV cache + activations); ignored when ``kv_cache_memory`` is set."""
+    kv_cache_memory: Optional[str] = None
+    """vLLM: the KV cache's size as a byte count (e.g. ``2GiB``) instead of a share of the device; on CPU the default is 256MiB (vLLM's own CPU default takes several GiB)."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs per engine (each engine serves ``tensor_parallel_size`` policy ranks)."""
+    sleep_level: Literal[0, 1, 2] = 1
+    """vLLM between rollouts (GPU only): 0 stays awake, 1 frees the KV cache and keeps the weights in pinned host memory (2 bytes/param/GPU in bf16), 2 frees both (the weights come back by the next push)."""
+    enforce_eager: bool = False
+    """vLLM: no CUDA graphs (less memory and a faster start, slower decoding); always eager on CPU."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse the KV of shared prompt prefixes within a rollout (reset after every weight push)."""
     n: int = 8
     """Responses sampled per prompt during training (the GRPO group size)."""
     temperature: float = 1.0
@@ -330,6 +345,13 @@ class RolloutConfig:
         check_sampling(self, "rollout", training=True)
         if self.max_response_length < 1 or self.micro_batch_size < 1:
             raise ConfigError("rollout.max_response_length and rollout.micro_batch_size must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.kv_cache_memory is not None:
+            if parse_bytes(self.kv_cache_memory, "rollout.kv_cache_memory") <= 0:
+                raise ConfigError("rollout.kv_cache_memory must be a positive size, e.g. 2GiB")
 
     def sampling(self) -> SamplingConfig:
         """Training-time sampling as the engines take it."""

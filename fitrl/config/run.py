@@ -49,6 +49,18 @@ class OverlongConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    mode: Literal["off", "token", "sequence"] = "off"
+    """Truncated importance sampling (TIS) for a rollout engine whose log-probs differ from the trainer's (other kernels or precision, e.g. vLLM): the policy loss's advantages are multiplied by ``min(pi_trainer / pi_rollout, cap)`` of each sampled ``token``, or of each ``sequence`` (the product over its tokens, on all of them); ``off`` trains as if the two agreed. Needs ``algorithm.recompute_old_logprob``. Logged as ``rollout/is_weight_mean`` and ``rollout/is_clipped_frac``."""
+    cap: float = 2.0
+    """Upper bound of the importance weight: lower cuts the variance a few far-off tokens bring, at some bias."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cap) and self.cap > 0):
+            raise ConfigError(f"algorithm.rollout_correction.cap must be a finite number > 0, got {self.cap}")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, from the registry in ``fitrl.algo.advantages`` (e.g. ``grpo``)."""
@@ -76,6 +88,15 @@ class AlgorithmConfig:
     """DAPO dynamic sampling (online filtering of uninformative groups)."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """DAPO overlong reward shaping."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Correction of the rollout engine's log-probs towards the trainer's (truncated importance sampling)."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_correction.mode != "off" and not self.recompute_old_logprob:
+            raise ConfigError(f"algorithm.rollout_correction.mode={self.rollout_correction.mode} weighs the rollout "
+                              "engine's log-probs against the trainer's, which algorithm.recompute_old_logprob=false "
+                              "never computes: set algorithm.recompute_old_logprob=true or "
+                              "algorithm.rollout_correction.mode=off")
 
 
 @dataclass

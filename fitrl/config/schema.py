@@ -21,13 +21,14 @@ from fitrl.config.plan import PlanConfig
 from fitrl.config.roles import (ActorConfig, CriticConfig, DataConfig, FSDPConfig, LoRAConfig, ModelConfig,
                                  OptimConfig, RefConfig, RolloutConfig, SamplingConfig)
 from fitrl.config.run import (AlgorithmConfig, CheckpointConfig, FilterGroupsConfig, KLRewardConfig, MemoryConfig,
-                               OverlongConfig, RewardConfig, TrainerConfig)
+                               OverlongConfig, RewardConfig, RolloutCorrectionConfig, TrainerConfig)
 from fitrl.core.errors import ConfigError
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
            "FSDPConfig", "FilterGroupsConfig", "FitrlConfig", "KLRewardConfig", "LoRAConfig", "MemoryConfig", "ModelConfig",
            "OptimConfig", "OverlongConfig", "PlanConfig", "RefConfig", "RewardConfig", "RolloutConfig",
-           "SamplingConfig", "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes", "derived_batch_numbers"]
+           "RolloutCorrectionConfig", "SamplingConfig", "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes",
+           "derived_batch_numbers"]
 
 
 @dataclass
@@ -53,7 +54,7 @@ class FitrlConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """The memory plan before the run, telemetry and leak detection during it, the guard at the edge."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """What the memory planner reads beyond the run's keys: ``fitrl plan``'s hardware, and what-if inputs (``plan.rollout``: a vLLM engine's memory settings) that become ``rollout.*`` keys when the vLLM engine lands. Images are planned from the run's own ``data.max_pixels`` and ``data.limit_images``. The trainer ignores ``plan.hardware`` (it detects the hardware it runs on)."""
+    """What the memory planner reads beyond the run's keys: ``fitrl plan``'s hardware, and ``plan.emulate``: behaviours of another framework's vLLM integration that fitrl's engine never has, to reproduce a reported run. The rollout engine is planned from the run's own ``rollout.*`` keys (``engine``, ``gpu_memory_utilization``, ``kv_cache_memory``, ``tensor_parallel_size``, ``sleep_level``), images from ``data.max_pixels`` and ``data.limit_images``. The trainer ignores ``plan.hardware`` (it detects the hardware it runs on)."""
 
     @property
     def world_size(self) -> int:

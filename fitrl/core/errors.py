@@ -68,6 +68,12 @@ class CheckpointUsageError(CheckpointError, UserError):
     kind = "checkpoint error"
 
 
+class EngineError(RunStopped):
+    """The rollout engine cannot serve the run: it could not be built on this machine, or a weight
+    push failed part-way and left it holding half-loaded weights. The trainer's state and its last
+    checkpoint are intact; the message says what happened and what to change (exit 1)."""
+
+
 class Diverged(RunStopped):
     """The training has diverged (non-finite loss, gradient, weights or logits; a saturated or
     collapsed policy; KL or reward out of bounds): the run stops without saving the diverged

@@ -27,7 +27,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                     "say whether it fits (GPU <= 90%, host <= 85%), and rank changes that make it fit. "
                     "Needs only the model's config.json (actor.model.path may hold nothing else).")
     p.add_argument("config", nargs="?", help="YAML config (its `plan:` section: hardware, rollout engine)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.micro_batch_size=2 or plan.rollout.engine=vllm")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.micro_batch_size=2 or rollout.engine=vllm")
     p.add_argument("--nodes", type=int, help="nodes (default: plan.hardware.nodes, else trainer.nnodes)")
     p.add_argument("--gpus-per-node", type=int,
                    help="devices per node (default: plan.hardware.gpus_per_node, else trainer.devices_per_node)")

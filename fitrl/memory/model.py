@@ -2,7 +2,7 @@
 per process and phase, and the plan with its verdict.
 
 Processes: ``trainer`` (one per device: actor, reference and critic shards, and today the HF
-rollout engine in the same process), ``engine`` (a vLLM engine's own process, planner-only),
+rollout engine in the same process), ``engine`` (a vLLM engine, ``rollout.engine=vllm``),
 ``driver`` (node 0), ``node`` (what belongs to no rank: Ray, the object store, reward workers)
 and ``rank0`` (rank 0's extra load and save copies). Phases follow one RL step plus load,
 validation and checkpoint save; the plan is the steady state (from step 2: AdamW states exist;
@@ -132,17 +132,15 @@ class Plan:
         return next(p for p in self.processes if p.kind == kind)
 
     def device(self, phase: str) -> dict[str, int]:
-        """One device's memory in ``phase``: everything that shares it, by component."""
+        """One device's memory in ``phase``: everything that shares it, by component. The engine's
+        entries are per device already: a vLLM engine with tensor parallelism takes
+        ``gpu_memory_utilization`` of every device in its group, not 1/tp of it."""
         out: dict[str, int] = {}
         for p in self.processes:
             if p.kind in ("trainer", "engine") and phase in p.phases:
                 for k, v in p.phases[phase].gpu.items():
-                    out[k] = out.get(k, 0) + v * (1 if p.kind == "trainer" else self.engines_per_device)
+                    out[k] = out.get(k, 0) + v
         return out
-
-    @property
-    def engines_per_device(self) -> float:
-        return 1.0 / self.cfg.plan.rollout.tensor_parallel_size
 
     def node_host(self, phase: str) -> dict[str, int]:
         """Node 0's host memory in ``phase`` (rank 0, the driver and Ray's head live there)."""
@@ -160,7 +158,7 @@ class Plan:
         ck = getattr(cfg, "checkpoint", None)
         skip = {"ref_logprob": not self.spec.reference,
                 "old_logprob": not cfg.algorithm.recompute_old_logprob,
-                "weight_sync": cfg.plan.rollout.engine != "vllm",
+                "weight_sync": cfg.rollout.engine != "vllm",
                 "validation": not cfg.data.val_files,
                 "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
         return [ph for ph in PHASES if not skip.get(ph, False)]

@@ -29,7 +29,7 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     notes: list[str] = []
     processes = [trainer_plan(run, notes)]
     growth = 0
-    if cfg.plan.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm":
         engine, growth = vllm_plan(run, notes)
         processes.append(engine)
     processes += driver_and_node_plans(run)

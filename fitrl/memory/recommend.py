@@ -1,14 +1,15 @@
 """Recommendations: single changes to the config, ranked by what they cost in speed, each
 re-planned so its effect is a prediction in GiB, not advice.
 
-Every candidate is a list of dotted overrides (``plan.*`` ones change the what-if inputs; the
-rest, ``data.max_pixels`` included, are keys the run applies).
+Every candidate is a list of dotted overrides of keys the run applies (``rollout.sleep_level``,
+``rollout.gpu_memory_utilization``, ``data.max_pixels`` ...), except ``plan.emulate.*`` ones where
+the fix is to drop another framework's engine behaviour that a reproduced run emulates.
 Those that remove a problem, or are faster and keep the plan fitting, are reported in speed
 order (the cheapest one that fits always among those shown); when no single one fits, the
 cheapest ones are combined greedily until the plan fits. LoRA (``actor.lora.rank=16``) is
 offered only where it alone makes the plan fit, with the other training changes, and only to
-runs that fitrl trains with it (its own rollout engine; the planner-only vLLM engine has no LoRA
-weight sync to plan).
+runs on the HF engine (``rollout.engine=hf``): the vLLM engine's plan does not model LoRA's
+merged-weight push.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Optional
 
 from fitrl.config import ConfigError
 from fitrl.config.loader import config_from_dict, config_to_dict
+from fitrl.config.plan import parse_bytes
+from fitrl.memory.calibration import MIB
 from fitrl.memory.model import Plan
 from fitrl.memory.plan import plan_config
 
@@ -54,7 +57,7 @@ def _get(cfg, key: str):
 
 def candidates(plan: Plan) -> list[Change]:
     """Changes in order of speed cost: faster first, then free, then slower, then task changes."""
-    cfg, e, out = plan.cfg, plan.cfg.plan.rollout, []
+    cfg, e, out = plan.cfg, plan.cfg.rollout, []
     ray = cfg.trainer.backend == "ray"
     cuda = plan.hardware.device == "cuda"
     reference = plan.spec.reference and not cfg.actor.lora.enabled  # a reference model of its own
@@ -85,9 +88,9 @@ def candidates(plan: Plan) -> list[Change]:
     if reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
         out.append(Change([("ref.model", {"path": (cfg.ref.model or cfg.actor.model).path, "dtype": "bfloat16"})],
                           "faster (bf16 forward of the frozen model)", "ref.model.dtype float32 -> bfloat16"))
-    if e.engine == "vllm" and e.free_cache_engine:
-        out.append(Change([("plan.rollout.free_cache_engine", False)], "faster: the engine sleeps instead of rebuilding",
-                          "free_cache_engine on -> off (sleep/wake the engine)"))
+    if e.engine == "vllm" and cfg.plan.emulate.free_cache_engine:  # the story's fix: fitrl's own engine
+        out.append(Change([("plan.emulate.free_cache_engine", False)], "faster: the engine sleeps instead of rebuilding",
+                          "plan.emulate.free_cache_engine true -> false (fitrl's engine sleeps and wakes)"))
     longest = cfg.actor.micro_batch_size * cfg.rollout.max_response_length
     if cfg.actor.logprob_chunk_size > 1024 and longest > 1024:
         out.append(Change([("actor.logprob_chunk_size", 1024)], "no speed cost: chunked log-probs",
@@ -95,8 +98,8 @@ def candidates(plan: Plan) -> list[Change]:
     if cfg.trainer.val_before_train and cfg.data.val_files:
         flip("trainer.val_before_train", "skips the validation before step 1", False)
     if e.engine == "vllm" and e.sleep_level == 1:
-        out.append(Change([("plan.rollout.sleep_level", 2)], "slightly slower: weights re-synced at each wake",
-                          "engine sleep level 1 -> 2"))
+        out.append(Change([("rollout.sleep_level", 2)], "slightly slower: weights re-synced at each wake",
+                          "rollout.sleep_level 1 -> 2"))
     halve = [("data.val_batch_size", "smaller validation generate calls"),
              ("rollout.micro_batch_size", "slower generation (smaller batches)"),
              ("actor.logprob_micro_batch_size", "slightly slower log-probs"),
@@ -106,10 +109,16 @@ def candidates(plan: Plan) -> list[Change]:
         v = _get(cfg, key)
         if v > 1:
             out.append(Change([(key, v // 2)], cost, f"{key} {v} -> {v // 2}"))
-    if e.engine == "vllm" and e.gpu_memory_utilization > 0.3:
+    if e.engine == "vllm" and e.kv_cache_memory is not None:  # it overrides gpu_memory_utilization
+        kv = parse_bytes(e.kv_cache_memory, "rollout.kv_cache_memory")
+        if kv >= 2 * MIB:
+            half = f"{kv // 2 // MIB}MiB"
+            out.append(Change([("rollout.kv_cache_memory", half)], "smaller KV cache: more preemption",
+                              f"rollout.kv_cache_memory {e.kv_cache_memory} -> {half}"))
+    elif e.engine == "vllm" and e.gpu_memory_utilization > 0.3:
         u = round(e.gpu_memory_utilization - 0.1, 2)
-        out.append(Change([("plan.rollout.gpu_memory_utilization", u)], "smaller KV cache: more preemption",
-                          f"rollout memory fraction {e.gpu_memory_utilization} -> {u}"))
+        out.append(Change([("rollout.gpu_memory_utilization", u)], "smaller KV cache: more preemption",
+                          f"rollout.gpu_memory_utilization {e.gpu_memory_utilization} -> {u}"))
     flip("actor.model.gradient_checkpointing", "~30% slower update (recompute)", True)
     if cuda and ray:
         flip("actor.fsdp.offload_optimizer", "slower: optimizer states copied each update", True)

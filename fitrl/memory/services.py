@@ -1,52 +1,61 @@
-"""Processes besides the trainer ranks: a vLLM engine (planner-only model), the driver, and what
+"""Processes besides the trainer ranks: a vLLM engine (``rollout.engine=vllm``), the driver, and what
 belongs to a node (Ray, its object store, reward workers, rank 0's checkpoint copies)."""
 
 from __future__ import annotations
 
+from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
 from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage
 from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
 
 
 def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
-    """A vLLM engine per tensor_parallel_size devices (planner-only model); returns (plan, host growth/step)."""
-    e, shape, hw = run.cfg.plan.rollout, run.shape, run.hw
+    """A vLLM engine per ``rollout.tensor_parallel_size`` devices (``rollout.*``), with the other
+    frameworks' behaviours ``plan.emulate`` asks for; returns (plan, host growth/step). Device
+    entries are per device: each of an engine's tp devices holds 1/tp of its weights and KV."""
+    e, em, shape, hw = run.cfg.rollout, run.cfg.plan.emulate, run.shape, run.hw
     tp = e.tensor_parallel_size
     weights = full_weights(shape, "bfloat16", tp)
-    pool = int(e.gpu_memory_utilization * hw.gpu_memory) * tp  # one engine spans tp devices
-    kv = pool // tp - weights - C.VLLM_ACTIVATION_RESERVE
+    if e.kv_cache_memory is not None:  # a KV cache of this size per device, the rest as vLLM needs it
+        kv = parse_bytes(e.kv_cache_memory, "rollout.kv_cache_memory")
+        budget = weights + kv + C.VLLM_ACTIVATION_RESERVE
+    else:  # gpu_memory_utilization x the device, on every device of the engine
+        budget = int(e.gpu_memory_utilization * hw.gpu_memory)
+        kv = budget - weights - C.VLLM_ACTIVATION_RESERVE
     demand = run.cfg.data.rollout_batch_size * run.cfg.rollout.n * tp // (hw.nodes * hw.gpus_per_node) * run.seq_len
     capacity = max(0, kv) // max(1, shape.kv_bytes_per_token(2) // tp)
-    if kv <= 0:
-        notes.append(f"vLLM: gpu_memory_utilization {e.gpu_memory_utilization} leaves no room for the KV cache "
-                     f"after {weights / C.GIB:.1f} GiB of weights")
+    if not run.cuda:
+        notes.append("vLLM on CPU: the engine's host memory (weights, KV cache, runtime) is not planned")
+    elif kv <= 0:
+        notes.append(f"vLLM: rollout.gpu_memory_utilization {e.gpu_memory_utilization} leaves no room for the KV "
+                     f"cache after {weights / C.GIB:.1f} GiB of weights")
     elif demand > capacity:
         notes.append(f"vLLM: a rollout needs {demand:,} KV tokens per engine, the cache holds {capacity:,}: "
                      "sequences are preempted and recomputed (slower, not an OOM)")
     backup = full_weights(shape, "bfloat16", tp, pinned=True) if e.sleep_level == 1 else 0
-    swap = int(e.swap_space_gib * C.GIB)
+    swap = int(em.swap_space_gib * C.GIB)
     phases = {}
     for ph in PHASES:
         u = Usage()
-        if e.separate_processes:
+        if em.separate_processes:
             u.add("host", "runtime", C.VLLM_PROCESS_RUNTIME)
         awake = ph in ("rollout", "validation") or e.sleep_level == 0
         # loading streams the checkpoint through the node's page cache (its RSS shows those shared
         # pages: ~runtime + weights per engine, failure story 2); they are counted once per node
         if awake:
-            u.add("gpu", "engine (weights, kv cache)", pool // tp)
+            u.add("gpu", "engine (weights, kv cache)", budget)
         elif ph == "weight_sync":
             u.add("gpu", "engine weights", weights)
         elif ph != "load":
             u.add("host", "engine weights (asleep)", backup)
         if ph != "load":
             u.add("host", "engine swap space", swap)
-        if e.separate_processes and run.cuda:
+        if em.separate_processes and run.cuda:
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
         phases[ph] = u
-    growth = (swap + backup) * hw.gpus_per_node // tp if e.free_cache_engine else 0
+    growth = (swap + backup) * hw.gpus_per_node // tp if em.free_cache_engine else 0
     if growth:
-        notes.append(f"free_cache_engine rebuilds the engine every step; its pinned host blocks "
+        notes.append(f"plan.emulate.free_cache_engine rebuilds the engine every step; its pinned host blocks "
                      f"({(swap + backup) / C.GIB:.1f} GiB per engine) stay cached: host grows "
                      f"{growth / C.GIB:.0f} GiB per step")
     return ProcessPlan("engine", hw.gpus_per_node // tp, phases), growth
@@ -100,7 +109,7 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
                 n.add("host", "object store", store)
         if ph == "load" and run.fsdp and cfg.actor.fsdp.init == "rank0":
             r0.add("host", "checkpoint copy", full_weights(run.shape, cfg.actor.model.dtype))
-        if ph == "load" and (run.fsdp or not run.cuda or run.cfg.plan.rollout.engine == "vllm"):
+        if ph == "load" and (run.fsdp or not run.cuda or run.cfg.rollout.engine == "vllm"):
             # the checkpoint file mapped by safetensors (page cache shared by a node's readers)
             on_disk = run.shape.raw.get("torch_dtype") or run.shape.raw.get("dtype")
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))

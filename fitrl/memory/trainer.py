@@ -82,7 +82,7 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
     cfg, cuda, dev = run.cfg, run.cuda, "gpu" if run.cuda else "host"
     roles = role_states(run)
     cb = DTYPE_BYTES[run.compute_dtype]
-    eng = run.cfg.plan.rollout
+    eng = run.cfg.rollout
     phases = {}
     unretained = 0  # the update's transient bytes glibc cannot keep (mapped tensors)
     for ph in PHASES:
@@ -247,7 +247,7 @@ def _lora_note(run: Run) -> str:
             f"states for these only); the base's {run.shape.num_params / 1e6:,.1f}M are frozen")
     if run.spec.reference:
         text += "; the reference is the policy with its adapters off (no reference model)"
-    if run.cfg.plan.rollout.engine == "vllm":
+    if run.cfg.rollout.engine == "vllm":
         text += "; the vLLM engine is planned as for full weights (merged adapters synced)"
     return text
 

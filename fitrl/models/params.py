@@ -21,6 +21,7 @@ from torch import nn
 
 from fitrl.config.schema import LoRAConfig
 from fitrl.core.errors import ConfigError
+from fitrl.distributed.fsdp import stream_full_tensors
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 
@@ -36,6 +37,11 @@ class ParameterSet:
     def trained_names(self, model: nn.Module) -> set[str] | None:
         """State-dict keys a checkpoint holds (None: the whole state dict)."""
         return None
+
+    def inference_weights(self, model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights an inference engine loads, under the checkpoint's names, one full tensor at
+        a time (a collective under FSDP2: see :func:`fitrl.distributed.fsdp.stream_full_tensors`)."""
+        yield from stream_full_tensors(model, dtype)
 
     @contextmanager
     def base_only(self, model: nn.Module) -> Iterator[None]:
@@ -80,6 +86,35 @@ class LoRA(ParameterSet):
 
     def trained_names(self, model: nn.Module) -> set[str]:
         return {n for n, p in model.named_parameters() if p.requires_grad}
+
+    def inference_weights(self, model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Merged weights ``W + scaling * B @ A`` under the base model's names (an engine without
+        adapters sees the policy as trained). A layer's base weight waits for its two adapter
+        matrices, which follow it in the state dict: one layer's tensors are held at a time."""
+        pending: dict[str, torch.Tensor] = {}
+        for name, t in stream_full_tensors(model):
+            prefix, _, leaf = name.partition(".base_layer.")
+            if leaf:  # the frozen linear's own weight or bias
+                if leaf == "weight":
+                    pending[prefix] = t
+                else:
+                    yield f"{prefix}.{leaf}", t.to(dtype) if dtype is not None else t
+                continue
+            for part in (f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"):
+                if name.endswith(part):
+                    prefix = name[: -len(part)]
+                    pending[prefix + part] = t
+                    a, b = pending.get(prefix + f".lora_A.{ADAPTER}.weight"), pending.get(prefix + f".lora_B.{ADAPTER}.weight")
+                    if a is not None and b is not None:
+                        scaling = model.get_submodule(prefix).scaling[ADAPTER]
+                        w = pending.pop(prefix).float() + scaling * (b.float() @ a.float())
+                        del pending[prefix + f".lora_A.{ADAPTER}.weight"], pending[prefix + f".lora_B.{ADAPTER}.weight"]
+                        yield f"{prefix}.weight", w.to(dtype or t.dtype)
+                    break
+            else:
+                yield name, t.to(dtype) if dtype is not None else t
+        if pending:
+            raise RuntimeError(f"LoRA layers without both adapter matrices in the state dict: {sorted(pending)[:3]}")
 
     @contextmanager
     def base_only(self, model: nn.Module) -> Iterator[None]:

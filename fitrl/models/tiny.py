@@ -43,6 +43,14 @@ that renders ``{"type": "image"}`` / ``{"type": "video"}`` content parts as
 Same arguments give byte-identical weights and tokenizer files. The tokenizer does not depend on
 ``seed``, so models built with different seeds share one vocabulary.
 
+``head_dim`` re-splits the size's attention width into heads of another size (:func:`head_dims`
+lists the values): ``tiny``'s 4 heads of 16 (2 kv heads) become e.g. 2 heads of 32 (1 kv head), the
+head sizes that vLLM's CPU attention supports (32, 64, ...; not 16). ``num_attention_heads *
+head_dim`` stays ``hidden_size`` and the q/kv head ratio is kept where the heads allow it, so every
+projection keeps its shape and, for a given seed, its weights (only Qwen3-VL's per-head q/k norms,
+ones at initialisation, change length); the multimodal rope's sections are re-derived from the new
+head_dim. Left out (or the size's own), nothing changes: same files, byte for byte.
+
 Heavy imports (torch, transformers, tokenizers) happen inside the functions: importing this module
 is cheap.
 """
@@ -53,12 +61,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fitrl.core.errors import ConfigError
 from fitrl.models.tiny_tokenizer import build_corpus, build_tokenizer, pin_tokenizer_class
 from fitrl.models.tiny_specs import ARCHS, MAX_POSITION_EMBEDDINGS, ROPE_PARAMETERS, ArchSpec
 from fitrl.models.tiny_vl import VISION_SIZES, VISION_TOKENS, VL_ARCHS, _vl_config, _write_processor, processor_configs
 
 __all__ = ["ARCHS", "SIZES", "VL_ARCHS", "VISION_SIZES", "VISION_TOKENS", "make_tiny_model", "describe",
-           "processor_configs", "build_corpus"]
+           "head_dims", "processor_configs", "build_corpus"]
 
 # ---------------------------------------------------------------------------------------------
 # Size table. Add a row to add a size; every key is passed to the HF config except ``vocab_size``,
@@ -114,15 +123,58 @@ def _check(arch: str, size: str) -> tuple[ArchSpec, dict[str, Any]]:
     return ARCHS[arch], dict(SIZES[size])
 
 
-def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int = 0) -> Path:
+def head_dims(arch: str, size: str) -> list[int]:
+    """The ``head_dim`` values :func:`make_tiny_model` accepts for ``arch`` and ``size``: the even
+    divisors of the size's hidden size (rope rotates pairs of channels; the heads fill the width
+    exactly, so the projections keep their shapes) and, for a VL arch, those whose multimodal rope
+    gives each of its t/h/w sections at least one frequency."""
+    spec, size_cfg = _check(arch, size)
+    hidden = size_cfg["hidden_size"]
+    dims = [d for d in range(2, hidden + 1, 2) if hidden % d == 0]
+    if spec.vision is not None:
+        dims = [d for d in dims if min(spec.vision.mrope_section(d // 2)) > 0]
+    return dims
+
+
+def _split_heads(arch: str, size: str, size_cfg: dict[str, Any], head_dim: int | None) -> int | None:
+    """Set ``size_cfg``'s head counts for ``head_dim``: ``hidden_size // head_dim`` heads, and kv
+    heads keeping the size's q/kv ratio (the largest divisor of the heads at or under heads / ratio,
+    at least 1: same k/v shapes whenever the ratio divides the heads). Returns ``head_dim``, or
+    None where it is left out or the size's own (nothing changes). Raises ``ConfigError`` (a
+    ``ValueError``) with one line naming the valid values."""
+    if head_dim is None:
+        return None
+    own = size_cfg["hidden_size"] // size_cfg["num_attention_heads"]
+    valid = head_dims(arch, size)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in valid:
+        raise ConfigError(f"head_dim {head_dim!r} is not possible for {arch} size {size!r} (hidden_size "
+                          f"{size_cfg['hidden_size']}, head_dim {own}): it must be an even divisor of the hidden "
+                          f"size{' whose mrope sections are all positive' if arch in VL_ARCHS else ''}; "
+                          f"valid: {', '.join(map(str, valid))}")
+    if head_dim == own:
+        return None
+    ratio = size_cfg["num_attention_heads"] // size_cfg["num_key_value_heads"]
+    heads = size_cfg["hidden_size"] // head_dim
+    size_cfg["num_attention_heads"] = heads
+    size_cfg["num_key_value_heads"] = max([d for d in range(1, heads + 1) if heads % d == 0 and d * ratio <= heads],
+                                          default=1)
+    return head_dim
+
+
+def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int = 0,
+                    head_dim: int | None = None) -> Path:
     """Write a random-initialised HF causal LM + tokenizer to ``out_dir`` and return its path.
 
     ``arch``: one of ``ARCHS`` (``qwen2``, ``llama``) or ``VL_ARCHS`` (``qwen2_vl``,
     ``qwen2_5_vl``, ``qwen3_vl``: also the processor's files, see :func:`processor_configs`);
     ``size``: one of ``SIZES`` (``tiny``, ``small``, ``medium``; VL archs: ``VISION_SIZES``).
-    Raises ``ValueError`` for anything else. Deterministic in all three arguments.
+    ``head_dim``: the decoder's attention head size (one of :func:`head_dims`; None: the size's
+    own): the same width in ``hidden_size // head_dim`` heads, the q/kv ratio kept where possible,
+    e.g. ``head_dim=32`` for a ``tiny`` model that vLLM's CPU attention can run. Raises
+    ``ValueError`` for anything else. Deterministic in all four arguments.
     """
     spec, size_cfg = _check(arch, size)
+    head_dim = _split_heads(arch, size, size_cfg, head_dim)
 
     import torch
     import transformers
@@ -162,9 +214,10 @@ def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int 
     pin_tokenizer_class(out, spec.tokenizer_class)
     if spec.vision is not None:
         _write_processor(out, arch)
-    (out / "fitrl_tiny.json").write_text(
-        json.dumps({"arch": arch, "size": size, "seed": seed, "generator": "fitrl.models.tiny"}, indent=2) + "\n"
-    )
+    meta: dict[str, Any] = {"arch": arch, "size": size, "seed": seed}
+    if head_dim is not None:  # only when it changes the model: the default files stay byte-identical
+        meta["head_dim"] = head_dim
+    (out / "fitrl_tiny.json").write_text(json.dumps(dict(meta, generator="fitrl.models.tiny"), indent=2) + "\n")
     return out
 
 
@@ -192,6 +245,7 @@ def describe(out_dir) -> dict[str, Any]:
         "num_layers": text.num_hidden_layers,
         "num_heads": text.num_attention_heads,
         "num_kv_heads": text.num_key_value_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
         "intermediate_size": text.intermediate_size,
         "max_position_embeddings": text.max_position_embeddings,
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),

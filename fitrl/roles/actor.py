@@ -14,6 +14,7 @@ import torch
 
 from fitrl.algo.kl import KL_ESTIMATORS
 from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, aggregate
+from fitrl.algo.mismatch import truncated_is_weights
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
 from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
@@ -91,6 +92,7 @@ class Actor:
         self.policy_loss = POLICY_LOSSES.get(algo_cfg.policy_loss)
         LOSS_AGGREGATIONS.get(algo_cfg.loss_agg_mode)  # fail at start-up on a typo
         self.kl_fn = KL_ESTIMATORS.get(algo_cfg.kl_estimator) if algo_cfg.use_kl_loss else None
+        self.correction = algo_cfg.rollout_correction if algo_cfg.rollout_correction.mode != "off" else None
 
     def state_dict(self) -> dict:
         """What a checkpoint needs besides the weights and AdamW moments (saved by DCP)."""
@@ -141,8 +143,8 @@ class Actor:
                             max_response_length=self.max_response_length)
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float) -> dict[str, float]:
-        """One RL step of optimisation over ``batch`` (needs old_logprobs, advantages, and
-        ref_logprobs when KL is in the loss)."""
+        """One RL step of optimisation over ``batch`` (needs old_logprobs, advantages, ref_logprobs
+        when KL is in the loss, and rollout_logprobs with ``algorithm.rollout_correction``)."""
         self.model.train()
         metrics = WeightedMetrics()
         grad_norms, skipped = [], 0
@@ -189,8 +191,18 @@ class Actor:
         # entropy is logged every step; it joins the graph only when it is in the loss
         logp, entropy = self._forward(micro, temperature, with_entropy=True,
                                       entropy_grad=self.cfg.entropy_coeff != 0)
+        advantages = micro["advantages"]  # (B, R)
+        if self.correction is not None:
+            # TIS. Every per-token policy loss here is positively homogeneous in its A: PPO-clip's
+            # max(-A r, -A clip(r)) keeps the same winner when both terms scale by w > 0 (and the
+            # dual-clip cap -A c scales with them, A's sign unchanged), GSPO's is the same surrogate,
+            # CISPO's -sg(r) A logp is linear. So A_t * w_t gives loss_t * w_t, veRL's pg_losses * w,
+            # before any aggregation (w = 0, an underflow, gives 0 either way). The weights come
+            # from this micro-batch's own columns (a sequence's from its row): micro-batch invariant.
+            advantages = advantages * truncated_is_weights(micro["old_logprobs"], micro["rollout_logprobs"], mask,
+                                                           self.correction.mode, self.correction.cap)
         pg_loss, m = self.policy_loss(
-            logp, micro["old_logprobs"], micro["advantages"], mask, agg_mode=mode, denom=denom,
+            logp, micro["old_logprobs"], advantages, mask, agg_mode=mode, denom=denom,
             clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
             clip_ratio_c=self.cfg.clip_ratio_c,
         )

@@ -25,6 +25,7 @@ from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
 from fitrl.roles.critic import Critic
 from fitrl.rollout import build_engine
+from fitrl.rollout.engine import EngineContext
 from fitrl.rollout.layout import gather_rollouts
 from fitrl.telemetry.guard import GUARD
 from fitrl.workers.group import dispatch
@@ -74,8 +75,22 @@ class PolicyWorker:
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length,
                            inputs=inputs)
-        self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs)
+        self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs,
+                                    context=self.engine_context())
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer)
+
+    def engine_context(self) -> EngineContext:
+        """What an engine with its own copy of the policy (vLLM) needs: where the model's files are,
+        the precision it computes in, the longest sequence, a seed, and the weights to push."""
+        cfg = self.cfg
+        mixed = cfg.trainer.backend == "ray" and cfg.actor.fsdp.mixed_precision
+        return EngineContext(
+            model_path=cfg.actor.model.path, tokenizer_path=cfg.actor.model.tokenizer_path or cfg.actor.model.path,
+            dtype="bfloat16" if mixed else cfg.actor.model.dtype,
+            max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+            seed=cfg.trainer.seed + self.rank,
+            limit_images=cfg.data.limit_images if getattr(self.model.config, "vision_config", None) else 0,
+            weights=lambda: self.params.inference_weights(self.model))
 
     @dispatch("dp", gather=gather_rollouts)  # ranks generate to different widths
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:

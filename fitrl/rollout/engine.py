@@ -28,6 +28,9 @@ R = longest response actually generated (<= ``sampling.max_tokens``):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
 import torch
 
 from fitrl.config.schema import RolloutConfig, SamplingConfig
@@ -38,14 +41,37 @@ from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine")
 
 
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine holding its own copy of the policy needs beyond the trained module (the
+    ``hf`` engine needs none of it)."""
+
+    model_path: str = ""
+    """The directory the policy was loaded from: config, tokenizer and processor files (its
+    weights are not read: the first push brings the trainer's)."""
+    tokenizer_path: str = ""
+    dtype: str = "float32"
+    """The precision generation runs in (the policy's compute dtype)."""
+    max_model_len: int = 0
+    """Longest sequence a rollout can make: prompt plus response tokens."""
+    seed: int = 0
+    """This rank's seed for the engine's own initialisation."""
+    weights: Optional[Callable[[], Iterator[tuple[str, torch.Tensor]]]] = None
+    """The trainer's current weights under the checkpoint's names, one full tensor at a time
+    (LoRA adapters merged); a collective under FSDP2, so every rank drains it together."""
+    limit_images: int = 0
+    """Images (and videos) per prompt at most (vision-language models)."""
+
+
 class RolloutEngine(ABC):
     @classmethod
     @abstractmethod
     def from_config(cls, model: torch.nn.Module, tokenizer, cfg: RolloutConfig, *,
-                    inputs: ModelInputs = TEXT_INPUTS) -> "RolloutEngine":
+                    inputs: ModelInputs = TEXT_INPUTS, context: EngineContext = EngineContext()) -> "RolloutEngine":
         """The engine for the trained ``model`` on this rank. ``inputs`` is the model family's
         :class:`~fitrl.models.families.base.ModelInputs` for it: the positions of whole
-        sequences and any extra inputs (images) of a batch."""
+        sequences and any extra inputs (images) of a batch. ``context``: what an engine with its
+        own copy of the weights needs (:class:`EngineContext`)."""
 
     @abstractmethod
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
@@ -65,7 +91,7 @@ class RolloutEngine(ABC):
 
 
 def build_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, *,
-                 inputs: ModelInputs = TEXT_INPUTS) -> RolloutEngine:
+                 inputs: ModelInputs = TEXT_INPUTS, context: EngineContext = EngineContext()) -> RolloutEngine:
     """The engine ``rollout.engine`` names (its module must have been imported: :mod:`fitrl.rollout`
     imports every built-in engine)."""
-    return ROLLOUT_ENGINES.get(cfg.engine).from_config(model, tokenizer, cfg, inputs=inputs)
+    return ROLLOUT_ENGINES.get(cfg.engine).from_config(model, tokenizer, cfg, inputs=inputs, context=context)

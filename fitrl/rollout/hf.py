@@ -20,11 +20,12 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from fitrl.config.schema import SamplingConfig
 from fitrl.core.errors import Diverged
-from fitrl.core.padding import first_eos_mask, left_pad, pad_right
+from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import gathered_for_generation
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
+from fitrl.rollout.layout import assemble_rollout
 from fitrl.telemetry.guard import GUARD
 
 
@@ -111,7 +112,7 @@ class HFRollout(RolloutEngine):
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
     @classmethod
-    def from_config(cls, model, tokenizer, cfg, *, inputs=TEXT_INPUTS) -> "HFRollout":
+    def from_config(cls, model, tokenizer, cfg, *, inputs=TEXT_INPUTS, context=None) -> "HFRollout":
         return cls(model, tokenizer, micro_batch_size=cfg.micro_batch_size, inputs=inputs)
 
     @torch.no_grad()
@@ -141,27 +142,8 @@ class HFRollout(RolloutEngine):
                     logprobs.append(lp)
         finally:
             self.model.train(was_training)
-        resp_len = max(r.shape[1] for r in responses)
-        responses = torch.cat([pad_right(r, resp_len, self.pad_id) for r in responses])
-        logprobs = torch.cat([pad_right(lp, resp_len, 0.0) for lp in logprobs])
-        response_mask = first_eos_mask(responses, self.eos_ids)
-        input_ids = torch.cat([prompt_ids.to(device), responses], dim=1)
-        attention_mask = torch.cat([prompt_mask.to(device), response_mask], dim=1)
-        out = Batch(
-            tensors={
-                "input_ids": input_ids,
-                "attention_mask": attention_mask,
-                "position_ids": self.inputs.positions(input_ids, attention_mask, seqs),
-                "responses": responses,
-                "response_mask": response_mask,
-                "finished": torch.isin(responses, torch.tensor(self.eos_ids, device=device)).any(-1).long(),
-                "rollout_logprobs": logprobs * response_mask,
-            },
-            fields={k: v for k, v in seqs.fields.items()},
-            meta={**prompts.meta, "pad_id": self.pad_id},
-        )
-        out.fields["response_text"] = self.decode(responses, response_mask)
-        return out
+        return assemble_rollout(prompts, seqs, prompt_ids.to(device), prompt_mask.to(device), responses, logprobs,
+                                eos_ids=self.eos_ids, pad_id=self.pad_id, inputs=self.inputs, decode=self.decode)
 
     def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
                         extra: dict[str, torch.Tensor]):

@@ -7,9 +7,13 @@ are (B, R). Each generate call (each DAPO round, each data-parallel rank) picks 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from fitrl.core.padding import first_eos_mask, pad_right
 from fitrl.data.batch import Batch
+from fitrl.models.families.base import ModelInputs
 
 FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
 RESPONSE_WIDTH = ("responses", "response_mask", "rollout_logprobs")
@@ -43,3 +47,36 @@ def concat_rollouts(batches: list[Batch], pad_id: int = 0) -> Batch:
 def gather_rollouts(results: list[Batch]) -> Batch:
     """Joins the rollouts of data-parallel ranks (each generated to its own widths)."""
     return concat_rollouts(results, pad_id=results[0].meta.get("pad_id", 0))
+
+
+def assemble_rollout(prompts: Batch, seqs: Batch, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                     responses: list[torch.Tensor], logprobs: list[torch.Tensor], *, eos_ids: list[int], pad_id: int,
+                     inputs: ModelInputs, decode: Callable[[torch.Tensor, torch.Tensor], list[str]]) -> Batch:
+    """The rollout batch of :mod:`fitrl.rollout.engine` from an engine's raw output.
+
+    ``seqs``: the prompts' fields repeated n times (one row per sequence); ``prompt_ids`` /
+    ``prompt_mask``: (B, P) left-padded; ``responses`` / ``logprobs``: chunks of (b, r) rows in
+    sequence order, each chunk padded to its own width r (any EOS-ended tail after the first EOS
+    is masked out here)."""
+    device = prompt_ids.device
+    resp_len = max(r.shape[1] for r in responses)
+    responses = torch.cat([pad_right(r.to(device), resp_len, pad_id) for r in responses])
+    logprobs = torch.cat([pad_right(lp.to(device), resp_len, 0.0) for lp in logprobs])
+    response_mask = first_eos_mask(responses, eos_ids)
+    input_ids = torch.cat([prompt_ids, responses], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    out = Batch(
+        tensors={
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": inputs.positions(input_ids, attention_mask, seqs),
+            "responses": responses,
+            "response_mask": response_mask,
+            "finished": torch.isin(responses, torch.tensor(eos_ids, device=device)).any(-1).long(),
+            "rollout_logprobs": logprobs * response_mask,
+        },
+        fields=dict(seqs.fields),
+        meta={**prompts.meta, "pad_id": pad_id},
+    )
+    out.fields["response_text"] = decode(responses, response_mask)
+    return out

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from fitrl.algo.advantages import compute_advantages, scores_to_token_rewards
 from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalized_rewards
+from fitrl.algo.mismatch import mismatch_metrics
 from fitrl.checkpoint import layout
 from fitrl.checkpoint.layout import Checkpoint
 from fitrl.checkpoint.manager import CheckpointManager
@@ -328,10 +329,11 @@ class RLTrainer:
         if "values" in batch:
             m.update(masked_stats("critic/values", batch["values"], mask))
         if self.cfg.algorithm.recompute_old_logprob:
-            # rollout vs trainer log-probs of the same weights: large values mean the two
-            # engines disagree (precision, padding, kernels) and the importance ratio is biased
-            diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * mask
-            m["rollout/logprob_diff_mean"] = (diff.sum() / mask.sum().clamp(min=1)).item()
+            # rollout vs trainer log-probs of the same weights: large values mean the two engines
+            # disagree (precision, padding, kernels); the TIS weights are the loss's own
+            rc = self.cfg.algorithm.rollout_correction
+            m.update(mismatch_metrics(batch["old_logprobs"], batch["rollout_logprobs"], mask,
+                                      level=None if rc.mode == "off" else rc.mode, cap=rc.cap))
         m.update(stats.metrics)  # reward timeouts / errors / degenerate answers
         m["sampling/rounds"] = float(stats.rounds)
         m["sampling/groups_dropped"] = float(stats.groups_dropped)

@@ -5,7 +5,7 @@ that hardware) and, per ``memory.plan``: ``enforce`` stops a run predicted not t
 the plan and the cheapest change that fits; ``warn`` prints the same and goes on; ``off`` skips
 it. A run that fits gets one line. The planner is a prediction, not a gate on its own bugs: any
 failure inside it other than a configuration error is reported in one line and training goes on.
-The config's ``plan.rollout`` and the rest are read as ``fitrl plan`` reads them;
+The config's ``rollout.*`` keys, ``plan.emulate`` and the rest are read as ``fitrl plan`` reads them;
 ``plan.hardware`` is not (it describes other machines, for ``fitrl plan``).
 
 Cost: 1-2 s on a 2-core CPU for ``examples/arith.yaml`` (measured 1.7 s, most of it importing PyTorch's ``MemTracker``

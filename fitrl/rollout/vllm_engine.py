@@ -1,0 +1,292 @@
+"""Rollout with vLLM (``rollout.engine: vllm``), colocated with the policy on each rank.
+
+One engine per policy rank, built in the trainer's own process (vLLM's in-process mode,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``): there is no engine process to orphan when the trainer is
+killed, and weights reach the engine as tensors, not through a socket (docs/vllm.md).
+
+The engine's lifecycle per RL step (driven by :class:`fitrl.roles.workers.PolicyWorker`):
+
+  update  -> push_weights()  marks the engine's weights stale (no work yet)
+  generate: wake()           weights back (GPU, sleep level 1) -> stream the trainer's weights if
+                             stale -> reset the prefix cache -> KV cache back
+            generate(...)    all prompts x n in one call; vLLM schedules by KV capacity
+            sleep()          GPU only: level 1 frees the KV cache and moves the weights to pinned
+                             host memory, level 2 frees both (they are pushed again at wake)
+
+The engine is built with ``load_format="dummy"``: it never reads the checkpoint, since the first
+wake pushes the trainer's weights (LoRA adapters merged), one full tensor at a time. A push that
+fails part-way leaves vLLM with half-loaded (meta) layers; the engine is then marked broken and
+the step fails with :class:`~fitrl.core.errors.EngineError` while the trainer's state and its
+last checkpoint stay intact.
+
+Log-probs: those of the tempered distribution before top-k/top-p truncation, as the HF engine
+records and the trainer recomputes (fitrl/rollout/vllm_worker.py says how). Greedy decoding is
+sampled as top-k 1 at temperature 1, so that tokens the family never generates (image pads) are
+masked the same way as in sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from fitrl.config.plan import parse_bytes
+from fitrl.config.schema import RolloutConfig, SamplingConfig
+from fitrl.core.errors import ConfigError, Diverged, EngineError
+from fitrl.core.padding import left_pad
+from fitrl.data.batch import Batch
+from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
+from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
+from fitrl.rollout.hf import _eos_ids
+from fitrl.rollout.layout import assemble_rollout
+from fitrl.telemetry.guard import GUARD
+
+SUPPORTED_VLLM = ("0.32.",)
+"""vLLM releases this engine was written and tested against (its worker extension touches the
+sampler and the in-place weight reload, which change between releases)."""
+CPU_KV_CACHE = "256MiB"
+"""KV cache on CPU when ``rollout.kv_cache_memory`` is unset (vLLM's own CPU default takes
+several GiB of host memory)."""
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM 0.32's CPU backend runs."""
+
+
+@ROLLOUT_ENGINES.register("vllm")
+class VllmRollout(RolloutEngine):
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: RolloutConfig, *, inputs: ModelInputs,
+                 context: EngineContext):
+        if context.weights is None or not context.model_path:
+            raise ValueError("the vLLM engine needs EngineContext.model_path and .weights")
+        self.cfg, self.inputs, self.context, self.tokenizer = cfg, inputs, context, tokenizer
+        self._model = model  # the trainer's module (checks only: weights reach vLLM through context.weights)
+        self.device = next(model.parameters()).device
+        self.cuda = self.device.type == "cuda"
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.sleeps = self.cuda and cfg.sleep_level > 0  # vLLM's sleep mode needs CUDA's allocator
+        self.llm = build_llm(cfg, context, model, cuda=self.cuda, sleep=self.sleeps)
+        missing = self.llm.collective_rpc("fitrl_prepare", args=(list(inputs.never_generate),))[0]
+        if missing:
+            raise ConfigError(f"rollout.engine=vllm: this vLLM ({_vllm_version()}) has no {missing}; fitrl's engine "
+                              f"supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}")
+        self.awake = True
+        self.stale = True  # dummy weights until the first push
+        self.broken: Optional[str] = None
+        self.last_push = {}  # seconds and tensors of the last push (perf metrics, benchmarks)
+
+    @classmethod
+    def from_config(cls, model, tokenizer, cfg, *, inputs=TEXT_INPUTS, context=EngineContext()) -> "VllmRollout":
+        return cls(model, tokenizer, cfg, inputs=inputs, context=context)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def push_weights(self) -> None:
+        self.stale = True  # streamed at the next wake: every rank wakes together, in generate
+
+    def wake(self) -> None:
+        if self.broken:
+            raise EngineError(self.broken)
+        if not self.awake:
+            self.llm.wake_up(tags=["weights"])
+        if self.stale:
+            self._push()
+        if not self.awake:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.awake = True
+
+    def sleep(self) -> None:
+        if self.sleeps and self.awake and not self.broken:
+            self.llm.sleep(level=self.cfg.sleep_level)
+            self.awake = False
+            if self.cfg.sleep_level == 2:
+                self.stale = True  # weights discarded: the next wake pushes them again
+
+    def release(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def _push(self) -> None:
+        start = time.perf_counter()
+        try:
+            count = self.llm.collective_rpc("fitrl_load_weights", args=(self.context.weights(),))[0]
+        except BaseException as e:  # interrupts too: the engine is unusable either way
+            self.broken = (f"the vLLM engine is unusable: a weight push failed part-way ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); the trainer's state and its last "
+                           "checkpoint are intact: resume from the checkpoint")
+            if isinstance(e, Exception):
+                raise EngineError(self.broken) from e
+            raise
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self.stale = False
+        self.last_push = {"seconds": time.perf_counter() - start, "tensors": float(count)}
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
+        """prompts: field ``prompt_ids`` (list[list[int]]) and any per-prompt fields, repeated
+        ``n`` times in the result (layout: :mod:`fitrl.rollout.engine`)."""
+        if self.broken:
+            raise EngineError(self.broken)
+        if self.stale or not self.awake:
+            self.wake()
+        GUARD.check(collective=False)  # safe point before the engine takes over
+        requests = [self._request(prompts, i) for i in range(len(prompts))]
+        # No per-request seeds: in-process, vLLM's sampler draws from this process's torch RNG,
+        # whose state fitrl checkpoints (a resumed run samples what the uninterrupted one would).
+        # (Seeded requests also fail on vLLM 0.32's CPU backend once a prefill is chunked.)
+        outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
+        responses, logprobs = [], []
+        for out in outputs:
+            for sample in sorted(out.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids) or [self.pad_id]
+                lps = [entry[tok].logprob for tok, entry in zip(sample.token_ids, sample.logprobs or [])]
+                responses.append(torch.tensor([ids], dtype=torch.long))
+                logprobs.append(torch.tensor([lps or [0.0]], dtype=torch.float32))
+        lp_all = torch.cat([lp.flatten() for lp in logprobs])
+        if not torch.isfinite(lp_all).all():
+            raise Diverged("the policy's logits hold NaN or infinity during generation: its weights have diverged "
+                           "(a learning rate too high: actor.optim.lr) or the weights it loaded are corrupt")
+        seqs = prompts.repeat_interleave(sampling.n)
+        width = max(len(p) for p in seqs["prompt_ids"])
+        prompt_ids, prompt_mask = left_pad(seqs["prompt_ids"], self.pad_id, width)
+        return assemble_rollout(prompts, seqs, prompt_ids, prompt_mask, responses, logprobs, eos_ids=self.eos_ids,
+                                pad_id=self.pad_id, inputs=self.inputs, decode=self.decode)
+
+    def _request(self, prompts: Batch, i: int) -> dict[str, Any]:
+        return {"prompt_token_ids": list(prompts["prompt_ids"][i])}
+
+    def _params(self, sampling: SamplingConfig):
+        from vllm import SamplingParams
+
+        greedy = sampling.greedy
+        return SamplingParams(
+            n=sampling.n,
+            # greedy = top-k 1 at temperature 1: argmax through the same (masking) sampler path,
+            # and the recorded log-probs untempered, as the HF engine records them
+            temperature=1.0 if greedy else sampling.temperature,
+            top_k=1 if greedy else (sampling.top_k if sampling.top_k > 0 else 0),
+            top_p=1.0 if greedy else sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            # vLLM's ignore_eos only keeps going; like the HF engine, EOS must not be sampled
+            # either (min_tokens masks the stop tokens, before the recorded log-softmax)
+            ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.max_tokens if sampling.ignore_eos else 0,
+            stop_token_ids=list(self.eos_ids),
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,  # decoded once here, without EOS and padding
+        )
+
+    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+        texts = []
+        eos = set(self.eos_ids)
+        for row, m in zip(responses.tolist(), response_mask.tolist()):
+            texts.append(self.tokenizer.decode([t for t, keep in zip(row, m) if keep and t not in eos],
+                                               skip_special_tokens=True))
+        return texts
+
+    # ------------------------------------------------------------------ checks (tests, benchmarks)
+
+    def sequence_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """The engine's log-probs (temperature 1) of each sequence's tokens after the first: (len-1,)
+        per sequence. Compared with the trainer's after a push, they show the push is exact."""
+        from vllm import SamplingParams
+
+        if self.stale or not self.awake:
+            self.wake()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], params, use_tqdm=False)
+        result = []
+        for ids, out in zip(token_ids, outs):
+            entries = out.prompt_logprobs[1:]  # the first token has none
+            result.append(torch.tensor([e[t].logprob for t, e in zip(ids[1:], entries)], dtype=torch.float32))
+        return result
+
+
+def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module, *, cuda: bool, sleep: bool):
+    """The vLLM ``LLM`` for this rank, or one line saying why it cannot be built."""
+    # in-process engine core: no engine process to orphan, weights passed as tensors. Set before
+    # vLLM reads its environment (it reads it lazily, at engine construction).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM logs every engine step's housekeeping at INFO; fitrl's console shows the run's own lines
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"rollout.engine=vllm needs vLLM ({e}): pip install 'fitrl[vllm]' on a CUDA machine, or "
+                          "`make .venv-vllm` for the CPU build (docs/vllm.md); or set rollout.engine=hf") from None
+    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        raise ConfigError(f"rollout.engine=vllm: vLLM {vllm.__version__} is installed but fitrl's engine supports vLLM "
+                          f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)}: pip install 'fitrl[vllm]'")
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    if not cuda and head not in CPU_HEAD_SIZES:
+        raise ConfigError(f"rollout.engine=vllm on CPU: {context.model_path} has attention heads of size {head}, which "
+                          f"vLLM's CPU backend does not run (sizes {', '.join(map(str, CPU_HEAD_SIZES))}); use "
+                          "rollout.engine=hf, or a model with such heads (fitrl make-tiny-model --head-dim 32)")
+    if cfg.tensor_parallel_size != 1:
+        raise ConfigError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size}: fitrl's vLLM engine runs one "
+                          "engine per policy rank (tensor_parallel_size=1) in this release (docs/vllm.md)")
+    kwargs: dict[str, Any] = dict(
+        model=context.model_path, tokenizer=context.tokenizer_path or context.model_path,
+        dtype=context.dtype, seed=context.seed, max_model_len=context.max_model_len,
+        enforce_eager=cfg.enforce_eager or not cuda, enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",  # sampler output the worker extension replaces (untruncated)
+        load_format="dummy",  # never read the checkpoint: the first wake pushes the trainer's weights
+        worker_extension_cls="fitrl.rollout.vllm_worker.FitrlWorkerExtension",
+        enable_sleep_mode=sleep, disable_log_stats=True,
+    )
+    if cfg.kv_cache_memory or not cuda:
+        kwargs["kv_cache_memory_bytes"] = parse_bytes(cfg.kv_cache_memory or CPU_KV_CACHE, "rollout.kv_cache_memory")
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if context.limit_images:
+        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": context.limit_images}
+    # each push warns that rotary embeddings (which have no weights) "failed to load"
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: "Failed to load weights" not in record.getMessage())
+    try:
+        with trainer_process_kept():
+            return vllm.LLM(**kwargs)
+    except Exception as e:  # vLLM's own errors are long; the first line names the cause
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise EngineError(f"vLLM could not build its engine for {context.model_path}: {first}") from e
+
+
+@contextmanager
+def trainer_process_kept():
+    """Undo what building an in-process engine does to the trainer's process: vLLM seeds the
+    global RNGs (Python, NumPy, torch) with its own seed, and its CPU worker drops torch to one
+    thread and replaces ``torch.set_num_threads`` with a no-op. The trainer's RNG streams (part of
+    exact resume) and its thread count (``trainer.num_threads``) are restored afterwards."""
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except ImportError:
+        return "not installed"

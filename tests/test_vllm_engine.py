@@ -82,9 +82,8 @@ def test_failed_push_leaves_engine_marked_broken(model_dir, tmp_path):
             yield item
 
     object.__setattr__(good, "weights", half)  # frozen dataclass: swapped for this test only
-    w.rollout.push_weights()
     with pytest.raises(EngineError, match="weight push failed part-way.*simulated.*last checkpoint"):
-        w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
+        w.rollout.push_weights()  # awake on CPU: the push runs at the end of the update
     with pytest.raises(EngineError, match="unusable"):  # and stays refused, never half-loaded weights
         w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
 

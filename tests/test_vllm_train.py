@@ -53,7 +53,8 @@ def test_reward_rises_with_vllm_rollouts(trained):
 
 def test_every_push_makes_engine_equal_trainer(trained):
     gaps = trained["gaps"]
-    assert len(gaps) == STEPS  # the first wake's push, then one after each of the first STEPS-1 updates
+    assert len(gaps) == STEPS + 1  # the first rollout's push, then one at the end of every update
+    assert all(h["perf/weight_push_s"] > 0 for h in trained["history"])
     assert max(gaps) <= 1e-4, gaps
     mismatch = [h["rollout/logprob_diff_max"] for h in trained["history"]]
     assert max(mismatch) <= 1e-4

@@ -121,7 +121,7 @@ class PolicyWorker:
             metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
                                         temperature=self.cfg.rollout.temperature)
         self.rollout.push_weights()  # the next rollout samples from the updated policy
-        return metrics
+        return {**metrics, **self.rollout.metrics()}
 
     @dispatch("all")
     def num_parameters(self) -> int:

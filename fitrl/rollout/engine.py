@@ -89,6 +89,10 @@ class RolloutEngine(ABC):
     def release(self) -> None:
         """End of the run: free everything the engine holds."""
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's own figures of the last step (e.g. ``perf/weight_push_s``)."""
+        return {}
+
 
 def build_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, *,
                  inputs: ModelInputs = TEXT_INPUTS, context: EngineContext = EngineContext()) -> RolloutEngine:

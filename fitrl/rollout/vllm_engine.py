@@ -6,7 +6,8 @@ killed, and weights reach the engine as tensors, not through a socket (docs/vllm
 
 The engine's lifecycle per RL step (driven by :class:`fitrl.roles.workers.PolicyWorker`):
 
-  update  -> push_weights()  marks the engine's weights stale (no work yet)
+  update  -> push_weights()  streams the trainer's weights now if the engine is awake (CPU, sleep
+                             level 0), else marks them stale
   generate: wake()           weights back (GPU, sleep level 1) -> stream the trainer's weights if
                              stale -> reset the prefix cache -> KV cache back
             generate(...)    all prompts x n in one call; vLLM schedules by KV capacity
@@ -88,7 +89,17 @@ class VllmRollout(RolloutEngine):
     # ------------------------------------------------------------------ lifecycle
 
     def push_weights(self) -> None:
-        self.stale = True  # streamed at the next wake: every rank wakes together, in generate
+        """Awake (CPU, or sleep level 0): stream the weights now. Asleep: at the next wake, after
+        the weights' memory is back and before the KV cache's. Either way every rank pushes at
+        the same point (the end of its update, or the start of its rollout)."""
+        self.stale = True
+        if self.awake:
+            self._push()
+
+    def metrics(self) -> dict[str, float]:
+        if not self.last_push:
+            return {}
+        return {"perf/weight_push_s": self.last_push["seconds"], "perf/weight_push_tensors": self.last_push["tensors"]}
 
     def wake(self) -> None:
         if self.broken:

@@ -137,3 +137,42 @@ def test_two_ray_ranks_each_with_an_engine(trained, tmp_path):
                                 "trainer.val_before_train=false", "data.val_files=[]"))
     assert len(history) == 3
     assert max(h["rollout/logprob_diff_max"] for h in history) <= 1e-4
+
+
+FAILING_PUSH = """
+import sys
+from fitrl.models import params
+calls = {"n": 0}
+original = params.ParameterSet.inference_weights
+def failing(self, model, dtype=None):
+    calls["n"] += 1
+    for i, item in enumerate(original(self, model, dtype)):
+        if calls["n"] == 4 and i == 5:  # the push after step 3's update, part-way
+            raise OSError("injected: pinned host memory exhausted")
+        yield item
+params.ParameterSet.inference_weights = failing
+from fitrl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_push_failing_part_way_stops_the_run_in_one_line_and_keeps_the_checkpoint(trained, tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import DATA, EXAMPLE
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_PUSH, "train", EXAMPLE, f"actor.model.path={trained['model_dir']}",
+         f"trainer.run_dir={run}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "data.val_files=[]",
+         "rollout.engine=vllm", "trainer.max_steps=6", "checkpoint.save_freq=2", "trainer.progress_bar=false",
+         "memory.plan=off"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fitrl:")]
+    assert len(errors) == 1 and "weight push failed part-way" in errors[0] and "injected" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+    verify = subprocess.run([sys.executable, "-m", "fitrl.cli", "checkpoint", "verify", str(run / "checkpoints" / "step_2")],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

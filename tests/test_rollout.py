@@ -145,3 +145,18 @@ def test_all_padding_columns_do_not_change_logprobs(engine):
     lp_padded, _ = response_logprobs(rollout.model, ids, mask, pos, R + 4)
     assert lp_padded.shape == (4, R + 4)
     assert torch.allclose(lp_padded[:, :R], lp, atol=1e-5) and torch.all(lp_padded[:, R:] == 0)
+
+
+def test_vllm_engine_without_vllm_installed_is_one_line(tiny_model_dir, tmp_path):
+    """The main environment has no vLLM (it lives in .venv-vllm): asking for it names the install."""
+    import importlib.util
+
+    from fitrl.core.errors import ConfigError
+    from fitrl.roles.workers import PolicyWorker
+    from helpers import toy_config
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (its tier covers the engine)")
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "rollout.engine=vllm")
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM .*pip install 'fitrl\[vllm\]'"):
+        PolicyWorker(cfg, rank=0, world_size=1)

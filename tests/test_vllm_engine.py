@@ -99,3 +99,28 @@ def test_unsupported_head_size_is_one_line(tmp_path):
 def test_tensor_parallel_is_refused_in_one_line(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
         PolicyWorker(vllm_config(model_dir, tmp_path, "rollout.tensor_parallel_size=2"), rank=0, world_size=1)
+
+
+def test_other_vllm_version_is_one_line_naming_the_fix(model_dir, tmp_path, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    with pytest.raises(ConfigError, match=r"vLLM 0.31.2 is installed but .*0\.32\.x: pip install 'fitrl\[vllm\]'"):
+        PolicyWorker(vllm_config(model_dir, tmp_path), rank=0, world_size=1)
+
+
+def test_cli_without_vllm_is_one_line_exit_2(model_dir, tmp_path):
+    """What a user of the main environment (no vLLM) sees: one line naming the install."""
+    import subprocess
+    import sys
+
+    from helpers import DATA, EXAMPLE
+
+    code = "import sys; sys.modules['vllm'] = None; from fitrl.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "train", EXAMPLE, f"actor.model.path={model_dir}",
+                           f"trainer.run_dir={tmp_path / 'run'}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]",
+                           "data.val_files=[]", "rollout.engine=vllm", "memory.plan=off"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'fitrl[vllm]'" in lines[0] and "Traceback" not in proc.stderr, proc.stderr

@@ -21,3 +21,23 @@ def toy_config(model_dir, run_dir, *overrides):
 
 def read_metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_rollout(model_dir):
+    """A tiny policy (fp32, CPU) and its 8-sequence rollout of four chat prompts, 2 samples each,
+    at most 6 tokens (seeded): the batch the actor tests add log-probs and advantages to."""
+    import torch
+
+    from fitrl.config.schema import FSDPConfig, ModelConfig, SamplingConfig
+    from fitrl.data.batch import Batch
+    from fitrl.models.loading import build_model, load_tokenizer
+    from fitrl.rollout.hf import HFRollout
+
+    mcfg = ModelConfig(path=str(model_dir))
+    tok = load_tokenizer(mcfg)
+    model = build_model("causal_lm", mcfg, FSDPConfig(), torch.device("cpu"))
+    texts = ["What is 1 + 2?", "What is 7 + 5? Answer with a number.", "Hi", "What is 0 + 0?"]
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
+    torch.manual_seed(0)
+    return model, HFRollout(model, tok).generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))

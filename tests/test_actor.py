@@ -6,23 +6,14 @@ import pytest
 import torch
 
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, FSDPConfig, ModelConfig, OptimConfig
-from fitrl.data.batch import Batch
-from fitrl.models.loading import build_model, load_tokenizer
+from fitrl.models.loading import build_model
 from fitrl.roles.actor import Actor, WeightedMetrics, lr_factor
-from fitrl.config.schema import SamplingConfig
-from fitrl.rollout.hf import HFRollout
+from helpers import tiny_rollout
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
-    mcfg = ModelConfig(path=str(tiny_model_dir))
-    tok = load_tokenizer(mcfg)
-    model = build_model("causal_lm", mcfg, FSDPConfig(), torch.device("cpu"))
-    texts = ["What is 1 + 2?", "What is 7 + 5? Answer with a number.", "Hi", "What is 0 + 0?"]
-    ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                       tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
-    torch.manual_seed(0)
-    batch = HFRollout(model, tok).generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))
+    model, batch = tiny_rollout(tiny_model_dir)
     assert len(batch) == 8
     g = torch.Generator().manual_seed(1)
     mask = batch["response_mask"].float()

@@ -9,12 +9,9 @@ import torch
 
 from fitrl.algo.mismatch import mismatch_metrics, truncated_is_weights
 from fitrl.config import load_config
-from fitrl.config.schema import (ActorConfig, AlgorithmConfig, ConfigError, FSDPConfig, ModelConfig,
-                                 RolloutCorrectionConfig, SamplingConfig)
-from fitrl.data.batch import Batch
-from fitrl.models.loading import build_model, load_tokenizer
+from fitrl.config.schema import (ActorConfig, AlgorithmConfig, ConfigError, RolloutCorrectionConfig)
 from fitrl.roles.actor import Actor, WeightedMetrics
-from fitrl.rollout.hf import HFRollout
+from helpers import tiny_rollout
 
 # 2 sequences x 3 tokens; the second's last position is padding holding a value far off (-9 vs 0)
 TRAINER = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]])
@@ -131,14 +128,7 @@ def test_correction_needs_the_trainers_logprobs():
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
-    mcfg = ModelConfig(path=str(tiny_model_dir))
-    tok = load_tokenizer(mcfg)
-    model = build_model("causal_lm", mcfg, FSDPConfig(), torch.device("cpu"))
-    texts = ["What is 1 + 2?", "What is 7 + 5? Answer with a number.", "Hi", "What is 0 + 0?"]
-    ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                       tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
-    torch.manual_seed(0)
-    batch = HFRollout(model, tok).generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))
+    model, batch = tiny_rollout(tiny_model_dir)
     g = torch.Generator().manual_seed(1)
     mask = batch["response_mask"].float()
     # the trainer's recomputation, off the engine's by up to ~0.3 nats per token: some weights pass the cap

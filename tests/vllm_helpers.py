@@ -42,9 +42,9 @@ def prompts_from(worker, rows: int, tag: str = "p") -> Batch:
 def trainer_logprobs(model, ids: list[int]) -> torch.Tensor:
     """The trainer's log-probs (temperature 1) of ``ids[1:]``: the reference for an engine's."""
     with torch.no_grad():
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=next(model.parameters()).device)
         logp = model(x).logits[0, :-1].float().log_softmax(-1)
-    return logp.gather(-1, x[0, 1:, None]).squeeze(-1)
+    return logp.gather(-1, x[0, 1:, None]).squeeze(-1).cpu()
 
 
 def ks_two_sample(a: list[float], b: list[float]) -> tuple[float, float]:

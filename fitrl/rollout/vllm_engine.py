@@ -43,6 +43,7 @@ from fitrl.config.schema import RolloutConfig, SamplingConfig
 from fitrl.core.errors import ConfigError, Diverged, EngineError
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
+from fitrl.data.vision import VisionSpec, images_from_pixels
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
 from fitrl.rollout.hf import _eos_ids
@@ -72,11 +73,16 @@ class VllmRollout(RolloutEngine):
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sleeps = self.cuda and cfg.sleep_level > 0  # vLLM's sleep mode needs CUDA's allocator
+        self.vision = VisionSpec.from_model_dir(context.model_path)  # None for a text model
+        self.image_token_id = (tokenizer.convert_tokens_to_ids(self.vision.image_token) if self.vision else None)
         self.llm = build_llm(cfg, context, model, cuda=self.cuda, sleep=self.sleeps)
         missing = self.llm.collective_rpc("fitrl_prepare", args=(list(inputs.never_generate),))[0]
         if missing:
             raise ConfigError(f"rollout.engine=vllm: this vLLM ({_vllm_version()}) has no {missing}; fitrl's engine "
                               f"supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}")
+        if self.vision is not None:
+            self.llm.collective_rpc("fitrl_restore_input_norm", args=(list(self.vision.image_mean),
+                                                                      list(self.vision.image_std), 1 / 255))
         self.awake = True
         self.stale = True  # dummy weights until the first push
         self.broken: Optional[str] = None
@@ -140,6 +146,8 @@ class VllmRollout(RolloutEngine):
                 raise EngineError(self.broken) from e
             raise
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        if self.vision is not None:  # and cached image encodings (a cache miss then fails the request)
+            self.llm.llm_engine.reset_encoder_cache()
         self.stale = False
         self.last_push = {"seconds": time.perf_counter() - start, "tensors": float(count)}
 
@@ -177,7 +185,23 @@ class VllmRollout(RolloutEngine):
                                 pad_id=self.pad_id, inputs=self.inputs, decode=self.decode)
 
     def _request(self, prompts: Batch, i: int) -> dict[str, Any]:
-        return {"prompt_token_ids": list(prompts["prompt_ids"][i])}
+        ids = list(prompts["prompt_ids"][i])
+        media = prompts.fields.get("multi_modal_inputs")
+        media = media[i] if media is not None else None
+        if not media:
+            return {"prompt_token_ids": ids}
+        if "pixel_values_videos" in media:
+            raise ConfigError("rollout.engine=vllm does not take videos yet (data.video_key): use rollout.engine=hf "
+                              "for video prompts")
+        # vLLM expands one image-pad token per image itself (fitrl's prompts hold the expanded run:
+        # sent as is, each image's pads would be expanded again), and takes images, not patches:
+        # the exact resized pixels the trainer sees, which vLLM's own resize then leaves alone
+        images = images_from_pixels(media["pixel_values"], media["image_grid_thw"], self.vision)
+        pad = self.image_token_id
+        collapsed = [t for j, t in enumerate(ids) if t != pad or j == 0 or ids[j - 1] != pad]
+        pixels = [im.width * im.height for im in images]
+        return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images},
+                "mm_processor_kwargs": {"min_pixels": min(pixels), "max_pixels": max(pixels)}}
 
     def _params(self, sampling: SamplingConfig):
         from vllm import SamplingParams
@@ -264,7 +288,7 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     if context.limit_images:
-        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": context.limit_images}
+        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": 0}
     # each push warns that rotary embeddings (which have no weights) "failed to load"
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: "Failed to load weights" not in record.getMessage())

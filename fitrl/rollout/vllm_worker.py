@@ -52,6 +52,21 @@ class FitrlWorkerExtension:
         inner._fitrl_patched = True
         return ""
 
+    def fitrl_restore_input_norm(self, mean: list[float], std: list[float], rescale: float) -> int:
+        """Qwen-VL in vLLM normalises pixels inside the model (``FusedMMInputNorm``: weight
+        ``rescale / std``, bias ``-mean / std``, persistent buffers made from the processor's
+        settings, which no checkpoint holds). The dummy weights the engine is built with
+        randomise them and no push brings them back: they are set here once, after the build.
+        Returns how many such modules were set."""
+        count = 0
+        for module in self.model_runner.get_model().modules():
+            if type(module).__name__ == "FusedMMInputNorm":
+                s = torch.tensor(std, dtype=torch.float32)
+                module.weight.copy_((rescale / s).to(module.weight))
+                module.bias.copy_((-torch.tensor(mean, dtype=torch.float32) / s).to(module.bias))
+                count += 1
+        return count
+
     def fitrl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the trainer's weights (checkpoint names, full tensors) in place; returns how many
         tensors were loaded. vLLM's in-place reload re-runs each layer's post-load processing (the

@@ -70,22 +70,42 @@ def test_greedy_and_ignore_eos(worker):
     assert full["response_mask"].sum(-1).tolist() == [12] * 8  # EOS never sampled, never stops
 
 
-def test_failed_push_leaves_engine_marked_broken(model_dir, tmp_path):
-    w = PolicyWorker(vllm_config(model_dir, tmp_path), rank=0, world_size=1)
+BROKEN_PUSH = """
+import sys
+sys.path[:0] = sys.argv[3:]
+import pytest
+from fitrl.core.errors import EngineError
+from fitrl.roles.workers import PolicyWorker
+from vllm_helpers import prompts_from, vllm_config
+w = PolicyWorker(vllm_config(sys.argv[1], sys.argv[2]), rank=0, world_size=1)
+w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
+
+def half(model=w.model):
+    for i, item in enumerate(w.params.inference_weights(model)):
+        if i == 3:
+            raise OSError("simulated: the host ran out of pinned memory")
+        yield item
+
+object.__setattr__(w.rollout.context, "weights", half)  # frozen dataclass: swapped for this check only
+with pytest.raises(EngineError, match="weight push failed part-way.*simulated.*last checkpoint"):
+    w.rollout.push_weights()  # awake on CPU: the push runs at the end of the update
+with pytest.raises(EngineError, match="unusable"):  # and stays refused, never half-loaded weights
     w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
-    good = w.rollout.context
+print("CHECKED")
+"""
 
-    def half(model=w.model):
-        for i, item in enumerate(w.params.inference_weights(model)):
-            if i == 3:
-                raise OSError("simulated: the host ran out of pinned memory")
-            yield item
 
-    object.__setattr__(good, "weights", half)  # frozen dataclass: swapped for this test only
-    with pytest.raises(EngineError, match="weight push failed part-way.*simulated.*last checkpoint"):
-        w.rollout.push_weights()  # awake on CPU: the push runs at the end of the update
-    with pytest.raises(EngineError, match="unusable"):  # and stays refused, never half-loaded weights
-        w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
+def test_failed_push_leaves_engine_marked_broken(model_dir, tmp_path):
+    """In a process of its own: a half-loaded engine must not outlive the check (in a run, the
+    process ends with the step; in this test process it would break the engines built after it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    proc = subprocess.run([sys.executable, "-c", BROKEN_PUSH, str(model_dir), str(tmp_path), tests],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "CHECKED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_unsupported_head_size_is_one_line(tmp_path):

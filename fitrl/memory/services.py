@@ -3,18 +3,28 @@ belongs to a node (Ray, its object store, reward workers, rank 0's checkpoint co
 
 from __future__ import annotations
 
+from fitrl.config import ConfigError
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
-from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage
+from fitrl.memory.model import PHASES, Hardware, ProcessPlan, Run, Usage
+from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
 
 
 def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
-    """A vLLM engine per ``rollout.tensor_parallel_size`` devices (``rollout.*``), with the other
+    """On CUDA, a vLLM engine per ``rollout.tensor_parallel_size`` devices (``rollout.*``; on CPU
+    the engine is part of each trainer rank's process: :func:`vllm_cpu_engine`), with the other
     frameworks' behaviours ``plan.emulate`` asks for; returns (plan, host growth/step). Device
-    entries are per device: each of an engine's tp devices holds 1/tp of its weights and KV."""
+    entries are per device: each of an engine's tp devices holds 1/tp of its weights and KV.
+
+    Host entries are per engine, or where an engine spans nodes (tp > GPUs per node) per its part
+    on one node: each of its TP workers on the node keeps its own host memory (at sleep level 1
+    the pinned backup of its 1/tp weight shard), so an engine holds a full copy of the weights and
+    a node one per its GPUs' worth of engines: ``GPUs per node / tp`` engines of ``tp`` shards, or
+    one engine's ``GPUs per node`` shards (:func:`engine_layout`)."""
     e, em, shape, hw = run.cfg.rollout, run.cfg.plan.emulate, run.shape, run.hw
     tp = e.tensor_parallel_size
+    engines, workers = engine_layout(tp, hw)
     weights = full_weights(shape, "bfloat16", tp)
     if e.kv_cache_memory is not None:  # a KV cache of this size per device, the rest as vLLM needs it
         kv = parse_bytes(e.kv_cache_memory, "rollout.kv_cache_memory")
@@ -24,21 +34,20 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
         kv = budget - weights - C.VLLM_ACTIVATION_RESERVE
     demand = run.cfg.data.rollout_batch_size * run.cfg.rollout.n * tp // (hw.nodes * hw.gpus_per_node) * run.seq_len
     capacity = max(0, kv) // max(1, shape.kv_bytes_per_token(2) // tp)
-    if not run.cuda:
-        notes.append("vLLM on CPU: the engine's host memory (weights, KV cache, runtime) is not planned")
-    elif kv <= 0:
+    if kv <= 0:
         notes.append(f"vLLM: rollout.gpu_memory_utilization {e.gpu_memory_utilization} leaves no room for the KV "
                      f"cache after {weights / C.GIB:.1f} GiB of weights")
     elif demand > capacity:
         notes.append(f"vLLM: a rollout needs {demand:,} KV tokens per engine, the cache holds {capacity:,}: "
                      "sequences are preempted and recomputed (slower, not an OOM)")
-    backup = full_weights(shape, "bfloat16", tp, pinned=True) if e.sleep_level == 1 else 0
+    # sleep level 1: every TP worker backs its own shard up to pinned host memory (rounded per tensor)
+    backup = workers * full_weights(shape, "bfloat16", tp, pinned=True) if e.sleep_level == 1 else 0
     swap = int(em.swap_space_gib * C.GIB)
     phases = {}
     for ph in PHASES:
         u = Usage()
-        if em.separate_processes:
-            u.add("host", "runtime", C.VLLM_PROCESS_RUNTIME)
+        if em.separate_processes:  # each TP worker is a process of its own (CUDA runtime, vLLM)
+            u.add("host", "runtime", workers * C.VLLM_PROCESS_RUNTIME)
         awake = ph in ("rollout", "validation") or e.sleep_level == 0
         # loading streams the checkpoint through the node's page cache (its RSS shows those shared
         # pages: ~runtime + weights per engine, failure story 2); they are counted once per node
@@ -53,12 +62,73 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
         if em.separate_processes and run.cuda:
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
         phases[ph] = u
-    growth = (swap + backup) * hw.gpus_per_node // tp if em.free_cache_engine else 0
+    growth = (swap + backup) * engines if em.free_cache_engine else 0
     if growth:
+        where = "per engine" if workers == tp else f"per engine's {workers} workers on a node"
         notes.append(f"plan.emulate.free_cache_engine rebuilds the engine every step; its pinned host blocks "
-                     f"({(swap + backup) / C.GIB:.1f} GiB per engine) stay cached: host grows "
+                     f"({(swap + backup) / C.GIB:.1f} GiB {where}) stay cached: host grows "
                      f"{growth / C.GIB:.0f} GiB per step")
-    return ProcessPlan("engine", hw.gpus_per_node // tp, phases), growth
+    return ProcessPlan("engine", engines, phases), growth
+
+
+def engine_layout(tp: int, hw: Hardware) -> tuple[int, int]:
+    """(engines on a node, TP workers of one engine on that node) for engines of ``tp`` devices:
+    ``(G / tp, tp)`` with ``tp`` dividing the node's ``G`` devices, ``(1, G)`` for an engine that
+    spans ``tp / G`` nodes (never 0 engines). Every device of a node runs one worker, so a node
+    holds ``G`` workers' host memory either way. A ``tp`` that is neither is refused (an engine
+    would take part of a node and the node's remaining devices could not form one), as is a
+    ``tp`` beyond the run's devices."""
+    g, total = hw.gpus_per_node, hw.nodes * hw.gpus_per_node
+    if tp > total or (g % tp and tp % g):
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not fit {hw.nodes} node(s) x {g} devices: an "
+                          f"engine takes a divisor of the {g} devices per node, or a multiple of them that the "
+                          f"{total} devices divide into")
+    if tp % g == 0 and total % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: the {total} devices do not divide into engines of {tp}")
+    return max(1, g // tp), min(tp, g)
+
+
+def vllm_cpu_engine(run: Run) -> dict[str, int]:
+    """The vLLM engine on CPU (``rollout.engine=vllm``, ``trainer.device=cpu``), by component, in
+    host bytes: one engine per policy rank inside the policy's own process (vLLM's in-process
+    mode, fitrl/rollout/vllm_engine.py), built at the end of loading and held to the end of the
+    run, so every phase holds all of it, loading included (``tensor_parallel_size`` is 1 there):
+
+    - ``vLLM runtime``: :data:`~fitrl.memory.calibration.VLLM_CPU_RUNTIME` (vLLM imported, the
+      engine's structures; measured).
+    - ``engine weights``: the engine's own copy of the policy in the engine dtype (the policy's
+      compute dtype: ``actor.model.dtype`` in-process, bf16 under Ray with mixed precision), built
+      with ``load_format="dummy"`` and overwritten in place by every push. On CPU vLLM repacks each
+      linear weight for oneDNN after loading and drops the original (one copy), but keeps the output
+      head's weight beside its packed copy: one more ``vocab x hidden``.
+    - ``engine kv cache``: ``rollout.kv_cache_memory`` (256MiB unset), allocated zeroed when the
+      engine is built: resident whether used or not (measured: 192 MiB more RSS for 256MiB than
+      for 64MiB, at every size).
+
+    Measured (``bench/vllm_cpu_memory.py``, fp32, two runs): the engine's part of a step's update
+    peak (the vLLM run minus the HF engine's) is these bytes within 5% for the tiny and small
+    models (0.39-0.75 GiB), +1% to +17% over for the medium one (1.07 GiB planned; its update
+    peak moves by ~0.15 GiB between runs under glibc). Not counted: what vLLM's profiling forward
+    leaves in the heap at build (~0.1-0.2 GiB more at the medium model's widths than the tiny's),
+    which an update's transients reuse."""
+    from fitrl.rollout.vllm_engine import CPU_KV_CACHE  # lazy: fitrl.rollout imports torch
+
+    shape, b = run.shape, DTYPE_BYTES[run.compute_dtype]
+    kv = run.cfg.rollout.kv_cache_memory or CPU_KV_CACHE
+    return {"vLLM runtime": C.VLLM_CPU_RUNTIME,
+            "engine weights": full_weights(shape, run.compute_dtype) + shape.vocab * shape.hidden * b,
+            "engine kv cache": parse_bytes(kv, "rollout.kv_cache_memory")}
+
+
+def vllm_push_bytes(run: Run) -> int:
+    """What a weight push holds beyond the two copies of the weights, one tensor at a time
+    (``fitrl.distributed.fsdp.stream_full_tensors``): vLLM materialises the module being reloaded
+    (its largest tensor, in the engine dtype) before processing it into place; the trainer side
+    holds a full tensor of its own only when it makes one (an FSDP2 all-gather under Ray, a LoRA
+    merge): in one process without LoRA it yields views of its own weights."""
+    largest = max(numel(s) for _, s in run.shape.tensors())
+    copy = run.fsdp or run.lora is not None
+    return largest * (DTYPE_BYTES[run.compute_dtype] + copy * DTYPE_BYTES[run.cfg.actor.model.dtype])
 
 
 def driver_images(run: Run, phase: str) -> int:

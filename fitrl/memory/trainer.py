@@ -1,7 +1,8 @@
 """A trainer rank's memory per phase: its roles' states where they live in that phase (device
 or host, by the offload settings), the traced transients of its micro-steps, FSDP2's gathered
-units, and the HF rollout engine that runs in the same process today. With LoRA the reference
-log-probs come from the policy itself, adapters off (fitrl/roles/workers.py,
+units, and the rollout engine that runs in the same process: the HF engine, or a vLLM engine on
+CPU (on CUDA the vLLM engine is planned as a process kind of its own, :mod:`.services`). With
+LoRA the reference log-probs come from the policy itself, adapters off (fitrl/roles/workers.py,
 ``PolicyWorker.compute_ref_logprob``): its micro-batches and compute dtype, no model of its own."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Optional
 
 from fitrl.memory import calibration as C
 from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage, resident, role_states
+from fitrl.memory.services import vllm_cpu_engine, vllm_push_bytes
 from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, lora_layer_params, root_bytes
 from fitrl.memory.trace import trace_spec, transient_bytes
@@ -157,6 +159,8 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
                       + (root_adapters + 2 * per_layer) * cb)
         if ph in ("rollout", "validation") and eng.engine == "hf":
             _hf_rollout(run, ph, u, dev)
+        if eng.engine == "vllm" and not cuda:
+            _vllm_in_process(run, ph, u)
         if ph == "load":
             _load(run, u)
         if ph == "checkpoint_save":
@@ -169,6 +173,8 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
     if cuda and eng.engine == "hf":
         notes.append("rollout engine: transformers generate inside each trainer rank, on the actor's weights "
                      "(gathered once per call under FSDP2)")
+    if eng.engine == "vllm" and not cuda:
+        notes.append(_vllm_cpu_note(run))
     return ProcessPlan("trainer", run.hw.gpus_per_node if run.fsdp else 1, phases)
 
 
@@ -185,7 +191,7 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
             notes.append(text)
 
 
-TRANSIENT = ("activations", "logits", "gathered weights", "kv cache")
+TRANSIENT = ("activations", "logits", "gathered weights", "kv cache", "engine weight push")
 
 
 def _cpu_retention(phases: dict[str, Usage], unretained: int = 0) -> None:
@@ -230,6 +236,38 @@ def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
     sampling = b * shape.vocab * 4 * (4 + 5 * (cfg.rollout.top_p < 1.0))
     u.add(dev, "activations", max(prefill, sampling))
     u.add("host", "batch", run.batch_bytes(seqs))
+
+
+def _vllm_in_process(run: Run, ph: str, u: Usage) -> None:
+    """vLLM on CPU: the engine in this process (:func:`~fitrl.memory.services.vllm_cpu_engine`) in
+    every phase, loading included (it is built once the policy has loaded); in a generating phase
+    the rollout batch, the push of the updated weights (:func:`~fitrl.memory.services.vllm_push_bytes`)
+    and vLLM's sampler, which takes fp32 ``(sequences, vocab)`` logits, fitrl's untruncated
+    log-softmax of them and the sampler's probabilities and top-k/top-p working copy (four) for up
+    to :data:`~fitrl.memory.calibration.VLLM_CPU_MAX_NUM_SEQS` sequences at a time (not measured
+    apart: at the benchmark's sizes, 8 MiB, it is inside what the heap keeps after an update)."""
+    for name, nbytes in vllm_cpu_engine(run).items():
+        u.add("host", name, nbytes)
+    if ph in ("rollout", "validation"):
+        cfg = run.cfg
+        seqs = max(1, cfg.data.val_batch_size * cfg.rollout.val.n // run.world) if ph == "validation" else run.seqs_per_rank
+        u.add("host", "batch", run.batch_bytes(seqs))
+        u.add("host", "engine weight push", vllm_push_bytes(run))
+        u.add("host", "activations", min(seqs, C.VLLM_CPU_MAX_NUM_SEQS) * run.shape.vocab * 4 * 4)
+
+
+def _vllm_cpu_note(run: Run) -> str:
+    parts = vllm_cpu_engine(run)
+    kv_tokens = parts["engine kv cache"] // run.shape.kv_bytes_per_token(DTYPE_BYTES[run.compute_dtype])
+    text = (f"vLLM on CPU: each policy process holds its engine through every phase, "
+            f"{sum(parts.values()) / C.GIB:.2f} GiB (vLLM's runtime {parts['vLLM runtime'] / C.GIB:.2f}, "
+            f"{run.compute_dtype} weights with the output head's packed copy {parts['engine weights'] / C.GIB:.2f}, "
+            f"KV cache {parts['engine kv cache'] / C.GIB:.2f}: {kv_tokens:,} tokens)")
+    demand = run.seqs_per_rank * run.seq_len
+    if demand > kv_tokens:
+        text += (f"; a rollout needs {demand:,} KV tokens: sequences are preempted and recomputed (slower, not more "
+                 "memory; rollout.kv_cache_memory buys tokens)")
+    return text
 
 
 def _adapters(run: Run) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import gathered_for_generation
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
-from fitrl.rollout.layout import assemble_rollout
+from fitrl.rollout.layout import assemble_rollout, eos_ids
 from fitrl.telemetry.guard import GUARD
 
 
@@ -105,7 +105,7 @@ class HFRollout(RolloutEngine):
         self.inputs = inputs
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         # generate() fills every unset field from model.generation_config and then from HF's
         # global defaults (top_k=50): replace the checkpoint's and pass neutral values below.
@@ -143,7 +143,7 @@ class HFRollout(RolloutEngine):
         finally:
             self.model.train(was_training)
         return assemble_rollout(prompts, seqs, prompt_ids.to(device), prompt_mask.to(device), responses, logprobs,
-                                eos_ids=self.eos_ids, pad_id=self.pad_id, inputs=self.inputs, decode=self.decode)
+                                eos_ids=self.eos_ids, pad_id=self.pad_id, inputs=self.inputs, tokenizer=self.tokenizer)
 
     def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
                         extra: dict[str, torch.Tensor]):
@@ -167,26 +167,3 @@ class HFRollout(RolloutEngine):
         responses = seq[:, ids.shape[1]:]
         logprobs = recorder.finish(seq[:, -1], responses.shape[1])
         return responses, logprobs
-
-    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-        """Response text without the EOS and padding."""
-        texts = []
-        eos = set(self.eos_ids)
-        for row, m in zip(responses.tolist(), response_mask.tolist()):
-            toks = [t for t, keep in zip(row, m) if keep and t not in eos]
-            texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
-        return texts
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
-        if source is None:
-            continue
-        for i in source if isinstance(source, (list, tuple)) else [source]:
-            if i not in ids:
-                ids.append(int(i))
-    if not ids:
-        raise ValueError("the tokenizer and generation_config define no EOS token: generation could never stop")
-    return ids

@@ -7,8 +7,6 @@ are (B, R). Each generate call (each DAPO round, each data-parallel rank) picks 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from fitrl.core.padding import first_eos_mask, pad_right
@@ -51,7 +49,7 @@ def gather_rollouts(results: list[Batch]) -> Batch:
 
 def assemble_rollout(prompts: Batch, seqs: Batch, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                      responses: list[torch.Tensor], logprobs: list[torch.Tensor], *, eos_ids: list[int], pad_id: int,
-                     inputs: ModelInputs, decode: Callable[[torch.Tensor, torch.Tensor], list[str]]) -> Batch:
+                     inputs: ModelInputs, tokenizer) -> Batch:
     """The rollout batch of :mod:`fitrl.rollout.engine` from an engine's raw output.
 
     ``seqs``: the prompts' fields repeated n times (one row per sequence); ``prompt_ids`` /
@@ -78,5 +76,27 @@ def assemble_rollout(prompts: Batch, seqs: Batch, prompt_ids: torch.Tensor, prom
         fields=dict(seqs.fields),
         meta={**prompts.meta, "pad_id": pad_id},
     )
-    out.fields["response_text"] = decode(responses, response_mask)
+    out.fields["response_text"] = decode_responses(tokenizer, responses, response_mask, eos_ids)
     return out
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor, eos: list[int]) -> list[str]:
+    """Response text without the EOS and padding."""
+    stop = set(eos)
+    return [tokenizer.decode([t for t, keep in zip(row, m) if keep and t not in stop], skip_special_tokens=True)
+            for row, m in zip(responses.tolist(), response_mask.tolist())]
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end a response: the model's generation config's, then the tokenizer's."""
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("the tokenizer and generation_config define no EOS token: generation could never stop")
+    return ids

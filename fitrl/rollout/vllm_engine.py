@@ -46,8 +46,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.vision import VisionSpec, images_from_pixels
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
-from fitrl.rollout.hf import _eos_ids
-from fitrl.rollout.layout import assemble_rollout
+from fitrl.rollout.layout import assemble_rollout, eos_ids
 from fitrl.telemetry.guard import GUARD
 
 SUPPORTED_VLLM = ("0.32.",)
@@ -70,7 +69,7 @@ class VllmRollout(RolloutEngine):
         self._model = model  # the trainer's module (checks only: weights reach vLLM through context.weights)
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sleeps = self.cuda and cfg.sleep_level > 0  # vLLM's sleep mode needs CUDA's allocator
         self.vision = VisionSpec.from_model_dir(context.model_path)  # None for a text model
@@ -182,7 +181,7 @@ class VllmRollout(RolloutEngine):
         width = max(len(p) for p in seqs["prompt_ids"])
         prompt_ids, prompt_mask = left_pad(seqs["prompt_ids"], self.pad_id, width)
         return assemble_rollout(prompts, seqs, prompt_ids, prompt_mask, responses, logprobs, eos_ids=self.eos_ids,
-                                pad_id=self.pad_id, inputs=self.inputs, decode=self.decode)
+                                pad_id=self.pad_id, inputs=self.inputs, tokenizer=self.tokenizer)
 
     def _request(self, prompts: Batch, i: int) -> dict[str, Any]:
         ids = list(prompts["prompt_ids"][i])
@@ -223,14 +222,6 @@ class VllmRollout(RolloutEngine):
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,  # decoded once here, without EOS and padding
         )
-
-    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-        texts = []
-        eos = set(self.eos_ids)
-        for row, m in zip(responses.tolist(), response_mask.tolist()):
-            texts.append(self.tokenizer.decode([t for t, keep in zip(row, m) if keep and t not in eos],
-                                               skip_special_tokens=True))
-        return texts
 
     # ------------------------------------------------------------------ checks (tests, benchmarks)
 

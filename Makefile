@@ -13,8 +13,12 @@ STAMP := $(VENV)/.fitrl-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.fitrl-installed
+# bench/vs_trl.py (fitrl vs TRL's GRPOTrainer): TRL and fitrl (editable) in a third environment.
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.fitrl-installed
 
-.PHONY: demo demo-vl test test-fast test-vllm bench install browser clean
+.PHONY: demo demo-vl test test-fast test-vllm bench bench-trl install browser clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +79,22 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/step_time.py
+
+$(BENCH_STAMP): pyproject.toml requirements/constraints.txt requirements/bench-trl.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/pip install --quiet torch==2.13.0
+	# fitrl's pins all satisfy TRL 1.16.0's ranges (requirements/bench-trl.txt): none is dropped
+	$(BENCH_BIN)/pip install --quiet -c requirements/constraints.txt -r requirements/bench-trl.txt -e .
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that do not load beside torch 2.13.0+cpu
+	$(BENCH_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BENCH_BIN)/python -c "import torch, trl; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__; assert trl.__version__ == '1.16.0', trl.__version__"
+	touch $(BENCH_STAMP)
+
+$(BENCH_VENV): $(BENCH_STAMP)
+
+# fitrl vs TRL's GRPOTrainer on the same work (bench/vs_trl.py --help for the options)
+bench-trl: $(BENCH_STAMP)
+	$(BENCH_BIN)/python bench/vs_trl.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .cache .artifacts

@@ -1,6 +1,6 @@
-"""Rollout throughput of the two engines, ``hf`` (transformers ``generate`` on the trained module)
-and ``vllm`` (vLLM's CPU build in-process, weights pushed from the trainer), on the tiny and
-small qwen2 models.
+"""Rollout throughput of the two engines, ``hf`` (the trained module: fitrl's decode loop or
+transformers ``generate``, ``--decode``) and ``vllm`` (vLLM's CPU build in-process, weights pushed
+from the trainer), on the tiny and small qwen2 models.
 
 Workload: one policy worker (``PolicyWorker``, the toy task's config), fp32, sampling at
 temperature 1.0 with top-k 50; each ``generate`` call samples 16 training prompts x 8 responses
@@ -21,15 +21,18 @@ engine): medians over the repeats (import, build, warm-up, push) and over every 
 (``gen s`` wall seconds, ``cpu s`` the process's CPU seconds, generated tokens/s); peak RSS is
 the largest ``ru_maxrss`` of the processes (a vLLM process holds the trained model, the
 engine's copy of the weights and its KV cache; an HF process the trained model alone).
-``vllm/hf`` is the ratio of the median tokens/s. On a shared machine wall-clock figures move
-with other load (2 threads on 2 busy cores can be many times slower): the load average at the
-start and the end is printed under the table.
+``vs hf`` is the ratio of the median tokens/s to the first HF side's. ``--decode`` picks the HF
+engine's ``rollout.decode`` (``loop``, fitrl's default, or ``generate``); given both, each is a
+side of its own (``hf/loop``, ``hf/generate``), alternating like the engines. On a shared
+machine wall-clock figures move with other load (2 threads on 2 busy cores can be many times
+slower): the load average at the start and the end is printed under the table.
 
 Run with the vLLM environment's interpreter (the HF side runs in it too, so both sides have the
 same torch and transformers); without vLLM the vLLM side is skipped:
 
     .venv-vllm/bin/python bench/rollout_engines.py                     # tiny and small, 3 repeats x 3 calls
     .venv-vllm/bin/python bench/rollout_engines.py --sizes small --max-tokens 128 --threads 1
+    .venv/bin/python bench/rollout_engines.py --engines hf --decode generate loop   # HF's two decode paths
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("hf", "vllm")
+DECODES = ("loop", "generate")
 
 
 def head_dim_for(size: str) -> int | None:
@@ -66,7 +70,8 @@ def run_one(args) -> dict:
 
     torch.set_num_threads(args.threads)  # as fitrl.trainer.run.train does with trainer.num_threads
     import_s = 0.0
-    if args.engine == "vllm":
+    engine, _, decode = args.engine.partition("/")  # hf/loop, hf/generate, vllm
+    if engine == "vllm":
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         start = time.perf_counter()
         import vllm
@@ -92,7 +97,8 @@ def run_one(args) -> dict:
             f"actor.micro_batch_size={seqs}", f"rollout.n={args.n}",
             f"rollout.max_response_length={args.max_tokens}", "rollout.ignore_eos=true",
             "rollout.temperature=1.0", "rollout.top_k=50", "rollout.top_p=1.0",
-            f"rollout.engine={args.engine}", f"trainer.num_threads={args.threads}",
+            f"rollout.engine={engine}", f"trainer.num_threads={args.threads}",
+            *([f"rollout.decode={decode}"] if decode else []),
             "actor.model.dtype=float32", "trainer.progress_bar=false", "memory.plan=off",
             *([f"rollout.micro_batch_size={args.hf_micro_batch}"] if args.hf_micro_batch else []),
         ])
@@ -148,9 +154,10 @@ def machine() -> str:
 def versions(results: dict) -> str:
     import torch
 
-    found = {engine: run["version"] for (_, engine), runs in results.items() for run in runs}
+    found = {("vllm" if engine == "vllm" else "transformers"): run["version"]
+             for (_, engine), runs in results.items() for run in runs}
     parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
-    parts += [f"{'transformers' if e == 'hf' else 'vllm'} {found[e]}" for e in ENGINES if e in found]
+    parts += [f"{name} {version}" for name, version in found.items()]
     return ", ".join(parts)
 
 
@@ -158,6 +165,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--decode", nargs="+", default=["loop"], choices=DECODES,
+                        help="rollout.decode of the hf engine; two values measure both")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per (model, engine)")
     parser.add_argument("--calls", type=int, default=3, help="timed generate calls per process (after 1 warm-up)")
     parser.add_argument("--prompts", type=int, default=16)
@@ -181,6 +190,7 @@ def main() -> None:
     if "vllm" in engines and not have_vllm:
         print(f"vllm is not importable by {sys.executable}: vLLM side skipped (run with .venv-vllm/bin/python)")
         engines.remove("vllm")
+    engines = [s for e in engines for s in ([f"hf/{d}" for d in args.decode] if e == "hf" else [e])]
 
     from transformers.utils import logging as hf_logging
 
@@ -210,7 +220,7 @@ def main() -> None:
                     row = json.loads(proc.stdout.strip().splitlines()[-1])
                     results.setdefault((size, engine), []).append(row)
                     calls = " ".join(f"{s:.2f}" for s in row["seconds"])
-                    print(f"  {size:>5} {engine:>4} repeat {r + 1}/{args.repeats}: {calls} s/call, "
+                    print(f"  {size:>5} {engine:>11} repeat {r + 1}/{args.repeats}: {calls} s/call, "
                           f"process {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     wall, load_after = time.perf_counter() - started, os.getloadavg()
 
@@ -222,17 +232,18 @@ def main() -> None:
           f"{args.hf_micro_batch or 64}; {args.repeats} processes per (model, engine), engines alternating, "
           f"1 warm-up + {args.calls} timed calls each")
     header = ["model", "params", "engine", "import s", "build s", "warm-up s", "push s", "gen s", "cpu s",
-              "tok/call", "tokens/s", "peak RSS", "vllm/hf"]
-    widths = [11, 7, 6, 8, 7, 9, 6, 6, 6, 8, 8, 9, 7]
+              "tok/call", "tokens/s", "peak RSS", "vs hf"]
+    widths = [11, 7, 11, 8, 7, 9, 6, 6, 6, 8, 8, 9, 7]
     print(" | ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
     for size in args.sizes:
         rates = {e: statistics.median(t / s for run in results[(size, e)]
                                       for t, s in zip(run["tokens"], run["seconds"])) for e in engines}
-        for engine in [e for e in ENGINES if e in engines]:
+        first_hf = next((e for e in engines if e != "vllm"), None)
+        for engine in engines:
             runs = results[(size, engine)]
             secs = [s for run in runs for s in run["seconds"]]
             tokens = sorted({t for run in runs for t in run["tokens"]})
-            ratio = (f"{rates['vllm'] / rates['hf']:.2f}x" if engine == "vllm" and "hf" in rates else "")
+            ratio = f"{rates[engine] / rates[first_hf]:.2f}x" if first_hf and engine != first_hf else ""
             cells = [f"qwen2 {size}", f"{params[size]:.2f}M", engine,
                      f"{statistics.median(r['import_s'] for r in runs):.2f}" if engine == "vllm" else "-",
                      f"{statistics.median(r['build_s'] for r in runs):.2f}",

@@ -120,6 +120,7 @@ def overrides(args, model: Path, data: Path, max_pixels: int, run_dir: str) -> l
             f"rollout.n={args.n}", f"rollout.max_response_length={args.response_len}", "rollout.top_k=50",
             f"rollout.micro_batch_size={args.micro}", f"actor.mini_batch_size={args.prompts}",
             f"actor.micro_batch_size={args.micro}", f"actor.logprob_micro_batch_size={args.micro}",
+            "algorithm.fold_old_logprob=false",  # the old-log-prob pass is one of the measured phases
             "reward.function=arith", "reward.num_workers=0", "trainer.device=cpu",
             # one thread: on this shared 2-core machine two OpenMP threads wait on each other at
             # every one of the vision tower's ~700 small attention calls per picture (6.5 s vs 0.2 s)

@@ -102,7 +102,8 @@ class Case:
                 f"actor.mini_batch_size={self.prompts}", f"actor.micro_batch_size={self.micro}",
                 f"actor.logprob_micro_batch_size={self.micro}", f"rollout.micro_batch_size={self.prompts * self.n}",
                 "rollout.ignore_eos=true", "trainer.device=cpu", "trainer.num_threads=2", "reward.num_workers=0",
-                "trainer.val_before_train=false", "memory.plan=off"]
+                "trainer.val_before_train=false", "memory.plan=off",
+                "algorithm.fold_old_logprob=false"]  # measured with the old-log-prob pass (STEP)
 
 
 def _cases(size: str, **batch) -> list[Case]:

@@ -54,3 +54,9 @@ def workspace(tmp_path, tiny_model_dir, finished_run):
     from badcases import new_workspace
 
     return new_workspace(tmp_path, tiny_model_dir, finished_run)
+
+
+@pytest.fixture(autouse=True)
+def _private_plan_cache(tmp_path, monkeypatch):
+    """Each test its own pre-flight plan cache (fitrl/memory/cache.py), never the user's."""
+    monkeypatch.setenv("FITRL_CACHE_DIR", str(tmp_path / "fitrl-cache"))

@@ -152,11 +152,13 @@ def _no_new_checkpoint(ws: Workspace, outcome: Outcome) -> None:
 
 def _diverged(ws: Workspace, outcome: Outcome) -> None:
     run = _new_run(ws)
-    assert checkpoints(run) == [1]  # saved before the first sign; nothing of the diverged steps
-    layout.read(run / "checkpoints" / "step_1")  # and it is intact
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     stop = [r for r in records if r.get("event") == "divergence"]
     assert len(stop) == 1 and stop[0]["step"] == max(train_steps(run)) <= 6  # the step it stopped at is kept
+    onset = stop[0]["step"] - 2  # the first of the 3 consecutive steps
+    # saved every step before the first sign; nothing of the diverged steps
+    assert checkpoints(run) == list(range(1, onset)) and onset > 1
+    layout.read(run / "checkpoints" / f"step_{onset - 1}")  # and it is intact
 
 
 def _marker_left_alone(ws: Workspace, outcome: Outcome) -> None:

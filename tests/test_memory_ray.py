@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 RUN = ["data.rollout_batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
        "trainer.device=cpu", "trainer.backend=ray", "trainer.devices_per_node=2", "trainer.val_before_train=false",
-       "memory.plan=off", "memory.uss_min_phase_s=0"]
+       "memory.plan=off", "memory.uss_min_phase_s=0", "algorithm.fold_old_logprob=false"]  # every phase
 
 
 def test_each_rank_reports_its_phases(ray_cluster, tiny_model_dir, tmp_path):

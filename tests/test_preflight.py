@@ -30,6 +30,12 @@ def console():
     return Console(file=out, width=200), out
 
 
+@pytest.fixture(autouse=True)
+def fresh_plan_cache(tmp_path, monkeypatch):
+    """A plan cache per test (fitrl/memory/cache.py): a hit would skip the planner these tests replace."""
+    monkeypatch.setenv("FITRL_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def node_256gib(monkeypatch):
     """This machine's RAM as the plan reads it: the same verdict on any test machine."""

@@ -116,9 +116,49 @@ def test_unsupported_head_size_is_one_line(tmp_path):
         PolicyWorker(vllm_config(d, tmp_path / "run"), rank=0, world_size=1)
 
 
-def test_tensor_parallel_is_refused_in_one_line(model_dir, tmp_path):
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
-        PolicyWorker(vllm_config(model_dir, tmp_path, "rollout.tensor_parallel_size=2"), rank=0, world_size=1)
+@pytest.mark.slow
+def test_tensor_parallel_engine_follows_trainer(model_dir, tmp_path, monkeypatch):
+    """rollout.tensor_parallel_size=2: the engine core in this process, two TP worker processes
+    (vLLM's multiprocess executor). Pushed in buckets of a few KiB (layers split across calls),
+    the weights leave the engine computing the trainer's log-probs; samples are a function of the
+    trainer's RNG (the workers are seeded from it); release ends the workers."""
+    import psutil
+
+    from fitrl.rollout import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "PUSH_BUCKET_BYTES", 16 << 10)
+    w = PolicyWorker(vllm_config(model_dir, tmp_path, "rollout.tensor_parallel_size=2", *SAMPLING), rank=0,
+                     world_size=1)
+    workers = [c for c in psutil.Process().children(recursive=True) if "Worker_TP" in c.name()]
+    try:
+        assert len(workers) == 2, [c.name() for c in psutil.Process().children(recursive=True)]
+        seq = prompts_from(w, 1)["prompt_ids"][0] + [7, 8, 9, 10]
+        first = w.rollout.sequence_logprobs([seq])[0]  # the first push happens here
+        assert (first - trainer_logprobs(w.model, seq)).abs().max() <= 1e-4
+        with torch.no_grad():
+            for p in w.model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        w.rollout.push_weights()
+        assert w.rollout.last_push["tensors"] > 0
+        after = w.rollout.sequence_logprobs([seq])[0]
+        assert (after - trainer_logprobs(w.model, seq)).abs().max() <= 1e-4
+        assert (after - first).abs().max() > 1e-3
+        torch.manual_seed(3)
+        out = w.generate(prompts_from(w, 4), w.cfg.rollout.sampling())
+        assert max_logprob_gap(w, out) <= 1e-4
+        torch.manual_seed(3)
+        again = w.generate(prompts_from(w, 4), w.cfg.rollout.sampling())
+        assert torch.equal(out["responses"], again["responses"])
+    finally:
+        w.rollout.release()
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive
+
+
+def test_tensor_parallel_not_dividing_the_heads_is_one_line(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3: .* 2 attention heads do not split into 3 shards; "
+                                          r"use one of 1, 2"):
+        PolicyWorker(vllm_config(model_dir, tmp_path, "rollout.tensor_parallel_size=3"), rank=0, world_size=1)
 
 
 def test_other_vllm_version_is_one_line_naming_the_fix(model_dir, tmp_path, monkeypatch):

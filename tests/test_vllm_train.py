@@ -91,6 +91,20 @@ def test_hf_and_vllm_sample_the_same_distribution(trained, tmp_path):
 def test_sigkill_mid_generation_leaves_no_engine_process(trained, tmp_path):
     """The engine runs in the trainer's process (vLLM's in-process mode, the default): SIGKILL of
     the trainer while it generates leaves no process of it behind."""
+    sigkill_mid_generation(trained["model_dir"], tmp_path)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_generation_leaves_no_tensor_parallel_worker(tmp_path):
+    """rollout.tensor_parallel_size=2: the engine's two TP workers are processes; SIGKILL of the
+    trainer while they generate kills them too (PR_SET_PDEATHSIG, fitrl/rollout/vllm_worker.py)."""
+    tree = sigkill_mid_generation(make_vllm_model(tmp_path / "model"), tmp_path, "rollout.tensor_parallel_size=2")
+    assert sum("Worker_TP" in name for name in tree.values()) == 2, tree
+
+
+def sigkill_mid_generation(model_dir, tmp_path, *overrides) -> dict[int, str]:
+    """Train until step 2 is logged, SIGKILL the trainer inside the next rollout, and check that no
+    process of its tree survives it by 2 s; returns that tree (pid -> name)."""
     import os
     import signal
     import subprocess
@@ -101,10 +115,10 @@ def test_sigkill_mid_generation_leaves_no_engine_process(trained, tmp_path):
 
     from helpers import DATA, EXAMPLE
 
-    cmd = [sys.executable, "-m", "fitrl.cli", "train", EXAMPLE, f"actor.model.path={trained['model_dir']}",
+    cmd = [sys.executable, "-m", "fitrl.cli", "train", EXAMPLE, f"actor.model.path={model_dir}",
            f"trainer.run_dir={tmp_path / 'run'}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]",
            "data.val_files=[]", "rollout.engine=vllm", "trainer.max_steps=10000", "rollout.max_response_length=64",
-           "rollout.ignore_eos=true", "trainer.progress_bar=false", "memory.plan=off"]
+           "rollout.ignore_eos=true", "trainer.progress_bar=false", "memory.plan=off", *overrides]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     try:
@@ -114,13 +128,14 @@ def test_sigkill_mid_generation_leaves_no_engine_process(trained, tmp_path):
             if line.startswith("step    2") or time.monotonic() > deadline:
                 break
         assert any(line.startswith("step    2") for line in seen), "".join(seen[-20:])
-        tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        tree = {p.pid: p.name() for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]}
         time.sleep(0.3)  # inside the next step's rollout
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         time.sleep(2)
         alive = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         assert not alive, [psutil.Process(p).cmdline() for p in alive]
+        return tree
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -82,6 +82,8 @@ class AlgorithmConfig:
     """Per-token KL estimator: ``k1``, ``k2``, ``k3`` (low-variance, a.k.a. low_var_kl)."""
     recompute_old_logprob: bool = True
     """Recompute the behaviour log-probs with the actor before the update; off reuses the rollout's."""
+    fold_old_logprob: bool = True
+    """When the update is one optimizer step on fresh samples (``actor.ppo_epochs`` 1 and ``actor.mini_batch_size`` = ``data.rollout_batch_size``), take the recomputed behaviour log-probs from the update's own forward, detached: the same weights give the same numbers, so the PPO ratio is exactly 1 and the pass before the update (one forward over every sequence, ~18 % of a step) is skipped, as TRL does. Not with ``kl_in_reward``, which needs them before the update. The rollout mismatch metrics come from the update's forward then. ``false`` always runs the pass."""
     kl_in_reward: KLRewardConfig = field(default_factory=KLRewardConfig)
     """KL penalty in the reward (the alternative to ``use_kl_loss``)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -264,9 +266,11 @@ class MemoryConfig:
     plan: Literal["enforce", "warn", "off"] = "enforce"
     """Before any model loads, ``fitrl train`` predicts memory per phase for the hardware it sees (as ``fitrl plan`` does): ``enforce`` refuses a config predicted not to fit, printing the plan and the cheapest change that fits; ``warn`` prints the same and goes on; ``off`` skips it."""
     telemetry: bool = True
-    """Every step, per process and phase: host RSS, USS and peak RSS, node available memory, GPU allocated/reserved/peak, into metrics.jsonl (``mem/<process>/<phase>/...``) and the console line."""
-    uss_min_phase_s: float = 0.1
-    """USS (memory only this process holds) is read after phases lasting at least this long: a reading walks the page tables, ~3 ms with torch loaded."""
+    """Every step, per process and phase: host RSS and peak RSS, node available memory, GPU allocated/reserved/peak (kernel and CUDA counters, ~25 us a reading), and USS as ``uss_every`` says, into metrics.jsonl (``mem/<process>/<phase>/...``) and the console line."""
+    uss_every: int = 10
+    """USS (memory only this process holds) is read at the end of every this many steps (the 1st, the ``uss_every + 1``-th, ... of each launch: a resumed run counts from its first step), per process, as ``host_uss_gib`` of the step's last phase; and at the end of any phase after the guard found the node's available memory under 1.5x its threshold. 0: only then. A reading walks the page tables: ~14 ms per GiB of RSS (38 ms at 2.8 GiB)."""
+    uss_min_phase_s: Optional[float] = None
+    """Also read USS at the end of every phase lasting at least this long (0: every phase), for a per-phase breakdown; unset: not per phase. Each reading costs what ``uss_every`` says."""
     leak_warmup_steps: int = 5
     """Steps ignored by leak detection (allocator pools, caches and compiled kernels settle first)."""
     leak_window: int = 50
@@ -285,6 +289,10 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         if self.leak_warmup_steps < 0 or self.leak_window < 10:
             raise ConfigError("memory.leak_warmup_steps must be >= 0 and memory.leak_window >= 10")
+        if self.uss_every < 0 or (self.uss_min_phase_s is not None and self.uss_min_phase_s < 0):
+            raise ConfigError(f"memory.uss_every must be >= 0 (0: USS only near the guard's threshold) and "
+                              f"memory.uss_min_phase_s unset or >= 0 seconds, got {self.uss_every} and "
+                              f"{self.uss_min_phase_s}")
         if not 0 < self.guard_min_available_fraction < 1 or not 0 < self.guard_gpu_max_fraction <= 1:
             raise ConfigError("memory.guard_min_available_fraction must be in (0, 1) and "
                               "memory.guard_gpu_max_fraction in (0, 1]")

@@ -62,12 +62,32 @@ class FitrlConfig:
         t = self.trainer
         return t.nnodes * t.devices_per_node if t.backend == "ray" else 1
 
+    @property
+    def old_logprob_source(self) -> str:
+        """Where the update's behaviour log-probs come from: ``pass`` (the actor's forward over
+        every sequence before the update), ``update`` (the update's own forward, detached:
+        ``algorithm.fold_old_logprob`` with one optimizer step per RL step) or ``rollout`` (the
+        engine's, ``algorithm.recompute_old_logprob=false``)."""
+        a = self.algorithm
+        if not a.recompute_old_logprob:
+            return "rollout"
+        one_step = self.actor.ppo_epochs == 1 and self.actor.mini_batch_size == self.data.rollout_batch_size
+        return "update" if a.fold_old_logprob and one_step and not a.kl_in_reward.enable else "pass"
+
+    def autocast_dtype(self, role: str) -> str | None:
+        """``bfloat16`` where ``<role>.fsdp.mixed_precision`` runs without FSDP2 (one process):
+        the role's forwards run under ``torch.autocast`` on its fp32 weights. None otherwise
+        (under FSDP2 its MixedPrecisionPolicy does the casting)."""
+        on = self.trainer.backend == "inprocess" and getattr(self, role).fsdp.mixed_precision
+        return "bfloat16" if on else None
+
     def __post_init__(self) -> None:
         check_batch_sizes(self, world_size=self.world_size)
         if self.trainer.backend == "inprocess":
             for role in ("actor", "ref", "critic"):
                 f = getattr(self, role).fsdp
-                if f.mixed_precision or f.cpu_offload or f.strategy == "hybrid":
+                # (mixed precision of the actor and the reference: torch.autocast in one process)
+                if (f.mixed_precision and role == "critic") or f.cpu_offload or f.strategy == "hybrid":
                     raise ConfigError(f"{role}.fsdp options need FSDP2, which runs under trainer.backend=ray "
                                       "(use trainer.devices_per_node=1 for a single rank)")
         if self.data.rollout_batch_size % self.world_size:

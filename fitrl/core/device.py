@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
 
 from fitrl.core.errors import ConfigError
@@ -14,3 +17,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
     return torch.device(name)
+
+
+def autocast(device: torch.device, dtype: Optional[torch.dtype]):
+    """``dtype`` compute on fp32 weights (``torch.autocast``), nothing when ``dtype`` is None.
+    Autocast caches each weight's low-precision copy until the context exits: a context must
+    never span an optimizer step (it would compute with the weights from before it)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()

@@ -34,6 +34,15 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def all_reduce_max_float(value: float, device: torch.device) -> float:
+    """The largest of a Python float over all ranks (identity without a process group)."""
+    if not distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def all_reduce_max(value: int, device: torch.device) -> int:
     """The largest of a Python int over all ranks (identity without a process group)."""
     if not distributed():

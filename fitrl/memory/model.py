@@ -158,7 +158,7 @@ class Plan:
         cfg = self.cfg
         ck = getattr(cfg, "checkpoint", None)
         skip = {"ref_logprob": not self.spec.reference,
-                "old_logprob": not cfg.algorithm.recompute_old_logprob,
+                "old_logprob": cfg.old_logprob_source != "pass",
                 "weight_sync": cfg.rollout.engine != "vllm",
                 "validation": not cfg.data.val_files,
                 "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
@@ -236,7 +236,12 @@ class Run:
     @property
     def compute_dtype(self) -> str:
         a = self.cfg.actor
-        return "bfloat16" if self.fsdp and a.fsdp.mixed_precision else a.model.dtype
+        return "bfloat16" if a.fsdp.mixed_precision else a.model.dtype  # by FSDP2, or by autocast
+
+    @property
+    def autocast(self) -> bool:
+        """Mixed precision in one process: each forward holds autocast's bf16 copy of the weights."""
+        return not self.fsdp and self.cfg.actor.fsdp.mixed_precision
 
     @property
     def prompt_len(self) -> int:

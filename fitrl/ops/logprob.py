@@ -126,9 +126,18 @@ def head_logprobs(
     and entropy (...) fp32 or None, as ``token_logprobs(F.linear(hidden, weight, bias), labels)``
     but with at most ``chunk_size x V`` logits alive, in forward and in backward."""
     shape = labels.shape
-    logp, entropy = _ChunkedHeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                               labels.reshape(-1), temperature, chunk_size, with_entropy,
-                                               entropy_grad)
+    kind = hidden.device.type
+    if torch.is_autocast_enabled(kind):
+        # Under autocast the head's matmul runs in its dtype. The backward below recomputes the
+        # chunks' logits outside any autocast context, so the cast happens here, once, as a
+        # differentiable op: the gradient reaches the fp32 weight through it, as autocast's would.
+        low = torch.get_autocast_dtype(kind)
+        hidden, weight = hidden.to(low), weight.to(low)
+        bias = bias.to(low) if bias is not None else None
+    with torch.autocast(kind, enabled=False):
+        logp, entropy = _ChunkedHeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                                   labels.reshape(-1), temperature, chunk_size, with_entropy,
+                                                   entropy_grad)
     return logp.view(shape), entropy.view(shape) if with_entropy else None
 
 

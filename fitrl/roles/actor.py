@@ -14,19 +14,33 @@ import torch
 
 from fitrl.algo.kl import KL_ESTIMATORS
 from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, aggregate
-from fitrl.algo.mismatch import truncated_is_weights
+from fitrl.algo.mismatch import mismatch_metrics, truncated_is_weights
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
+from fitrl.core.device import autocast
 from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
-from fitrl.distributed.collectives import all_reduce_max, all_reduce_sum
+from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.telemetry.guard import GUARD
 
 
+FUSED_DEVICES = ("cpu", "cuda")  # where torch 2.13's fused AdamW kernel exists
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def can_fuse(params: list[torch.Tensor]) -> bool:
+    """Can torch's fused AdamW take these parameters (all on one supported device type, floating)?"""
+    types = {p.device.type for p in params}
+    return len(types) == 1 and types <= set(FUSED_DEVICES) and all(p.dtype in FUSED_DTYPES for p in params)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    # the fused kernel: one pass over each tensor instead of ~10 elementwise ops, 4x faster on CPU
+    fused = {"fused": True} if cfg.fused and can_fuse(params) else {}
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             **fused)
 
 
 def apply_configured_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
@@ -78,8 +92,12 @@ class WeightedMetrics:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int,
-                 seed: int = 0, max_response_length: int = 1, inputs: ModelInputs = TEXT_INPUTS):
+                 seed: int = 0, max_response_length: int = 1, inputs: ModelInputs = TEXT_INPUTS,
+                 autocast_dtype: torch.dtype | None = None):
         self.model = model
+        # mixed precision in one process: each forward under autocast (one context per forward: its
+        # cache of low-precision weights must not outlive an optimizer step)
+        self.autocast_dtype = autocast_dtype
         self.inputs = inputs  # the family's extra forward inputs (a VL model's images)
         self.max_response_length = max_response_length  # Dr.GRPO's constant normaliser
         self.seed = seed
@@ -126,6 +144,10 @@ class Actor:
         return micro_batches_by_tokens(lengths, budget, min_count=count)
 
     def _forward(self, micro: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = False):
+        with autocast(micro["input_ids"].device, self.autocast_dtype):
+            return self._logprobs(micro, temperature, with_entropy, entropy_grad)
+
+    def _logprobs(self, micro: Batch, temperature: float, with_entropy: bool, entropy_grad: bool):
         return response_logprobs(
             self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
             micro["responses"].shape[1], temperature=temperature,
@@ -149,12 +171,19 @@ class Actor:
         metrics = WeightedMetrics()
         grad_norms, skipped = [], 0
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.num_updates)
+        # no old_logprobs: one optimizer step on fresh samples (FitrlConfig.old_logprob_source
+        # "update"), whose own forward is the behaviour policy; it fills `folded`, (B, R)
+        folded = None
+        if "old_logprobs" not in batch:
+            if self.cfg.ppo_epochs != 1 or len(batch) > sequences_per_mini_batch:
+                raise RuntimeError("the update needs old_logprobs when it takes more than one optimizer step")
+            folded = torch.zeros_like(batch["responses"], dtype=torch.float32)
         for _ in range(self.cfg.ppo_epochs):
             order = (torch.randperm(len(batch), generator=generator) if self.cfg.shuffle_mini_batches
                      else torch.arange(len(batch)))
             for mini in batch.index(order).split(sequences_per_mini_batch):
                 self.optimizer.zero_grad(set_to_none=True)
-                self.accumulate_gradients(mini, temperature, metrics)
+                self.accumulate_gradients(mini, temperature, metrics, folded=folded)
                 grad_norm = self._clip_grad()
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
@@ -170,27 +199,47 @@ class Actor:
         out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         out["actor/skipped_steps"] = float(skipped)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        if folded is not None and "rollout_logprobs" in batch:
+            out.update(self.folded_mismatch(batch, folded[torch.argsort(order)]))
         # read by the driver's divergence judge (fitrl/trainer/divergence.py)
         out["actor/weights_nonfinite"] = nonfinite_weights(self.model, batch["response_mask"].device)
         self.scheduler.step()
         self.num_updates += 1
         return out
 
-    def accumulate_gradients(self, mini: Batch, temperature: float, metrics: WeightedMetrics) -> None:
-        """Backward over ``mini`` in micro-batches; the grads equal those of the whole mini-batch loss."""
+    def accumulate_gradients(self, mini: Batch, temperature: float, metrics: WeightedMetrics,
+                             folded: torch.Tensor | None = None) -> None:
+        """Backward over ``mini`` in micro-batches; the grads equal those of the whole mini-batch
+        loss. ``folded`` (rows in ``mini``'s order): receives the forward's detached log-probs,
+        which serve as the behaviour log-probs when ``mini`` has none."""
         denom = self.denominators(mini)
         for ix in self.partition(mini, self.cfg.micro_batch_size):
             micro = mini.index(ix)
-            loss, m = self._micro_loss(micro, denom, temperature)
+            loss, m, logp = self._micro_loss(micro, denom, temperature)
             loss.backward()
+            if folded is not None:
+                folded[ix] = logp
             metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)
 
+    def folded_mismatch(self, batch: Batch, old: torch.Tensor) -> dict[str, float]:
+        """The rollout engine's log-probs against the update's own (what the separate pass would
+        have logged). Means are this rank's (the driver averages ranks); the max is global."""
+        rc = self.correction
+        m = mismatch_metrics(old, batch["rollout_logprobs"], batch["response_mask"].float(),
+                             level=rc.mode if rc is not None else None, cap=rc.cap if rc is not None else 2.0)
+        m["rollout/logprob_diff_max"] = all_reduce_max_float(m["rollout/logprob_diff_max"], old.device)
+        return m
+
     def _micro_loss(self, micro: Batch, denom: Denominators, temperature: float):
+        """(loss, metrics, detached (B, R) log-probs of the micro-batch)."""
         mask = micro["response_mask"].float()
         mode = self.algo.loss_agg_mode
         # entropy is logged every step; it joins the graph only when it is in the loss
         logp, entropy = self._forward(micro, temperature, with_entropy=True,
                                       entropy_grad=self.cfg.entropy_coeff != 0)
+        # the behaviour policy: recomputed before the update, or (one on-policy step) these very
+        # weights, so ratio = exp(logp - sg(logp)) = 1 with the gradient of logp
+        old_logprobs = micro["old_logprobs"] if "old_logprobs" in micro else logp.detach()
         advantages = micro["advantages"]  # (B, R)
         if self.correction is not None:
             # TIS. Every per-token policy loss here is positively homogeneous in its A: PPO-clip's
@@ -199,10 +248,10 @@ class Actor:
             # CISPO's -sg(r) A logp is linear. So A_t * w_t gives loss_t * w_t, veRL's pg_losses * w,
             # before any aggregation (w = 0, an underflow, gives 0 either way). The weights come
             # from this micro-batch's own columns (a sequence's from its row): micro-batch invariant.
-            advantages = advantages * truncated_is_weights(micro["old_logprobs"], micro["rollout_logprobs"], mask,
+            advantages = advantages * truncated_is_weights(old_logprobs, micro["rollout_logprobs"], mask,
                                                            self.correction.mode, self.correction.cap)
         pg_loss, m = self.policy_loss(
-            logp, micro["old_logprobs"], advantages, mask, agg_mode=mode, denom=denom,
+            logp, old_logprobs, advantages, mask, agg_mode=mode, denom=denom,
             clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
             clip_ratio_c=self.cfg.clip_ratio_c,
         )
@@ -221,7 +270,7 @@ class Actor:
             kl = self.kl_fn(logp, micro["ref_logprobs"])
             loss = loss + self.algo.kl_coef * aggregate(kl, mask, mode, denom)
             m["actor/kl_loss"] = aggregate(kl.detach(), mask, "token-mean", local)
-        return loss, m
+        return loss, m, logp.detach()
 
     def _clip_grad(self) -> float:
         return clip_gradients(self.model, self.cfg.optim.grad_clip)

@@ -15,7 +15,7 @@ import torch
 
 from fitrl.checkpoint.sharded import load_role, save_role
 from fitrl.config.schema import FitrlConfig, FSDPConfig, SamplingConfig
-from fitrl.core.device import resolve_device
+from fitrl.core.device import autocast, resolve_device
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
 from fitrl.models.families import family_for
@@ -61,6 +61,10 @@ class OffloadBetweenPhases:
             torch.cuda.empty_cache()  # give the freed blocks back for the next role's phase
 
 
+def low_precision(name: str | None) -> torch.dtype | None:
+    return getattr(torch, name) if name else None
+
+
 class PolicyWorker:
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -72,9 +76,10 @@ class PolicyWorker:
         self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device,
                                  nnodes=cfg.trainer.nnodes, params=self.params)
         inputs = family_for(cfg.actor.model.path).inputs_for(self.model)  # positions, images
+        self.autocast_dtype = low_precision(cfg.autocast_dtype("actor"))  # mixed precision in one process
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length,
-                           inputs=inputs)
+                           inputs=inputs, autocast_dtype=self.autocast_dtype)
         self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs,
                                     context=self.engine_context())
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer)
@@ -83,7 +88,7 @@ class PolicyWorker:
         """What an engine with its own copy of the policy (vLLM) needs: where the model's files are,
         the precision it computes in, the longest sequence, a seed, and the weights to push."""
         cfg = self.cfg
-        mixed = cfg.trainer.backend == "ray" and cfg.actor.fsdp.mixed_precision
+        mixed = cfg.actor.fsdp.mixed_precision  # bf16 compute, by FSDP2 or by autocast
         return EngineContext(
             model_path=cfg.actor.model.path, tokenizer_path=cfg.actor.model.tokenizer_path or cfg.actor.model.path,
             dtype="bfloat16" if mixed else cfg.actor.model.dtype,
@@ -94,7 +99,7 @@ class PolicyWorker:
 
     @dispatch("dp", gather=gather_rollouts)  # ranks generate to different widths
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
-        with self.offload.phase():
+        with self.offload.phase(), autocast(self.device, self.autocast_dtype):  # (no weight changes inside)
             self.rollout.wake()
             try:
                 return self.rollout.generate(prompts, sampling).to("cpu")
@@ -174,7 +179,7 @@ class ReferenceWorker:
     def compute_ref_logprob(self, batch: Batch) -> Batch:
         batch = batch.to(self.device)
         out = []
-        with self.offload.phase():
+        with self.offload.phase(), autocast(self.device, low_precision(self.cfg.autocast_dtype("ref"))):
             for micro in batch.split(self.cfg.ref.logprob_micro_batch_size):
                 GUARD.check(self.device)  # safe point (read-only phase)
                 lp, _ = response_logprobs(

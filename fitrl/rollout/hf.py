@@ -1,14 +1,18 @@
-"""Rollout with Hugging Face ``generate`` (CPU and GPU): the default :class:`RolloutEngine`.
+"""Rollout on the trained module itself (CPU and GPU): the default :class:`RolloutEngine`.
 
 It generates with the trained module itself (under FSDP2 its full weights are gathered once per
 call), so it never holds a second copy and weight pushes, sleep and wake are no-ops. The batch
-layout it returns is documented in :mod:`fitrl.rollout.engine`.
+layout it returns is documented in :mod:`fitrl.rollout.engine`. Two decode paths, picked by
+``rollout.decode``: ``loop`` (:func:`fitrl.rollout.decode.decode_loop`, our own loop on the
+model's forward, in which finished rows leave the batch) and ``generate`` (HF ``generate``; the
+one path for vision-language models).
 
-Sampling (temperature, top-k, top-p) is applied by our own logits processor, and HF's own
-processors are switched off: a checkpoint's ``generation_config.json`` (Qwen ships top_k=20,
-top_p=0.8, temperature=0.7, repetition_penalty=1.05) must never change what a config asked
-for silently. The recorded log-prob is that of the tempered distribution *before* top-k/top-p
-truncation, which is what the trainer recomputes (as veRL does).
+Sampling (temperature, top-k, top-p) is :func:`fitrl.rollout.decode.sample_step` on both paths;
+under ``generate`` it runs in our own logits processor, and HF's own processors are switched
+off: a checkpoint's ``generation_config.json`` (Qwen ships top_k=20, top_p=0.8,
+temperature=0.7, repetition_penalty=1.05) must never change what a config asked for silently.
+The recorded log-prob is that of the tempered distribution *before* top-k/top-p truncation,
+which is what the trainer recomputes (as veRL does).
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from fitrl.config.schema import SamplingConfig
-from fitrl.core.errors import Diverged
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import gathered_for_generation
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
+from fitrl.rollout.decode import decode_loop, loop_unsupported, raise_if_nonfinite, sample_step
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
 from fitrl.telemetry.guard import GUARD
@@ -51,35 +55,9 @@ class SampleAndRecord(LogitsProcessor):
         GUARD.poll()
         if self.pending is not None:
             self._gather(input_ids[:, -1])
-        s = self.sampling
-        scores = scores.float()
-        # NaN or +inf logits (diverged or corrupt weights) would fail inside torch's sampling (a
-        # device assert on a GPU): noted without a sync, replaced, and reported in finish()
-        bad = ~(scores < float("inf"))
-        seen = bad.any()
+        # the math both decode paths share; a NaN/+inf logit is noted without a sync and reported in finish()
+        scores, self.pending, seen = sample_step(scores, self.sampling, self.eos_ids, self.never_ids)
         self.nonfinite = seen if self.nonfinite is None else self.nonfinite | seen
-        scores = scores.masked_fill(bad, 0.0)
-        if not s.greedy and s.temperature != 1.0:
-            scores = scores / s.temperature
-        self.pending = torch.log_softmax(scores, dim=-1)
-        if s.ignore_eos and self.eos_ids:
-            scores = scores.clone()
-            scores[:, self.eos_ids] = float("-inf")
-        if self.never_ids:  # after the record, like ignore_eos: log-probs stay the full distribution's
-            scores = scores.clone()
-            scores[:, self.never_ids] = float("-inf")
-        if s.greedy:
-            return scores
-        if s.top_k > 0 and s.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, s.top_k, dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if s.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-            cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-            # drop tokens once the mass *before* them already reaches top_p (always keep the first)
-            drop_sorted = (cum - torch.softmax(sorted_scores, dim=-1)) >= s.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            scores = scores.masked_fill(drop, float("-inf"))
         return scores
 
     def _gather(self, tokens: torch.Tensor) -> None:
@@ -87,9 +65,7 @@ class SampleAndRecord(LogitsProcessor):
         self.pending = None
 
     def finish(self, last_tokens: torch.Tensor, num_generated: int) -> torch.Tensor:
-        if self.nonfinite is not None and bool(self.nonfinite):
-            raise Diverged("the policy's logits hold NaN or infinity during generation: its weights have diverged "
-                           "(a learning rate too high: actor.optim.lr) or the weights it loaded are corrupt")
+        raise_if_nonfinite(self.nonfinite)
         if self.pending is not None:
             self._gather(last_tokens)
         # generate may undo deferred steps at the end; keep one log-prob per returned token
@@ -99,21 +75,31 @@ class SampleAndRecord(LogitsProcessor):
 @ROLLOUT_ENGINES.register("hf")
 class HFRollout(RolloutEngine):
     def __init__(self, model: torch.nn.Module, tokenizer, *, micro_batch_size: int = 64,
-                 inputs: ModelInputs = TEXT_INPUTS):
-        """``inputs``: the model family's positions and extra inputs (images) for ``model``."""
+                 inputs: ModelInputs = TEXT_INPUTS, decode: str = "generate"):
+        """``inputs``: the model family's positions and extra inputs (images) for ``model``.
+        ``decode``: ``"loop"`` or ``"generate"``. :meth:`from_config` passes ``rollout.decode``;
+        an engine built directly (tests, benchmarks) keeps HF ``generate`` unless asked. ``loop``
+        falls back to ``generate`` where :attr:`loop_unsupported` names a reason (images)."""
+        if decode not in ("loop", "generate"):
+            raise ValueError(f"decode must be 'loop' or 'generate', got {decode!r}")
         self.model = model
         self.inputs = inputs
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.loop_unsupported = ("a model with extra inputs (images)" if inputs is not TEXT_INPUTS
+                                 else loop_unsupported(model))
+        """Why ``decode="loop"`` falls back to ``generate`` for this model (None: it does not)."""
+        self.decode = "loop" if decode == "loop" and self.loop_unsupported is None else "generate"
+        """The decode path generation takes."""
         # generate() fills every unset field from model.generation_config and then from HF's
         # global defaults (top_k=50): replace the checkpoint's and pass neutral values below.
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
     @classmethod
     def from_config(cls, model, tokenizer, cfg, *, inputs=TEXT_INPUTS, context=None) -> "HFRollout":
-        return cls(model, tokenizer, micro_batch_size=cfg.micro_batch_size, inputs=inputs)
+        return cls(model, tokenizer, micro_batch_size=cfg.micro_batch_size, inputs=inputs, decode=cfg.decode)
 
     @torch.no_grad()
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
@@ -147,6 +133,11 @@ class HFRollout(RolloutEngine):
 
     def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
                         extra: dict[str, torch.Tensor]):
+        # (under autocast the loop's StaticCache, allocated in the weights' dtype, would not take
+        # the bf16 keys and values: mixed precision in one process decodes with generate)
+        if self.decode == "loop" and not torch.is_autocast_enabled(ids.device.type):  # text only: no ``extra``
+            return decode_loop(self.model, ids, mask, sampling, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                               never_ids=self.inputs.never_generate)
         recorder = SampleAndRecord(sampling, self.eos_ids, self.inputs.never_generate)
         config = GenerationConfig(
             do_sample=not sampling.greedy,

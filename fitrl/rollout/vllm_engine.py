@@ -2,7 +2,10 @@
 
 One engine per policy rank, built in the trainer's own process (vLLM's in-process mode,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): there is no engine process to orphan when the trainer is
-killed, and weights reach the engine as tensors, not through a socket (docs/vllm.md).
+killed, and weights reach the engine as tensors, not through a socket (docs/vllm.md). With
+``rollout.tensor_parallel_size`` > 1 the engine core stays in the trainer's process and its TP
+workers are processes of vLLM's multiprocess executor, which the kernel kills with the trainer
+(fitrl/rollout/vllm_worker.py, ``die_with_parent``); weights reach them in bounded buckets.
 
 The engine's lifecycle per RL step (driven by :class:`fitrl.roles.workers.PolicyWorker`):
 
@@ -57,6 +60,10 @@ CPU_KV_CACHE = "256MiB"
 several GiB of host memory)."""
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes vLLM 0.32's CPU backend runs."""
+PUSH_BUCKET_BYTES = 128 << 20
+"""Tensor parallelism: full tensors per weight-push call at most (one larger tensor goes alone).
+Every TP worker receives a bucket whole (a copy in its own memory while it loads) and the trainer
+holds it until the call returns; the push never holds the whole model a second time."""
 
 
 @ROLLOUT_ENGINES.register("vllm")
@@ -75,7 +82,8 @@ class VllmRollout(RolloutEngine):
         self.vision = VisionSpec.from_model_dir(context.model_path)  # None for a text model
         self.image_token_id = (tokenizer.convert_tokens_to_ids(self.vision.image_token) if self.vision else None)
         self.llm = build_llm(cfg, context, model, cuda=self.cuda, sleep=self.sleeps)
-        missing = self.llm.collective_rpc("fitrl_prepare", args=(list(inputs.never_generate),))[0]
+        self.tp = cfg.tensor_parallel_size
+        missing = self.llm.collective_rpc("fitrl_prepare", args=(list(inputs.never_generate), os.getpid()))[0]
         if missing:
             raise ConfigError(f"rollout.engine=vllm: this vLLM ({_vllm_version()}) has no {missing}; fitrl's engine "
                               f"supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}")
@@ -136,7 +144,10 @@ class VllmRollout(RolloutEngine):
     def _push(self) -> None:
         start = time.perf_counter()
         try:
-            count = self.llm.collective_rpc("fitrl_load_weights", args=(self.context.weights(),))[0]
+            if self.tp == 1:  # the worker is this process: the trainer's iterator is passed as is
+                count = self.llm.collective_rpc("fitrl_load_weights", args=(self.context.weights(),))[0]
+            else:
+                count = self._push_in_buckets()
         except BaseException as e:  # interrupts too: the engine is unusable either way
             self.broken = (f"the vLLM engine is unusable: a weight push failed part-way ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}); the trainer's state and its last "
@@ -149,6 +160,27 @@ class VllmRollout(RolloutEngine):
             self.llm.llm_engine.reset_encoder_cache()
         self.stale = False
         self.last_push = {"seconds": time.perf_counter() - start, "tensors": float(count)}
+
+    def _push_in_buckets(self) -> int:
+        """TP workers are processes: each call's arguments are pickled into vLLM's shared-memory
+        queue (CPU tensors out of band), so the trainer's tensors go in buckets of at most
+        :data:`PUSH_BUCKET_BYTES`, each a list of (name, full tensor) for every worker to shard."""
+        rpc = self.llm.collective_rpc
+        rpc("fitrl_begin_push")
+        count, bucket, size = 0, [], 0
+        for name, tensor in self.context.weights():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > PUSH_BUCKET_BYTES:
+                rpc("fitrl_load_bucket", args=(bucket,))
+                bucket, size = [], 0
+            # on a GPU this stages the tensor in host memory (the workers are other processes)
+            bucket.append((name, tensor.detach().cpu()))
+            size += nbytes
+            count += 1
+        if bucket:
+            rpc("fitrl_load_bucket", args=(bucket,))
+        rpc("fitrl_finish_push")
+        return count
 
     # ------------------------------------------------------------------ generation
 
@@ -165,6 +197,9 @@ class VllmRollout(RolloutEngine):
         # No per-request seeds: in-process, vLLM's sampler draws from this process's torch RNG,
         # whose state fitrl checkpoints (a resumed run samples what the uninterrupted one would).
         # (Seeded requests also fail on vLLM 0.32's CPU backend once a prefill is chunked.)
+        # TP workers draw from their own RNGs: seeded from this process's, the same way.
+        if self.tp > 1:
+            self.llm.collective_rpc("fitrl_seed", args=(int(torch.randint(0, 2**62, ())),))
         outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
         responses, logprobs = [], []
         for out in outputs:
@@ -262,9 +297,9 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
         raise ConfigError(f"rollout.engine=vllm on CPU: {context.model_path} has attention heads of size {head}, which "
                           f"vLLM's CPU backend does not run (sizes {', '.join(map(str, CPU_HEAD_SIZES))}); use "
                           "rollout.engine=hf, or a model with such heads (fitrl make-tiny-model --head-dim 32)")
-    if cfg.tensor_parallel_size != 1:
-        raise ConfigError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size}: fitrl's vLLM engine runs one "
-                          "engine per policy rank (tensor_parallel_size=1) in this release (docs/vllm.md)")
+    tp = cfg.tensor_parallel_size
+    if tp > 1:
+        check_tensor_parallel(tp, text_cfg, context.model_path, cuda=cuda)
     kwargs: dict[str, Any] = dict(
         model=context.model_path, tokenizer=context.tokenizer_path or context.model_path,
         dtype=context.dtype, seed=context.seed, max_model_len=context.max_model_len,
@@ -272,8 +307,12 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
         logprobs_mode="processed_logprobs",  # sampler output the worker extension replaces (untruncated)
         load_format="dummy",  # never read the checkpoint: the first wake pushes the trainer's weights
         worker_extension_cls="fitrl.rollout.vllm_worker.FitrlWorkerExtension",
-        enable_sleep_mode=sleep, disable_log_stats=True,
+        enable_sleep_mode=sleep, disable_log_stats=True, tensor_parallel_size=tp,
     )
+    if tp > 1:  # the engine core stays here; its TP workers are processes (spawned, on CPU)
+        kwargs["distributed_executor_backend"] = "mp"
+        if not cuda:
+            bind_cpu_workers(tp)
     if cfg.kv_cache_memory or not cuda:
         kwargs["kv_cache_memory_bytes"] = parse_bytes(cfg.kv_cache_memory or CPU_KV_CACHE, "rollout.kv_cache_memory")
     else:
@@ -283,12 +322,66 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
     # each push warns that rotary embeddings (which have no weights) "failed to load"
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: "Failed to load weights" not in record.getMessage())
+    # vLLM freezes its environment variables once an engine is built in a process; a later
+    # engine here (a test's, or this one's TP binding) must see the current ones
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
     try:
         with trainer_process_kept():
             return vllm.LLM(**kwargs)
     except Exception as e:  # vLLM's own errors are long; the first line names the cause
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise EngineError(f"vLLM could not build its engine for {context.model_path}: {first}") from e
+
+
+def check_tensor_parallel(tp: int, text_cfg, model_path: str, *, cuda: bool) -> None:
+    """One line for what ``rollout.tensor_parallel_size`` > 1 cannot run, naming the fix."""
+    for what, n in (("attention heads", text_cfg.num_attention_heads),
+                    ("intermediate size", getattr(text_cfg, "intermediate_size", None))):
+        if isinstance(n, int) and n % tp:
+            divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
+            raise ConfigError(f"rollout.tensor_parallel_size={tp}: {model_path}'s {n} {what} do not split into {tp} "
+                              f"shards; use one of {divisors}")
+    kv = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+    if kv % tp and tp % kv:  # vLLM shards KV heads, or replicates them over a multiple of their count
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: {model_path}'s {kv} key/value heads neither split "
+                          f"into {tp} shards nor divide {tp}; use a divisor or a multiple of {kv}")
+    if cuda:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} with {torch.distributed.get_world_size()} policy "
+                              "ranks: every rank builds its own engine, whose TP workers would take the same GPUs "
+                              "as the other ranks' (engines shared by several ranks are not in this release); set "
+                              "rollout.tensor_parallel_size=1, or run one policy rank that sees the engine's GPUs")
+        if tp > torch.cuda.device_count():
+            raise ConfigError(f"rollout.tensor_parallel_size={tp}: this process sees {torch.cuda.device_count()} GPU(s) "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) and each TP worker "
+                              "takes one; make more visible or lower rollout.tensor_parallel_size")
+    elif tp > len(os.sched_getaffinity(0)):
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: this process may run on "
+                          f"{len(os.sched_getaffinity(0))} CPU core(s) and each TP worker needs one at least; "
+                          "lower rollout.tensor_parallel_size")
+
+
+def bind_cpu_workers(tp: int) -> None:
+    """vLLM binds each CPU TP worker's OpenMP threads to one NUMA node of its own and refuses
+    more workers than nodes (``utils/ompmultiprocessing.py``). Where the machine has fewer nodes
+    and ``VLLM_CPU_OMP_THREADS_BIND`` is unset, the cores this process may use are split into
+    ``tp`` contiguous groups instead (``0,1|2,3``), one per worker."""
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    global _cpu_binding
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding) != _cpu_binding:  # the user's own
+        return
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier engine's split, for another tp
+    if len(get_visible_memory_node()) >= tp:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    groups = [cores[i * len(cores) // tp:(i + 1) * len(cores) // tp] for i in range(tp)]
+    _cpu_binding = os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+
+
+_cpu_binding = None  # the split bind_cpu_workers last set
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from fitrl.telemetry.phases import RECORDER
 
 HOST, GPU = 1, 2  # verdict codes, all-reduced with max: GPU pressure outranks host pressure
 POLL_INTERVAL_S = 0.25  # tight loops: a reading (~30 us of /proc) at most this often
+USS_NEAR = 1.5  # node available under this x the host threshold: the recorder reads USS at the phase's end
 
 
 class MemoryPressure(RuntimeError):
@@ -75,7 +76,7 @@ class MemoryGuard:
 
     def configure(self, memory_cfg, process: Optional[str] = None) -> None:
         """From a ``MemoryConfig`` (``cfg.memory``); also sets this process's recorder."""
-        RECORDER.enabled, RECORDER.uss_min_s = memory_cfg.telemetry, memory_cfg.uss_min_phase_s
+        RECORDER.configure(memory_cfg.telemetry, memory_cfg.uss_every, memory_cfg.uss_min_phase_s)
         gib = memory_cfg.guard_min_available_gib
         self.settings = GuardSettings(
             enabled=memory_cfg.guard, min_available_bytes=None if gib is None else int(gib * GIB),
@@ -100,6 +101,8 @@ class MemoryGuard:
                                                                                  * total), total)
         available, total = mem.node_available_bytes(), mem.node_total_bytes()  # module attributes: tests can simulate
         threshold = self.host_threshold(total)
+        if available < USS_NEAR * threshold:  # near: record what this process alone would free
+            RECORDER.want_uss()
         if available < threshold:
             return MemoryPressure("host", self.process, self.phase, available, threshold, total)
         return None

@@ -7,6 +7,13 @@ and a Ray rank opens the same name around each call the driver makes during it (
 travels with the call, see :func:`current_phase`). At each phase's start the kernel's RSS
 high-water mark and CUDA's peak counter are reset; at its end one reading is taken. The
 driver drains every process's records once per step.
+
+Readings at phase boundaries are the cheap kind (kernel counters, ~0.2 ms a phase). USS, a walk of the
+page tables (~14 ms per GiB of RSS: 38 ms at 2.8 GiB, several phases a step), is read once every
+``uss_every`` steps when the step's records are drained, and put on the step's last phase; and
+at the end of the next phase after the guard saw the node's memory near its threshold
+(:meth:`PhaseRecorder.want_uss`). ``uss_min_s`` brings back a reading after every phase at least
+that long, for a per-phase breakdown.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from fitrl.telemetry.memory import GIB, peak_rss_bytes, read_memory, reset_peak_rss
+from fitrl.telemetry.memory import GIB, peak_rss_bytes, read_memory, reset_peak_rss, uss_bytes
 
 _CURRENT_PHASE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fitrl_phase", default=None)
 
@@ -50,7 +57,7 @@ class PhaseMemory:
     host_rss: int            # at the end of the phase
     host_retained: int
     host_peak: int           # RSS high-water mark during the phase
-    host_uss: int            # at the end; 0 where not read (a phase shorter than the recorder's uss_min_s)
+    host_uss: int            # at the end (of the step, on its last phase); 0 where not read, see PhaseRecorder
     node_available: int      # at the end
     node_available_min: int  # lowest seen at the phase's boundaries
     node_total: int
@@ -89,15 +96,32 @@ StepReport = dict[str, dict[str, PhaseMemory]]
 
 class PhaseRecorder:
     """Records :class:`PhaseMemory` per phase name until :meth:`drain`; nested phases (the
-    in-process worker call inside the driver's phase) are counted once, by the outermost."""
+    in-process worker call inside the driver's phase) are counted once, by the outermost.
+
+    USS (``host_uss``) is read where it is worth its page-table walk: at every ``uss_every``-th
+    end-of-step drain since :meth:`configure` (the 1st, ``uss_every + 1``-th, ...; 0: never; a
+    resumed run counts from its first step), on the last phase's record;
+    at the end of the phase after :meth:`want_uss`; and, with ``uss_min_s`` set, after every
+    phase at least that long.
+    """
 
     def __init__(self) -> None:
         self.records: dict[str, PhaseMemory] = {}
         self.enabled = True
-        # A USS reading walks the process's page tables (~3 ms with torch loaded): taken only
-        # after phases at least this long, so it stays within a few % of any phase it describes.
-        self.uss_min_s = 0.1
+        self.uss_every = 10
+        self.uss_min_s: Optional[float] = None
+        self._uss_wanted = False
+        self._steps = 0  # end-of-step drains so far
         self._depth = 0
+
+    def configure(self, enabled: bool, uss_every: int, uss_min_s: Optional[float]) -> None:
+        """Settings for a run (``memory.*``); its steps are counted from here."""
+        self.enabled, self.uss_every, self.uss_min_s = enabled, uss_every, uss_min_s
+        self._steps, self._uss_wanted = 0, False
+
+    def want_uss(self) -> None:
+        """Read USS at the end of the current (or next) phase: the guard found memory near its limit."""
+        self._uss_wanted = True
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -119,7 +143,11 @@ class PhaseRecorder:
             yield
         finally:
             self._depth -= 1
-            end = read_memory(uss=time.perf_counter() - began >= self.uss_min_s)
+            long_phase = self.uss_min_s is not None and time.perf_counter() - began >= self.uss_min_s
+            uss = self._uss_wanted or long_phase
+            if uss:
+                self._uss_wanted = False
+            end = read_memory(uss=uss)
             rec = PhaseMemory(
                 calls=1, host_rss=end.host_rss, host_retained=end.host_rss - start.host_rss,
                 host_peak=max(peak_rss_bytes(), end.host_rss), host_uss=end.host_uss,
@@ -129,8 +157,15 @@ class PhaseRecorder:
                 gpu_peak=torch.cuda.max_memory_allocated() if cuda else 0, gpu_total=end.gpu_total)
             self.records[name] = self.records[name].merge(rec) if name in self.records else rec
 
-    def drain(self) -> dict[str, PhaseMemory]:
+    def drain(self, end_of_step: bool = True) -> dict[str, PhaseMemory]:
+        """The records since the last drain. ``end_of_step``: a step's records (counted for
+        ``uss_every``), not what came before the first step."""
         out, self.records = self.records, {}
+        if end_of_step and out:
+            self._steps += 1
+            if self.uss_every and (self._steps - 1) % self.uss_every == 0:
+                last = out[next(reversed(out))]  # the step's last phase, as the leak detector reads it
+                last.host_uss = last.host_uss or uss_bytes()
         return out
 
 

@@ -276,11 +276,13 @@ class RLTrainer:
         algo = self.cfg.algorithm
         batch, stats = self.collector.collect(step, timer)                  # (B*n, P+R), scored
         self.writer.add_samples(step, "train", batch)                       # every trainer.log_samples_freq
-        with timer.phase("old_logprob"):
-            if algo.recompute_old_logprob:
-                batch.update(self.policy.compute_logprob(batch))
-            else:
-                batch.update(old_logprobs=batch["rollout_logprobs"])
+        source = self.cfg.old_logprob_source  # "update": the update's own forward gives them (no pass)
+        if source != "update":
+            with timer.phase("old_logprob"):
+                if source == "pass":
+                    batch.update(self.policy.compute_logprob(batch))
+                else:
+                    batch.update(old_logprobs=batch["rollout_logprobs"])
         if self.ref is not None:
             with timer.phase("ref"):
                 batch.update(self.ref.compute_ref_logprob(batch))
@@ -328,7 +330,7 @@ class RLTrainer:
         m.update(masked_stats("returns", batch["returns"], mask))
         if "values" in batch:
             m.update(masked_stats("critic/values", batch["values"], mask))
-        if self.cfg.algorithm.recompute_old_logprob:
+        if self.cfg.old_logprob_source == "pass":  # ("update": the policy's update reports them)
             # rollout vs trainer log-probs of the same weights: large values mean the two engines
             # disagree (precision, padding, kernels); the TIS weights are the loss's own
             rc = self.cfg.algorithm.rollout_correction

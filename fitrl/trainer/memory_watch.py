@@ -90,7 +90,7 @@ class MemoryWatch:
         # In-process, the driver hosts rank 0 of every role: its records are rank 0's.
         self.driver = "driver" if self.remote else "rank0"
         GUARD.configure(m, process=self.driver)  # and the recorder
-        RECORDER.drain()  # what model loading left is not step 1's
+        RECORDER.drain(end_of_step=False)  # what model loading left is not step 1's
         # 30 steps pin a phase's rate within 20 % under allocator noise (fitrl.telemetry.leaks)
         self.detector = LeakDetector(warmup_steps=m.leak_warmup_steps, window=m.leak_window,
                                      min_rate_mib=m.leak_min_rate_mib,

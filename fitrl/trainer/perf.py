@@ -55,8 +55,8 @@ def image_patches(batch: Batch) -> list[list[int]]:
 
 
 def compute_dtype(cfg: FitrlConfig) -> str:
-    """The dtype the policy's matmuls run in: bf16 under FSDP2 mixed precision, else its weights'."""
-    if cfg.trainer.backend == "ray" and cfg.actor.fsdp.mixed_precision:
+    """The dtype the policy's matmuls run in: bf16 with mixed precision (FSDP2 or autocast), else its weights'."""
+    if cfg.actor.fsdp.mixed_precision:
         return "bfloat16"
     return cfg.actor.model.dtype
 
@@ -78,7 +78,7 @@ class StepPerf:
         self.lora = cfg.actor.lora.enabled
         self.frozen_tower = cfg.actor.model.freeze_vision_tower
         self.ppo_epochs = cfg.actor.ppo_epochs
-        self.recompute_old_logprob = cfg.algorithm.recompute_old_logprob
+        self.recompute_old_logprob = cfg.old_logprob_source == "pass"  # (folded into the update: no pass)
         self.devices = cfg.world_size
         self.device = resolve_device(cfg.trainer.device)
         self.dtype = compute_dtype(cfg)

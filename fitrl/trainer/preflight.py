@@ -8,9 +8,12 @@ failure inside it other than a configuration error is reported in one line and t
 The config's ``rollout.*`` keys, ``plan.emulate`` and the rest are read as ``fitrl plan`` reads them;
 ``plan.hardware`` is not (it describes other machines, for ``fitrl plan``).
 
-Cost: 1-2 s on a 2-core CPU for ``examples/arith.yaml`` (measured 1.7 s, most of it importing PyTorch's ``MemTracker``
-and tracing the tiny model's micro-steps under ``FakeTensorMode``); recommendations are searched
-only when the run does not fit (each re-plans the run).
+Cost: 1-4 s on a 2-core CPU for ``examples/arith.yaml`` (measured 1.8 s with the tiny model, 3.3 s
+with ``small``, in a process that has made ``fitrl train``'s own imports: nearly all of it tracing the
+micro-steps under ``FakeTensorMode`` inside PyTorch's ``MemTracker``); recommendations are searched
+only when the run does not fit (each re-plans the run). The outcome is cached on disk
+(:mod:`fitrl.memory.cache`, keyed by the config, the models' ``config.json``, the detected
+hardware and the code): a repeat of a config costs the key and a read, 14-18 ms.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from rich.console import Console
 from fitrl.config import ConfigError, FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.core.errors import RunStopped
+from fitrl.memory import cache as plan_cache
 from fitrl.memory import calibration as C
 from fitrl.memory.model import Hardware, Plan
 from fitrl.memory.plan import plan_config
@@ -73,16 +77,23 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
     start = time.perf_counter()
     try:
         hardware = detect_hardware(cfg)
-        plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path))
-        # Recommendations re-plan the run once per candidate change: only worth it when it does not fit.
-        recs, combo = ([], None) if plan.fits else recommend(plan, first_fit=True)
+        key = plan_cache.plan_key(cfg, hardware, extra="preflight")
+        cached = plan_cache.load(key)
+        if cached is not None:  # the same config, models, hardware and code: the same plan
+            plan, recs, combo = cached
+            plan = dataclasses.replace(plan, cfg=cfg)  # differs only in keys the planner does not read
+        else:
+            plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path))
+            # Recommendations re-plan the run once per candidate change: only worth it when it does not fit.
+            recs, combo = ([], None) if plan.fits else recommend(plan, first_fit=True)
+            plan_cache.store(key, (plan, recs, combo))
     except ConfigError:
         raise
     except Exception as e:  # a planner gap (e.g. a model type it does not model) must not block training
         log.debug("memory plan skipped", exc_info=True)  # the traceback, for whoever enables debug logging
         console.print(f"memory plan skipped: {type(e).__name__}: {e}", highlight=False)
         return None
-    log.info("memory plan took %.2f s", time.perf_counter() - start)
+    log.info("memory plan took %.2f s%s", time.perf_counter() - start, " (cached)" if cached is not None else "")
     if plan.fits:
         console.print(fits_line(plan), highlight=False)
         return plan

@@ -1,0 +1,172 @@
+"""Per-phase memory readings stay cheap: RSS from kernel counters at every phase, USS (a walk
+of the page tables, ~14 ms per GiB of RSS) once every ``memory.uss_every`` steps, near the
+guard's threshold, or per phase only when ``memory.uss_min_phase_s`` asks for it."""
+
+import io
+
+import psutil
+import pytest
+from rich.console import Console
+
+import fitrl.telemetry.phases as phases
+from fitrl.config import ConfigError
+from fitrl.config.schema import MemoryConfig
+from fitrl.telemetry import memory
+from fitrl.telemetry.guard import GUARD, MemoryGuard
+from fitrl.telemetry.leaks import LeakDetector
+from fitrl.telemetry.phases import PhaseRecorder
+from fitrl.trainer.memory_watch import report_metrics
+from helpers import read_metrics, toy_config
+
+GIB = 2**30
+PHASES = ("rollout", "old_logprob", "update")
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """Counts USS readings (page-table walks), each returning a fixed 1 GiB."""
+    calls = []
+
+    def uss_bytes():
+        calls.append(1)
+        return GIB
+    monkeypatch.setattr(memory, "uss_bytes", uss_bytes)  # read_memory(uss=True)
+    monkeypatch.setattr(phases, "uss_bytes", uss_bytes)  # the recorder's end-of-step reading
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def restore_guard_and_recorder():
+    saved = (GUARD.settings, GUARD.process, GUARD.phase)
+    recorder = phases.RECORDER
+    saved_recorder = (recorder.enabled, recorder.uss_every, recorder.uss_min_s)
+    recorder._uss_wanted = False  # another test's guard may have asked
+    yield
+    GUARD.settings, GUARD.process, GUARD.phase = saved
+    recorder.enabled, recorder.uss_every, recorder.uss_min_s = saved_recorder
+    recorder._uss_wanted = False
+    recorder.drain(end_of_step=False)
+
+
+def recorder(uss_every=10, uss_min_s=None) -> PhaseRecorder:
+    r = PhaseRecorder()
+    r.uss_every, r.uss_min_s = uss_every, uss_min_s
+    return r
+
+
+def step(r: PhaseRecorder) -> dict:
+    for name in PHASES:
+        with r.phase(name):
+            pass
+    return r.drain()
+
+
+def uss_phases(records: dict) -> list[str]:
+    return [name for name, rec in records.items() if rec.host_uss]
+
+
+def test_cheap_readings_match_psutil():
+    rss = psutil.Process().memory_info().rss
+    assert abs(memory.rss_bytes() - rss) < 64 * 2**20
+    vm = psutil.virtual_memory()
+    assert memory.node_total_bytes() == vm.total
+    assert abs(memory.node_available_bytes() - vm.available) < 0.05 * vm.total  # a shared machine moves
+    assert 0 < memory.uss_bytes() <= 2 * memory.rss_bytes()
+
+
+def test_read_memory_walks_only_when_asked(walks):
+    r = memory.read_memory()
+    assert r.host_uss == 0 and r.host_rss > 0 and r.node_total > 0 and not walks
+    assert memory.read_memory(uss=True).host_uss == GIB and len(walks) == 1
+
+
+def test_uss_once_every_uss_every_steps_on_the_last_phase(walks):
+    r = recorder(uss_every=3)
+    seen = [uss_phases(step(r)) for _ in range(7)]
+    # steps 1, 4, 7: one walk each, on the step's last phase; none at any phase boundary
+    assert seen == [["update"], [], [], ["update"], [], [], ["update"]]
+    assert len(walks) == 3
+
+
+def test_uss_every_1_and_0(walks):
+    r = recorder(uss_every=1)
+    assert [uss_phases(step(r)) for _ in range(3)] == [["update"]] * 3
+    r = recorder(uss_every=0)
+    assert [uss_phases(step(r)) for _ in range(3)] == [[]] * 3
+    assert len(walks) == 3
+
+
+def test_per_phase_uss_on_request(walks):
+    r = recorder(uss_every=10, uss_min_s=0)  # every phase, as earlier versions did after phases >= 0.1 s
+    assert uss_phases(step(r)) == list(PHASES) and len(walks) == 3  # the end-of-step reading reuses update's
+    r = recorder(uss_every=0, uss_min_s=3600)  # no phase that long
+    assert uss_phases(step(r)) == []
+
+
+def test_what_came_before_the_first_step_is_not_a_step(walks):
+    r = recorder(uss_every=2)
+    with r.phase("load"):
+        pass
+    assert uss_phases(r.drain(end_of_step=False)) == [] and not walks
+    assert uss_phases(step(r)) == ["update"]  # step 1 still reads it
+    assert uss_phases(step(r)) == []
+
+
+def test_metric_key_present_only_when_read(walks):
+    r = recorder(uss_every=2)
+    first, second = report_metrics({"rank0": step(r)}), report_metrics({"rank0": step(r)})
+    assert first["mem/rank0/update/host_uss_gib"] == 1.0
+    assert not any(k.endswith("host_uss_gib") for k in second)
+    for m in (first, second):  # the cheap fields are there every step, for every phase
+        for phase in PHASES:
+            for field in ("host_rss_gib", "host_peak_gib", "node_available_gib"):
+                assert m[f"mem/rank0/{phase}/{field}"] > 0
+
+
+def test_guard_near_its_threshold_asks_for_uss(walks, monkeypatch):
+    monkeypatch.setattr(memory, "node_total_bytes", lambda: 100 * GIB)
+    g = MemoryGuard()
+    g.configure(MemoryConfig(uss_every=0), process="rank0")  # threshold 7 GiB; USS never per step
+    r = phases.RECORDER
+    monkeypatch.setattr(memory, "node_available_bytes", lambda: 50 * GIB)
+    g.check()
+    assert uss_phases(step(r)) == []
+    monkeypatch.setattr(memory, "node_available_bytes", lambda: 10 * GIB)  # under 1.5 x 7 GiB, not under 7
+    g.check()
+    assert uss_phases(step(r)) == ["rollout"]  # the next phase's end, once
+    assert len(walks) == 1
+
+
+def test_config_checks():
+    assert (MemoryConfig().uss_every, MemoryConfig().uss_min_phase_s) == (10, None)
+    with pytest.raises(ConfigError, match="memory.uss_every"):
+        MemoryConfig(uss_every=-1)
+    with pytest.raises(ConfigError, match="uss_min_phase_s"):
+        MemoryConfig(uss_min_phase_s=-0.5)
+
+
+def test_leak_detection_reads_no_uss():
+    """Levels and retained RSS only: a leak is found in records that carry no USS at all."""
+    from test_leaks import simulate
+
+    det = LeakDetector()
+    warnings = []
+    for n, report in simulate(60, {"old_logprob": 8.0}, seed=1):
+        for rec in report["rank0"].values():
+            rec.host_uss = 0
+        warnings += det.observe(n, report)
+    assert warnings and warnings[0].phase == "old_logprob"
+
+
+def test_run_reports_uss_every_uss_every_steps(tiny_model_dir, tmp_path):
+    from fitrl.trainer.run import train
+
+    train(toy_config(tiny_model_dir, tmp_path, "trainer.max_steps=3", "memory.uss_every=2",
+                     "data.rollout_batch_size=4", "rollout.n=4", "actor.mini_batch_size=4", "actor.micro_batch_size=16",
+                     "trainer.val_before_train=false", "data.val_files=[]", "checkpoint.save_final=false"),
+          Console(file=io.StringIO()))
+    steps = [r for r in read_metrics(tmp_path) if "reward/mean" in r]
+    uss = [[k for k in r if k.endswith("/host_uss_gib")] for r in steps]
+    assert [len(keys) for keys in uss] == [1, 0, 1], uss  # steps 1 and 3, on rank0's last phase
+    assert uss[0][0].startswith("mem/rank0/") and steps[0][uss[0][0]] > 0
+    assert all("mem/rank0/update/host_rss_gib" in r for r in steps)

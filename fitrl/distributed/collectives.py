@@ -44,9 +44,6 @@ def all_reduce_max_float(value: float, device: torch.device) -> float:
 
 
 def all_reduce_max(value: int, device: torch.device) -> int:
-    """The largest of a Python int over all ranks (identity without a process group)."""
-    if not distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    """The largest of a Python int over all ranks (identity without a process group); counts
+    and lengths, exact in float64 below 2**53."""
+    return int(all_reduce_max_float(value, device)) if distributed() else value

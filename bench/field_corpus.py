@@ -10,8 +10,9 @@ figure next to the planner's figure for the same quantity, with the error.
 
 Scoring (bench/field_corpus/README.md, "Scoring"):
 
-- verdict: right when the plan fits and the run ran, or the plan does not fit and the run ran out
-  of memory. A *false fit* is a reported OOM the plan calls fitting (the costly error); a *false
+- verdict: right when the plan fits (``fits``, or ``fits at expected lengths``: each case's
+  ``plan.expected_*`` keys, the rule of ``fitrl.memory.model.Plan``) and the run ran, or the
+  plan does not fit and the run ran out of memory. A *false fit* is a reported OOM the plan calls fitting (the costly error); a *false
   does-not-fit* is a run that worked and the plan refuses.
 - figures: ``peak`` figures (a measured use) are within tolerance at |error| <= 15 %;
   ``at_kill`` figures (what a node or process held when it was killed: the need was at least
@@ -58,7 +59,8 @@ GIB = 1024**3
 TOLERANCE = 0.15
 UNITS = {"GiB": GIB, "GB": 1e9, "MiB": 1024**2}
 
-# What every case gets underneath its own fitrl_config: the planner never opens the data files,
+# What every case gets underneath its own fitrl_config: the data file does not exist here (so
+# plan.expected_prompt_length=auto keeps the cap: a case sets the lengths its workload implies),
 # and every reported run here is a multi-process (Ray) run unless the case says otherwise.
 BASE = {"data": {"train_files": ["field_corpus_train.parquet"]}, "trainer": {"backend": "ray"}}
 
@@ -90,12 +92,14 @@ class CaseRow:
     source: str
     reported: str            # "runs" | "oom"
     resource: Optional[str]  # reported resource: gpu | host | unknown | None
-    predicted: str = "-"     # "fits" | "does not fit" | "error"
+    predicted: str = "-"     # "fits" | "fits at expected lengths" | "does not fit" | "error"
+    lengths: str = ""        # the expected lengths planned beside the caps ("" at the caps)
     problems: list[str] = field(default_factory=list)
     right: Optional[bool] = None
     resource_match: Optional[bool] = None
     figures: list[FigureRow] = field(default_factory=list)
     peaks: dict[str, tuple[float, float]] = field(default_factory=dict)  # phase -> (GPU GiB, host GiB)
+    expected_peaks: dict[str, tuple[float, float]] = field(default_factory=dict)  # the same at expected lengths
     error: str = ""
     seconds: float = 0.0
 
@@ -188,9 +192,15 @@ def predicted_figure(plan: Plan, fig: dict[str, Any]) -> Optional[float]:
         if scope == "node":
             return sum(plan.node_host(ph).values())
         if scope == "worker":
-            trainer = plan.process("trainer")
-            usage = trainer.phases[ph]
-            total = sum((usage.host if resource == "host" else usage.gpu).values())
+            # veRL's and EasyR1's worker holds every role of its rank in one process; fitrl's
+            # reference and critic ranks are processes of their own: their states without a
+            # second runtime and CUDA context
+            total = 0
+            for p in plan.processes:
+                if p.kind in ("trainer", "ref", "critic"):
+                    usage = p.phases[ph].host if resource == "host" else p.phases[ph].gpu
+                    total += sum(v for k, v in usage.items()
+                                 if p.kind == "trainer" or k not in ("runtime", "cuda context"))
             engine = next((p for p in plan.processes if p.kind == "engine"), None)
             if engine is not None and resource == "host":
                 _, workers = engine_layout(plan.cfg.rollout.tensor_parallel_size, plan.hardware)
@@ -213,16 +223,23 @@ def evaluate(case: dict[str, Any], models: dict, tmp: Path) -> CaseRow:
         return row
     row.seconds = time.perf_counter() - t0
     problems = plan.problems()
-    row.predicted = "fits" if not problems else "does not fit"
-    row.problems = [f"{p.resource} {p.phase}" + (f"@step{p.step}" if p.step else "") for p in problems]
-    row.right = (row.predicted == "fits") == (row.reported == "runs")
+    row.predicted = plan.verdict  # the rule of fitrl/memory/model.py, Plan
+    row.problems = [f"{p.resource} {p.phase}" + (f"@step{p.step}" if p.step else "")
+                    + (" (expected)" if p.at == "expected" else "") for p in problems]
+    row.right = plan.fits == (row.reported == "runs")
     if row.reported == "oom" and problems and row.resource in ("gpu", "host"):
         row.resource_match = any(p.resource == row.resource for p in problems)
     row.peaks = {ph: (g / GIB, h / GIB) for ph, (g, h) in plan.peaks().items()}
+    if plan.expected is not None:
+        row.lengths = f"{plan.lengths.prompt}+{plan.lengths.response}"
+        row.expected_peaks = {ph: (g / GIB, h / GIB) for ph, (g, h) in plan.expected.peaks().items()}
+    # a figure was measured in the real run, at its real lengths: the plan at expected lengths when there is one
+    measured = plan.expected or plan
     for fig in out.get("figures") or []:
         value = fig["value"] * UNITS[fig.get("unit", "GiB")] / GIB
-        where = f"{fig['resource']}/{fig['scope']} {fig.get('phase', 'peak')}"
-        row.figures.append(FigureRow(fig["name"], value, predicted_figure(plan, fig), fig.get("kind", "peak"), where))
+        where = f"{fig['resource']}/{fig['scope']} {fig.get('phase', 'peak')}" + (" (expected)" if plan.expected else "")
+        row.figures.append(FigureRow(fig["name"], value, predicted_figure(measured, fig), fig.get("kind", "peak"),
+                                     where))
     return row
 
 
@@ -242,7 +259,7 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
 
     console = Console(width=220) if not sys.stdout.isatty() else Console()
     t = Table(title="field corpus: reported outcome vs fitrl's plan", title_justify="left")
-    for col in ("case", "source", "reported", "predicted", "", "plan's problems"):
+    for col in ("case", "source", "reported", "expected lengths", "predicted", "", "plan's problems"):
         t.add_column(col)
     for r in rows:
         reported = r.reported if r.reported == "runs" else f"OOM ({r.resource or '?'})"
@@ -252,7 +269,7 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
             problems = r.error[:90]
         if r.resource_match is False:
             problems += "  [reported resource not among them]"
-        t.add_row(r.id, source_label(r.source), reported, r.predicted, mark, problems)
+        t.add_row(r.id, source_label(r.source), reported, r.lengths or "caps", r.predicted, mark, problems)
     console.print(t)
 
     f = Table(title="reported figures vs predicted (GiB)", title_justify="left")
@@ -271,6 +288,9 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
             if r.peaks:
                 text = "  ".join(f"{ph} {g:,.1f}/{h:,.0f}" for ph, (g, h) in r.peaks.items())
                 console.print(f"{r.id}: GPU/host GiB per phase: {text}", highlight=False)
+                if r.expected_peaks:
+                    text = "  ".join(f"{ph} {g:,.1f}/{h:,.0f}" for ph, (g, h) in r.expected_peaks.items())
+                    console.print(f"{r.id}: at expected lengths {r.lengths}: {text}", highlight=False)
 
     planned = [r for r in rows if r.right is not None]
     figs = [fig for r in rows for fig in r.figures if fig.within is not None]
@@ -279,8 +299,9 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
         "planned": len(planned),
         "errors": sum(r.predicted == "error" for r in rows),
         "verdict_right": sum(r.right for r in planned),
-        "false_fits": sum(r.reported == "oom" and r.predicted == "fits" for r in planned),
+        "false_fits": sum(r.reported == "oom" and r.predicted != "does not fit" for r in planned),
         "false_does_not_fit": sum(r.reported == "runs" and r.predicted == "does not fit" for r in planned),
+        "fits_at_expected_lengths": sum(r.predicted == "fits at expected lengths" for r in planned),
         "oom_cases_resource_matched": sum(bool(r.resource_match) for r in planned),
         "oom_cases_with_resource": sum(r.resource_match is not None for r in planned),
         "figures": len(figs),
@@ -290,7 +311,8 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
     console.print(
         f"verdict right on {totals['verdict_right']} of {totals['planned']} planned cases "
         f"({totals['verdict_right'] / n:.0%}; hold: >= 90%), false fits {totals['false_fits']} (hold: 0), "
-        f"false does-not-fit {totals['false_does_not_fit']}, planner errors {totals['errors']}; "
+        f"false does-not-fit {totals['false_does_not_fit']}, planner errors {totals['errors']} "
+        f"('fits at expected lengths': {totals['fits_at_expected_lengths']}); "
         f"OOM cases whose reported resource the plan names: {totals['oom_cases_resource_matched']} of "
         f"{totals['oom_cases_with_resource']}; figures within tolerance: {totals['figures_within']} of "
         f"{totals['figures']} (hold: every one within ±15%)", highlight=False)

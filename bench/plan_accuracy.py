@@ -40,7 +40,9 @@ from pathlib import Path
 GIB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
-PLAN_PHASES = {"logprob": "old_logprob", "ref": "ref_logprob", "update": "update"}  # measured -> planned
+# measured -> planned (the planner's old_logprob and update phases hold the critic's values and update too)
+PLAN_PHASES = {"rollout": "rollout", "logprob": "old_logprob", "ref": "ref_logprob", "values": "old_logprob",
+               "critic_update": "update", "update": "update"}
 
 
 @dataclass
@@ -56,18 +58,28 @@ class Case:
     chunk: int           # actor.logprob_chunk_size (>= the response length: not chunked)
     kl: bool = False     # algorithm.use_kl_loss: reference log-probs measured too
     lora: int = 0        # actor.lora.rank (all-linear); 0: full fine-tuning
+    arch: str = "qwen2"  # fitrl.models.tiny.ARCHS
+    critic: bool = False  # algorithm.adv_estimator=gae (PPO): a value model, its values and update measured
+    mixed: bool = False  # actor.fsdp.mixed_precision (bf16 compute: FSDP2 with 2 ranks, autocast with 1)
+    budget: int = 0      # actor.micro_batch_token_budget (0: sequence counts)
+    rollout: bool = False  # also measure the second step's rollout (HF generate after the update)
+    extra: tuple[str, ...] = ()  # more overrides, for the run and its plan alike (e.g. memory.trim_heap=false)
 
     @property
     def label(self) -> str:
         # chunks run over the micro-batch's flattened response tokens
         chunk = "unchunked" if self.chunk >= self.micro * self.response_len else f"chunk {self.chunk}"
         extra = (" | KL" if self.kl else "") + (f" | LoRA r{self.lora}" if self.lora else "")
-        return (f"{self.size} x{self.ranks} | {self.prompts * self.n} seq P{self.prompt_len} R{self.response_len} "
+        extra += (" | critic" if self.critic else "") + (" | bf16" if self.mixed else "")
+        extra += f" | budget {self.budget}" if self.budget else ""
+        arch = "" if self.arch == "qwen2" else f"{self.arch} "
+        return (f"{arch}{self.size} x{self.ranks} | {self.prompts * self.n} seq P{self.prompt_len} R{self.response_len} "
                 f"micro {self.micro} | ckpt {'on' if self.ckpt else 'off'} | {chunk}{extra}")
 
     @property
     def phases(self) -> tuple[str, ...]:
-        return ("logprob", "ref", "update") if self.kl else ("logprob", "update")
+        return (("rollout",) * self.rollout + ("logprob",) + ("ref",) * self.kl
+                + ("values", "critic_update") * self.critic + ("update",))
 
     def overrides(self, model_dir: str) -> list[str]:
         o = [f"actor.model.path={model_dir}", f"data.max_prompt_length={self.prompt_len}",
@@ -83,7 +95,14 @@ class Case:
             o += ["algorithm.use_kl_loss=true", f"ref.logprob_micro_batch_size={self.micro}"]
         if self.lora:
             o += [f"actor.lora.rank={self.lora}"]
-        return o
+        if self.critic:
+            o += ["algorithm.adv_estimator=gae", f"critic.mini_batch_size={self.prompts}",
+                  f"critic.micro_batch_size={self.micro}", f"critic.values_micro_batch_size={self.micro}"]
+        if self.mixed:
+            o += ["actor.fsdp.mixed_precision=true"]
+        if self.budget:
+            o += [f"actor.micro_batch_token_budget={self.budget}"]
+        return o + list(self.extra)
 
 
 CASES = [
@@ -101,6 +120,13 @@ CASES = [
     Case("medium", 1, 2, 4, 64, 128, 4, False, 1024, kl=True),           # + a reference model
     Case("medium", 1, 2, 4, 64, 128, 4, False, 1024, kl=True, lora=16),  # no reference model
     Case("small", 1, 4, 4, 128, 384, 8, False, 1024, kl=True, lora=16),
+    # more shapes for the default allocator's factors (bench/cpu_corpus.py holds other runs out):
+    # the deeper, narrower model with a 16k vocabulary, bf16 compute, a tiny model's longer batch
+    Case("deep", 1, 2, 4, 32, 256, 4, False, 1024, rollout=True),
+    Case("deep", 1, 4, 4, 32, 128, 8, True, 512, arch="llama"),
+    Case("small", 1, 2, 4, 64, 128, 4, False, 1024, mixed=True, rollout=True),
+    Case("deep", 2, 2, 4, 32, 96, 4, False, 1024, mixed=True),
+    Case("tiny", 1, 2, 16, 32, 256, 16, False, 1024, arch="llama"),
 ]
 
 
@@ -116,7 +142,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
         dist.init_process_group("gloo", rank=rank, world_size=world)
     from fitrl.config import load_config
     from fitrl.data.batch import Batch
-    from fitrl.roles.workers import PolicyWorker, ReferenceWorker
+    from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker
     from fitrl.config.schema import SamplingConfig
     from fitrl.telemetry.memory import peak_rss_bytes, reset_peak_rss, status_kib
 
@@ -125,18 +151,25 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
     torch.set_num_threads(cfg.trainer.num_threads)
     worker = PolicyWorker(cfg, rank=rank, world_size=world)
     ref = (worker if c.lora else ReferenceWorker(cfg, rank=rank, world_size=world)) if c.kl else None
+    critic = CriticWorker(cfg, rank=rank, world_size=world) if c.critic else None
     g = torch.Generator().manual_seed(rank)
     vocab = worker.tokenizer.vocab_size - 8  # below the special tokens
     lengths = torch.randint(c.prompt_len // 2, c.prompt_len + 1, (c.prompts // world,), generator=g).tolist()
     lengths[0] = c.prompt_len
     prompts = Batch(fields={"prompt_ids": [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]})
-    batch = worker.generate(prompts, SamplingConfig(n=c.n, max_tokens=c.response_len, ignore_eos=True))
+    sampling = SamplingConfig(n=c.n, max_tokens=c.response_len, ignore_eos=True)
+    batch = worker.generate(prompts, sampling)
     batch.update(worker.compute_logprob(batch))
     if ref is not None:
         batch.update(ref.compute_ref_logprob(batch))
+    if critic is not None:
+        batch.update(critic.compute_values(batch))
+        batch.update(returns=torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
     batch.update(advantages=torch.randn(batch["response_mask"].shape, generator=g) * batch["response_mask"])
     # warm-up: one whole update, so AdamW states exist (the update frees its gradients) and the
     # allocator holds what a previous step left, as from the second RL step on
+    if critic is not None:
+        critic.update(batch)
     worker.update(batch)
     out = {"rank": rank, "seqs": len(batch), "width": batch["input_ids"].shape[1]}
     for phase in c.phases:
@@ -144,9 +177,17 @@ def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queu
         if not reset_peak_rss():
             raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the peak would be the lifetime one")
         t0 = time.perf_counter()
-        if phase == "logprob":
+        if phase == "rollout":  # the second step's, after the first step's update
+            lp = worker.generate(prompts, sampling)
+            del lp
+        elif phase == "logprob":
             lp = worker.compute_logprob(batch)
             del lp
+        elif phase == "values":
+            lp = critic.compute_values(batch)
+            del lp
+        elif phase == "critic_update":
+            critic.update(batch)
         elif phase == "ref":
             lp = ref.compute_ref_logprob(batch)
             del lp
@@ -199,12 +240,22 @@ def _measure(case: Case, model_dir: str, port: int, ctx) -> dict:
 
 def predict(case: Case, model_dir: str, malloc: str) -> dict:
     from fitrl.config import load_config
-    from fitrl.memory import Hardware, plan_config
+    from fitrl.memory import Hardware, calibration, plan_config
 
     cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [*case.overrides(model_dir), f"plan.host_malloc={malloc}"])
     plan = plan_config(cfg, Hardware.cpu(ranks_per_node=case.ranks))
     trainer = plan.process("trainer")
-    return {phase: trainer.host_peak(PLAN_PHASES[phase]) for phase in case.phases} | {"plan": plan}
+    # the bench's ranks are gloo processes of their own, not Ray actors: no Ray core worker in them
+    ray_actor = calibration.CPU_RANK_EXTRA if case.ranks > 1 else 0
+    return {phase: trainer.host_peak(PLAN_PHASES[phase]) - ray_actor for phase in case.phases} | {"plan": plan}
+
+
+def model_dirs(cases: list[Case], tmp: str) -> dict[tuple[str, str], str]:
+    """The tiny models the cases use, built under ``tmp``: (arch, size) -> directory."""
+    from fitrl.models.tiny import make_tiny_model
+
+    return {(arch, size): str(make_tiny_model(Path(tmp) / f"{arch}-{size}", arch=arch, size=size, seed=0))
+            for arch, size in sorted({(c.arch, c.size) for c in cases})}
 
 
 def main() -> None:
@@ -213,20 +264,16 @@ def main() -> None:
     parser.add_argument("--malloc", nargs="+", default=["mmap", "glibc"], choices=["mmap", "glibc"])
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
-    from fitrl.models.tiny import make_tiny_model
-
     cases = [(i, CASES[i]) for i in args.only] if args.only else list(enumerate(CASES))
     rows = []
     print(f"{'#':>2} {'configuration':<80} {'phase':<7} {'malloc':<6} {'predicted':>9} {'measured':>9} {'error':>7} "
           f"{'phase s':>7}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {}
-        for size in sorted({c.size for _, c in cases}):
-            dirs[size] = str(make_tiny_model(Path(tmp) / size, arch="qwen2", size=size, seed=0))
+        dirs = model_dirs([c for _, c in cases], tmp)
         for i, case in cases:
             for malloc in args.malloc:
-                meas = measure(case, dirs[case.size], port=29700 + 2 * i + (malloc == "glibc"), malloc=malloc)
-                pred = predict(case, dirs[case.size], malloc)
+                meas = measure(case, dirs[case.arch, case.size], port=29700 + 2 * i + (malloc == "glibc"), malloc=malloc)
+                pred = predict(case, dirs[case.arch, case.size], malloc)
                 for phase in case.phases:
                     err = (pred[phase] - meas[phase]) / meas[phase]
                     rows.append({"case": i, "label": case.label, "phase": phase, "malloc": malloc,

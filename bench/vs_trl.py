@@ -42,7 +42,8 @@ The same work on both sides:
 - neither runs a separate old-log-prob pass: fitrl's ``algorithm.fold_old_logprob`` (default) and
   TRL (on-policy: ``old_per_token_logps`` is the detached current log-prob) both take the ratio's
   denominator from the update's own forward;
-- AdamW (torch's, not fused: TRL ``optim="adamw_torch"``), lr 1e-3 constant, no warm-up (TRL's
+- AdamW, each side's default kernel (fitrl: torch's fused kernel, ``actor.optim.fused``; TRL
+  ``optim="adamw_torch"``: torch's foreach one; the same update within rounding), lr 1e-3 constant, no warm-up (TRL's
   default linear decay is switched off), betas 0.9/0.999, eps 1e-8, no weight decay, gradient
   clipping at norm 1.0; fp32 weights; ``--precision bf16``: TRL ``bf16=True`` (autocast),
   fitrl ``actor.fsdp.mixed_precision=true`` (autocast in the single-process backend; a fitrl

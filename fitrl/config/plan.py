@@ -3,7 +3,9 @@
 ``fitrl plan`` predicts memory for a config; this section says which machines the prediction is
 for (``plan.hardware``) and holds what the planner alone reads: behaviours of another
 framework's vLLM integration that fitrl's engine never has (``plan.emulate``), kept to reproduce
-the failure stories' reported runs. The rollout engine itself is planned from the run's own keys
+the failure stories' reported runs; and the lengths a typical step has
+(``plan.expected_prompt_length``, ``plan.expected_response_length``), for the plan at expected
+lengths beside the one at the caps. The rollout engine itself is planned from the run's own keys
 (``rollout.engine``, ``rollout.gpu_memory_utilization``, ``rollout.kv_cache_memory``,
 ``rollout.tensor_parallel_size``, ``rollout.sleep_level``), and images from ``data.max_pixels``
 and ``data.limit_images`` (the loader names what replaced an old ``plan.rollout`` or
@@ -15,6 +17,8 @@ and ``data.limit_images`` (the loader names what replaced an old ``plan.rollout`
     plan:
       hardware: {nodes: 1, gpus_per_node: 8, gpu_memory: 80GiB, host_memory: 2TiB}
       emulate: {free_cache_engine: true, swap_space_gib: 4}
+      expected_prompt_length: auto      # or tokens, or null: the cap
+      expected_response_length: 400     # null: rollout.max_response_length
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class PlanEmulateConfig:
     separate_processes: bool = False
     """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): engines in processes of their own instead of inside the trainer ranks: one more CUDA runtime each, and each loads the checkpoint on the host at start-up (failure story 2)."""
     swap_space_gib: float = 0.0
-    """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): vLLM V0's ``swap_space``, pinned host KV blocks per engine in GiB (V0's default was 4; failure story 3)."""
+    """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): vLLM V0's ``swap_space``, pinned host KV blocks per GPU in GiB (every tensor-parallel worker holds its own) (V0's default was 4; failure story 3)."""
 
     def __post_init__(self) -> None:
         if not self.swap_space_gib >= 0:
@@ -95,11 +99,23 @@ class PlanConfig:
     """Steps over which host memory growth is checked (0: ``trainer.max_steps``)."""
     object_store_fraction: float = 0.30
     """Ray's object store cap as a fraction of a node's RAM."""
+    expected_prompt_length: Any = "auto"
+    """The prompt length a typical step's batches are padded to, for the plan at expected lengths (the verdict rule: docs/architecture.md, "Memory model"): ``auto`` (default) reads it from ``data.train_files``: the longest of the first 1,000 prompts, tokenised as the run builds them (a batch's prompts are left-padded to its longest; with hundreds per step that is near the data's longest), or the cap when the files or the tokenizer cannot be read here (the plan says so in a note); a number of tokens; or ``null``: ``data.max_prompt_length``. At most ``data.max_prompt_length``."""
+    expected_response_length: Optional[int] = None
+    """The response length a typical micro-batch is padded to (its longest response), for the plan at expected lengths: a number of tokens, or ``null`` (default): ``rollout.max_response_length`` (no typical length is known before the run). At most ``rollout.max_response_length``. What is allocated at the cap whatever the lengths (HF generate's KV cache for ``max_response_length`` tokens, a vLLM engine's share) stays at the cap."""
     host_malloc: Literal["glibc", "mmap"] = "glibc"
     """The host allocator of CPU runs: ``glibc`` (default: its dynamic mmap threshold keeps freed activation-sized blocks in the heap, so RSS runs above live tensors and stays up after a phase) or ``mmap`` (processes started with ``MALLOC_MMAP_THRESHOLD_=65536``: tensors are mapped and unmapped, RSS follows live tensors). Only CPU runs' host transients depend on it."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError(f"plan.steps must be >= 0, got {self.steps}")
+        p = self.expected_prompt_length
+        if p not in ("auto", None) and not (isinstance(p, int) and not isinstance(p, bool) and p >= 1):
+            raise ConfigError(f"plan.expected_prompt_length={p!r}: use auto (read from data.train_files), a number "
+                              f"of tokens >= 1, or null (data.max_prompt_length)")
+        r = self.expected_response_length
+        if r is not None and r < 1:
+            raise ConfigError(f"plan.expected_response_length={r!r}: use a number of tokens >= 1, or null "
+                              f"(rollout.max_response_length)")
         if not 0 < self.object_store_fraction <= 1:
             raise ConfigError(f"plan.object_store_fraction must be in (0, 1], got {self.object_store_fraction}")

@@ -271,6 +271,8 @@ class MemoryConfig:
     """USS (memory only this process holds) is read at the end of every this many steps (the 1st, the ``uss_every + 1``-th, ... of each launch: a resumed run counts from its first step), per process, as ``host_uss_gib`` of the step's last phase; and at the end of any phase after the guard found the node's available memory under 1.5x its threshold. 0: only then. A reading walks the page tables: ~14 ms per GiB of RSS (38 ms at 2.8 GiB)."""
     uss_min_phase_s: Optional[float] = None
     """Also read USS at the end of every phase lasting at least this long (0: every phase), for a per-phase breakdown; unset: not per phase. Each reading costs what ``uss_every`` says."""
+    trim_heap: bool = True
+    """CPU processes (``trainer.device=cpu``) give the heap's free pages back to the OS (glibc ``malloc_trim``) at the end of each role's phase: generation, log-probs, values, updates. glibc otherwise keeps most of an update's freed memory resident into the next step, an amount that varies from run to run; trimmed, a phase's host memory is what it holds plus its own working set, which the CPU memory plan assumes (``plan.host_malloc=glibc``). false: no trim (the plan then counts what glibc keeps)."""
     leak_warmup_steps: int = 5
     """Steps ignored by leak detection (allocator pools, caches and compiled kernels settle first)."""
     leak_window: int = 50

@@ -99,6 +99,14 @@ class FitrlConfig:
         if self.algorithm.overlong.enable and self.algorithm.overlong.buffer_length >= self.rollout.max_response_length:
             raise ConfigError(f"algorithm.overlong.buffer_length={self.algorithm.overlong.buffer_length} must be "
                               f"smaller than rollout.max_response_length={self.rollout.max_response_length}")
+        for key, value, cap_key, cap in (
+                ("expected_prompt_length", self.plan.expected_prompt_length, "data.max_prompt_length",
+                 self.data.max_prompt_length),
+                ("expected_response_length", self.plan.expected_response_length, "rollout.max_response_length",
+                 self.rollout.max_response_length)):
+            if isinstance(value, int) and value > cap:  # a typical length beyond the cap cannot happen
+                raise ConfigError(f"plan.{key}={value} is longer than {cap_key}={cap}: lower it to {cap} or less "
+                                  f"(null: the cap)")
         c, t = self.checkpoint, self.trainer
         if c.keep_best is not None:
             if not self.data.val_files:

@@ -12,6 +12,7 @@ Every problem with the data is a :class:`DataError` whose message starts with wh
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import Counter
@@ -171,7 +172,10 @@ class PromptDataset:
         name: str = "train",
         vision: Optional[VisionSpec] = None,
         media: Optional[DataConfig] = None,
+        max_rows: Optional[int] = None,
     ) -> None:
+        """``max_rows``: read only the first this many rows of each file (the memory planner's
+        sample of prompt lengths, fitrl/memory/lengths.py); unset: every row."""
         if isinstance(files, (str, os.PathLike)):
             files = [files]
         self.files = [str(f) for f in files]
@@ -211,7 +215,7 @@ class PromptDataset:
         for path in self.files:
             # Relative image paths: data.image_dir, else the directory of the file (or saved dataset).
             base_dir = self.media.image_dir or (path if Path(path).is_dir() else os.path.dirname(os.path.abspath(path)))
-            for source, row in iter_rows(path):
+            for source, row in itertools.islice(iter_rows(path), max_rows):
                 # With a template the prompt column is optional: the template names what it uses.
                 required = ([] if template else [(prompt_key, "prompt_key")]) + [(answer_key, "answer_key")]
                 for key, option in required:
@@ -282,6 +286,16 @@ class PromptDataset:
                 f"data.max_prompt_length={max_prompt_length} tokens (shortest {min(lengths)}, longest {max(lengths)}); "
                 f"raise data.max_prompt_length"
             )
+
+    @classmethod
+    def from_config(cls, files: list[str], tokenizer: Any, d: DataConfig, *, name: str,
+                    vision: Optional[VisionSpec], max_rows: Optional[int] = None) -> "PromptDataset":
+        """The prompts of ``files`` built as the run builds them from ``data.*`` (the trainer's
+        datasets, and the planner's sample of prompt lengths: both must see the same prompts)."""
+        return cls(files, tokenizer, name=name, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                   prompt_template=d.prompt_template, system_prompt=d.system_prompt,
+                   apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length,
+                   vision=vision, media=d, max_rows=max_rows)
 
     @staticmethod
     def _messages(source: str, row: dict, prompt_key: str, template: Optional[jinja2.Template],

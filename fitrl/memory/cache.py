@@ -12,7 +12,9 @@ do. :func:`plan_key` hashes everything a plan reads:
   :mod:`fitrl.memory`: the log-prob ops, the LoRA adapters), the Python, torch, transformers and
   peft installed (each package's ``__init__.py`` by size and mtime: no import, no metadata scan).
 
-The planner reads no data file (sizes come from the config) and no environment variable. A hit
+The planner reads no environment variable, and no data file but the sample of prompts behind
+``plan.expected_prompt_length=auto`` (:mod:`.lengths`), which the caller reads before making the
+key and passes in ``extra``: a changed dataset changes the number, and so the key. A hit
 returns what was stored under the same key; an unreadable, truncated or foreign file is a miss,
 never an error. Files live in ``$FITRL_CACHE_DIR/plans`` (default ``$XDG_CACHE_HOME/fitrl/plans``,
 else ``~/.cache/fitrl/plans``), the newest :data:`KEEP` kept.
@@ -35,7 +37,7 @@ import fitrl
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what is stored changes shape
+FORMAT = 2  # bump when what is stored changes shape (2: plans hold the plan at expected lengths)
 KEEP = 64   # plans kept (~20 KiB each); the oldest go first
 NOT_READ = frozenset({
     "trainer.run_dir", "trainer.output_dir", "trainer.experiment_name", "trainer.progress_bar",

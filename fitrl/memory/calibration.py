@@ -20,22 +20,42 @@ HOST_MARGIN = 0.85
 CPU_PROCESS_RUNTIME = int(0.36 * GIB)
 """Measured: RSS of a CPU trainer process with torch, transformers and fitrl imported, a
 tokenizer and a (tiny) model built, before any model state: 0.35-0.37 GiB."""
-CPU_RANK_EXTRA = 0
-"""Measured: a gloo rank with FSDP2 (process group, device mesh, DTensor) adds nothing visible
-(tiny model: 0.363 GiB per rank of 2, 0.360 GiB alone)."""
+CPU_RANK_EXTRA = int(0.07 * GIB)
+"""Measured: what a rank under ``trainer.backend=ray`` adds to :data:`CPU_PROCESS_RUNTIME`: it is a
+Ray actor (Ray's core worker and ``ray`` imported), in a gloo process group with FSDP2 (which
+alone adds nothing visible: tiny model, 0.363 GiB per rank of 2, 0.360 GiB alone). Every role's
+rank is such a process: the policy's, and the reference's and the critic's, actors of their own
+(fitrl/memory/model.py, ``process_roles``). ``.venv/bin/python bench/process_memory.py`` (PPO with
+a KL loss, 2 ranks per role, the tiny model: 0.6 MiB of weights, so the RSS is the runtime;
+telemetry ``mem/<role>.rank<i>/<phase>/host_rss_gib`` at step 2): reference ranks 0.430-0.432
+GiB, critic ranks 0.436-0.440, policy ranks 0.443-0.446 (tokenizer, rollout), 0.07-0.08 over the
+in-process figure. Of a rank's RSS, 0.14-0.15 GiB are shared library pages (USS 0.285-0.293 GiB)
+that the node holds once: summing RSS over a node's processes overstates it by that much per
+process beyond the first, kept as margin."""
 PEFT_IMPORT_HOST = 50 * MIB
 """Measured: RSS that importing PEFT (and accelerate, which it imports) adds to a trainer process
 that has torch, transformers and fitrl's roles imported: 50.6 MiB. Only LoRA runs import it
 (fitrl/models/params.py)."""
 CUDA_PROCESS_RUNTIME = int(2.5 * GIB)
-"""Assumed: host RSS of a CUDA trainer process (CUDA runtime, cuBLAS, cuDNN, NCCL mapped and
-touched); commonly 2-3 GiB. Not measured here (no GPU)."""
-DRIVER_RUNTIME = int(0.45 * GIB)
-"""Assumed from the CPU figure: the driver imports torch, transformers, ray and holds the datasets."""
+"""Assumed: host RSS of a CUDA rank process (CUDA runtime, cuBLAS, cuDNN, NCCL mapped and
+touched); commonly 2-3 GiB. Not measured here (no GPU). Each role's rank under Ray (policy,
+reference, critic) is such a process, with a :data:`CUDA_CONTEXT` of its own on its device."""
+DRIVER_RUNTIME = int(0.44 * GIB)
+"""Measured: RSS of the driver under Ray (torch, transformers, ray imported; the datasets, the
+reward scorer): 0.438-0.439 GiB in every phase of step 2 (USS 0.295),
+``.venv/bin/python bench/process_memory.py`` (``mem/driver/<phase>/host_rss_gib``; the toy
+dataset: a large one adds its own size). In one process the driver is the trainer's process."""
 RAY_SYSTEM_HOST = int(1.0 * GIB)
-"""Assumed: raylet, GCS and dashboard processes on a node (head ~1 GiB)."""
-REWARD_WORKER_HOST = 65 * MIB
-"""Measured in fitrl.rewards.pool: one reward worker process, 60-70 MB."""
+"""Assumed for a head started by ``ray start --head`` (dashboard on: not measured). Measured for
+the private local cluster fitrl starts (``ray.init``, dashboard off; Ray 2.60), its processes
+read with psutil by ``.venv/bin/python bench/process_memory.py``: raylet, GCS, log monitor, two
+Python helpers, the dashboard agent and the runtime-env agent, 0.50 GiB of RSS together (0.30
+GiB USS)."""
+REWARD_WORKER_HOST = 58 * MIB
+"""Measured: RSS of one reward worker process (fitrl.rewards.pool: a plain ``python -c`` with no
+torch) after a call, ``arith`` and ``math`` alike: 58 MiB (50 MiB USS), 4 workers,
+``.venv/bin/python bench/process_memory.py``. The driver starts them (``reward.num_workers``):
+node 0's, counted with the node."""
 VLLM_PROCESS_RUNTIME = int(3.0 * GIB)
 """Assumed: host RSS of a vLLM engine process besides weights (CUDA, vLLM, compiled graphs);
 failure story 2 (docs/architecture.md, "Failure stories") reports ~20 GB per engine worker while loading a 7B (16.6 GB of bf16 weights)."""
@@ -54,6 +74,11 @@ sentencepiece when it loads the tokenizer, which the HF engine pays in that envi
 (0.43 GiB once built, 0.34 in fitrl's); the rest comes with the first generations. With the
 weights term (``vllm_cpu_engine``) the plan of a step is within 5% of the tiny and small models'
 measured phases (tests/test_plan_vllm.py holds the figures)."""
+VLLM_IN_PROCESS_RUNTIME = VLLM_CPU_RUNTIME
+"""Assumed from the CPU figure (:data:`VLLM_CPU_RUNTIME`, measured): what a vLLM TP worker adds to
+the CUDA rank process it runs in (fitrl's engine, veRL's and EasyR1's hybrid engine), besides the
+CUDA runtime the process has anyway (:data:`CUDA_PROCESS_RUNTIME`) and the engine's weights, KV
+cache and swap. CUDA graphs' and compiled kernels' host side: not measured (no GPU)."""
 VLLM_CPU_MAX_NUM_SEQS = 256
 """Documented (vLLM 0.32, ``EngineArgs``, CPU defaults for the ``LLM`` class): at most 256
 sequences per scheduler step (4,096 batched tokens)."""
@@ -107,6 +132,16 @@ batch) / the update's transients, measured with the gradients freed: 0.60-0.93, 
 (0.62 when the gradients were still held and counted apart); a second run gave 0.46-1.00, mean
 0.70. That spread, and up to 0.14 between two runs of one configuration, bounds the accuracy of
 a CPU run's phases after an update under the default allocator (about ±20%)."""
+CPU_TRIMMED_BACKWARD_RSS_FACTOR = 1.3
+"""TBD"""
+CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 3.8
+"""TBD"""
+CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR = 2.0
+"""TBD"""
+CPU_TRIMMED_PHASE_RSS_FACTOR = 3.0
+"""TBD"""
+CPU_TRIMMED_ROLLOUT_RSS_FACTOR = 1.9
+"""TBD"""
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB
 """Documented (glibc malloc, ``DEFAULT_MMAP_THRESHOLD_MAX`` = 4 MiB x sizeof(long) on 64-bit): the
 dynamic mmap threshold never rises above 32 MiB, so an allocation of at least that size that no

@@ -1,15 +1,17 @@
 """The planner's types: the hardware a plan is for, a run's derived numbers, memory by component
 per process and phase, and the plan with its verdict.
 
-Processes: ``trainer`` (one per device: actor, reference and critic shards, and the rollout engine
-in the same process: the HF engine, or vLLM's on CPU), ``engine`` (a vLLM engine on CUDA,
-``rollout.engine=vllm``: host entries per engine, device entries per device),
-``driver`` (node 0), ``node`` (what belongs to no rank: Ray, the object store, reward workers)
-and ``rank0`` (rank 0's extra load and save copies). Phases follow one RL step plus load,
+Processes: ``trainer`` (one per device: the policy's shard and the rollout engine in the same
+process: the HF engine, or vLLM's on CPU; in one process, the in-process backend, the reference
+and the critic too), ``ref`` and ``critic`` (under Ray the reference's and the critic's ranks are
+Ray actors of their own, one per device on the policy's bundle: :func:`process_roles`),
+``engine`` (a vLLM engine on CUDA, ``rollout.engine=vllm``: host entries per engine, device
+entries per device), ``driver`` (node 0), ``node`` (what belongs to no rank: Ray, the object
+store, reward workers) and ``rank0`` (rank 0's extra load and save copies). Phases follow one RL step plus load,
 validation and checkpoint save; the plan is the steady state (from step 2: AdamW states exist;
 gradients only inside the update, which frees them after its last optimizer step), and a phase's
 peak is the sum of what is resident in it and its largest transient. A node's host peak sums its
-processes; a device's peak sums what shares it (trainer rank and colocated engine). See
+processes; a device's peak sums what shares it (trainer, reference and critic ranks, engine). See
 docs/architecture.md, "Memory model".
 
 The phase modules (:mod:`.trainer`, :mod:`.services`) build :class:`ProcessPlan` objects from a
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
+from fitrl.memory.lengths import Lengths
 from fitrl.memory.shapes import ModelShape, VisualInput
 from fitrl.memory.states import States, frozen_states, lora_states, trained_states
 
@@ -34,6 +37,10 @@ if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
 
 PHASES = ("load", "rollout", "weight_sync", "old_logprob", "ref_logprob", "update", "validation", "checkpoint_save")
 ACTOR_PHASES = {"rollout", "weight_sync", "old_logprob", "update", "validation", "checkpoint_save"}
+
+
+DEVICE_KINDS = ("trainer", "ref", "critic", "engine")
+"""Process kinds with one process per device: their device entries are that device's."""
 
 
 def machine_ram() -> int:
@@ -117,10 +124,27 @@ class Problem:
     need: int
     limit: int
     step: int = 0      # > 0: reached only at this step (host growth)
+    at: str = "caps"   # the lengths of the plan it is in: "caps" | "expected"
 
 
 @dataclass
 class Plan:
+    """A run's memory per process and phase, at the caps, with the plan at expected lengths in
+    :attr:`expected` (None when they are the caps) and the verdict (docs/architecture.md,
+    "Memory model"):
+
+    - ``fits``: at the caps every device and node stays within its margin
+      (:data:`~fitrl.memory.calibration.GPU_MARGIN`, :data:`~fitrl.memory.calibration.HOST_MARGIN`);
+    - ``fits at expected lengths``: not so at the caps, but at the expected lengths every peak
+      stays within the margin, and at the caps within the whole device and node. Typical steps
+      keep the margin the allocator needs; a step of only capped sequences, rare, still has the
+      memory to run (the margin, not the memory, is what it gives up);
+    - ``does not fit``: otherwise. :meth:`problems` then lists what breaks the rule: the
+      expected plan's peaks over the margin (``at="expected"``) and the caps plan's over the
+      whole memory (``at="caps"``); with no expected plan, the peaks over the margin at the caps.
+
+    :attr:`fits` is true for both fitting verdicts: ``fitrl plan``'s exit status and ``fitrl
+    train``'s pre-flight refusal follow it."""
     cfg: FitrlConfig
     hardware: Hardware
     shape: ModelShape
@@ -128,17 +152,22 @@ class Plan:
     processes: list[ProcessPlan]
     notes: list[str]
     growth_per_step: int = 0           # host bytes per node added every step (anchor behaviours)
+    lengths: Optional[Lengths] = None  # the expected lengths and where they came from (None: the caps)
+    expected: Optional["Plan"] = None  # the plan at ``lengths``; None when they are the caps
+    at: str = "caps"                   # this plan's lengths: "caps" | "expected"
 
     def process(self, kind: str) -> ProcessPlan:
         return next(p for p in self.processes if p.kind == kind)
 
     def device(self, phase: str) -> dict[str, int]:
-        """One device's memory in ``phase``: everything that shares it, by component. The engine's
-        entries are per device already: a vLLM engine with tensor parallelism takes
-        ``gpu_memory_utilization`` of every device in its group, not 1/tp of it."""
+        """One device's memory in ``phase``: everything that shares it, by component: one process
+        of each :data:`DEVICE_KINDS` kind (the trainer rank, under Ray the reference and critic
+        ranks on its bundle, the engine). The engine's entries are per device already: a vLLM
+        engine with tensor parallelism takes ``gpu_memory_utilization`` of every device in its
+        group, not 1/tp of it."""
         out: dict[str, int] = {}
         for p in self.processes:
-            if p.kind in ("trainer", "engine") and phase in p.phases:
+            if p.kind in DEVICE_KINDS and phase in p.phases:
                 for k, v in p.phases[phase].gpu.items():
                     out[k] = out.get(k, 0) + v
         return out
@@ -175,22 +204,41 @@ class Plan:
     def host_limit(self) -> int:
         return int(self.hardware.host_memory * C.HOST_MARGIN)
 
-    def problems(self) -> list[Problem]:
+    def over(self, gpu_limit: int, host_limit: int) -> list[Problem]:
+        """This plan's peaks over the given limits (per device, per node), host growth included."""
         out = []
         cuda = self.hardware.device == "cuda"
         steps = self.cfg.plan.steps or self.cfg.trainer.max_steps
         for ph, (gpu, host) in self.peaks().items():
-            if cuda and gpu > self.gpu_limit:
-                out.append(Problem("gpu", ph, gpu, self.gpu_limit))
-            if host > self.host_limit:
-                out.append(Problem("host", ph, host, self.host_limit))
+            if cuda and gpu > gpu_limit:
+                out.append(Problem("gpu", ph, gpu, gpu_limit, at=self.at))
+            if host > host_limit:
+                out.append(Problem("host", ph, host, host_limit, at=self.at))
         if self.growth_per_step and not any(p.resource == "host" for p in out):
             # the anchor's growth: host in a phase at step k = its steady peak + (k - 1) * growth
             ph, host = max(((ph, h) for ph, (_, h) in self.peaks().items()), key=lambda x: x[1])
-            k = (self.host_limit - host) // self.growth_per_step + 2
+            k = (host_limit - host) // self.growth_per_step + 2
             if k <= steps:  # reported where it grows: each rollout
-                out.append(Problem("host", "rollout", host + (k - 1) * self.growth_per_step, self.host_limit, step=k))
+                out.append(Problem("host", "rollout", host + (k - 1) * self.growth_per_step, host_limit, step=k,
+                                   at=self.at))
         return out
+
+    def problems(self) -> list[Problem]:
+        """What breaks the verdict rule (the class docstring); empty when the run fits."""
+        at_caps = self.over(self.gpu_limit, self.host_limit)
+        if not at_caps or self.expected is None:
+            return at_caps
+        return (self.expected.over(self.expected.gpu_limit, self.expected.host_limit)
+                + self.over(self.hardware.gpu_memory, self.hardware.host_memory))
+
+    @property
+    def verdict(self) -> str:
+        """``fits``, ``fits at expected lengths`` or ``does not fit`` (the class docstring)."""
+        if self.problems():
+            return "does not fit"
+        if self.expected is not None and self.over(self.gpu_limit, self.host_limit):
+            return "fits at expected lengths"
+        return "fits"
 
     @property
     def fits(self) -> bool:
@@ -201,12 +249,15 @@ class Plan:
 
 @dataclass
 class Run:
-    """Numbers derived once from the config and hardware."""
+    """Numbers derived once from the config and hardware. ``lengths``: plan every sequence at
+    these lengths (the expected ones) instead of the caps; what is allocated at the caps whatever
+    the sequences hold (HF generate's KV cache) reads :attr:`cap_response_len`."""
     cfg: FitrlConfig
     hw: Hardware
     shape: ModelShape
     ref_shape: Optional[ModelShape]
     spec: AlgorithmSpec
+    lengths: Optional[Lengths] = None
 
     @property
     def cuda(self) -> bool:
@@ -245,10 +296,17 @@ class Run:
 
     @property
     def prompt_len(self) -> int:
-        return self.cfg.data.max_prompt_length
+        """Tokens a prompt is planned at: the cap, or the expected length."""
+        return self.lengths.prompt if self.lengths else self.cfg.data.max_prompt_length
 
     @property
     def response_len(self) -> int:
+        """Tokens a response is planned at: the cap, or the expected length."""
+        return self.lengths.response if self.lengths else self.cfg.rollout.max_response_length
+
+    @property
+    def cap_response_len(self) -> int:
+        """``rollout.max_response_length``, for what is sized by it before any token is generated."""
         return self.cfg.rollout.max_response_length
 
     @property
@@ -260,7 +318,8 @@ class Run:
         return max(1, self.cfg.data.rollout_batch_size * self.cfg.rollout.n // self.world)
 
     def micro(self, size: int) -> int:
-        """Sequences in one forward: the count, or the token budget's worth of full-length ones."""
+        """Sequences in one forward: the count, or the token budget's worth of sequences of
+        :attr:`seq_len` tokens (at expected lengths, more of them than at the caps)."""
         budget = self.cfg.actor.micro_batch_token_budget
         b = max(1, budget // self.seq_len) if budget else size
         return min(b, self.seqs_per_rank)
@@ -349,6 +408,19 @@ def role_states(run: Run) -> dict[str, tuple[States, object]]:
         roles["critic"] = (trained_states(run.shape, run.shard_world(c.strategy), "float32",
                                           pinned=pin and c.cpu_offload and run.fsdp), c)
     return roles
+
+
+def process_roles(run: Run) -> dict[str, tuple[str, ...]]:
+    """The roles (keys of :func:`role_states`) each per-device process kind holds. In one process
+    (``trainer.backend=inprocess``) the trainer holds every role. Under Ray each role is a
+    ``RayWorkerGroup`` of its own (fitrl/trainer/run.py, ``make_group``): the reference's and the
+    critic's ranks are Ray actors colocated rank by rank on the policy's bundles (same node, same
+    device), each a process with its own runtime (and CUDA context); with LoRA the reference is
+    the policy with its adapters off, no process of its own (:func:`role_states` has no "ref")."""
+    roles = tuple(role_states(run))
+    if not run.fsdp:
+        return {"trainer": roles}
+    return {"trainer": ("actor",), **{r: (r,) for r in ("ref", "critic") if r in roles}}
 
 
 def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:

@@ -1,6 +1,6 @@
 """The entry point: :func:`plan_config` composes the processes of a run into a :class:`Plan`.
 
-The trainer ranks' phases come from :mod:`.trainer`, the vLLM engine, the driver and the node's
+The trainer ranks' phases (and under Ray the reference's and critic's ranks') come from :mod:`.trainer`, the vLLM engine, the driver and the node's
 services from :mod:`.services`; the types they share are in :mod:`.model`.
 """
 
@@ -10,24 +10,46 @@ from typing import Optional
 
 from fitrl.config import FitrlConfig
 from fitrl.memory import calibration as C
+from fitrl.memory.lengths import Lengths, expected_lengths
 from fitrl.memory.model import Hardware, Plan, Run
 from fitrl.memory.services import driver_and_node_plans, vllm_plan
 from fitrl.memory.shapes import ModelShape
-from fitrl.memory.trainer import TRANSIENT, trainer_plan
+from fitrl.memory.trainer import TRANSIENT, rank_plans
 
 
-def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape] = None) -> Plan:
+def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape] = None,
+                lengths: Optional[Lengths] = None, expected_if_needed: bool = False) -> Plan:
     """The memory plan of ``cfg`` on ``hardware`` (``cfg.plan.hardware`` is not read here: see
-    :meth:`Hardware.for_config`); ``shape``: the actor's, when already read."""
+    :meth:`Hardware.for_config`); ``shape``: the actor's, when already read.
+
+    The run is planned at the caps and, when ``lengths`` (the expected lengths; unset: read now,
+    :func:`~fitrl.memory.lengths.expected_lengths`) are shorter, a second time at them: the same
+    code with :attr:`Run.lengths` set, so every per-token term follows the lengths and what is
+    allocated at the caps stays there (:attr:`Plan.expected`; the verdict rule is
+    :class:`Plan`'s). ``expected_if_needed``: skip the second plan when the caps plan fits within
+    the margins, the one case where the verdict does not read it (pre-flight, recommendations)."""
     # lazy: fitrl.config.choices imports fitrl.algo and so torch, which `fitrl --help` must not wait for
     from fitrl.config.choices import algorithm_needs
 
     shape = shape or ModelShape.from_path(cfg.actor.model.path)
     ref_shape = ModelShape.from_path(cfg.ref.model.path) if cfg.ref.model and cfg.ref.model.path else None
     spec = algorithm_needs(cfg)
-    run = Run(cfg, hardware, shape, ref_shape, spec)
+    lengths = (expected_lengths(cfg) if lengths is None else lengths).within(cfg)
+    plan = _plan(Run(cfg, hardware, shape, ref_shape, spec))
+    plan.lengths = lengths
+    if lengths.note and lengths.prompt_source != "dataset":  # auto could not read the data here
+        plan.notes.append(f"{lengths.note}: the expected prompt length is the cap")
+    if not lengths.at_caps(cfg) and not (expected_if_needed and plan.fits):
+        plan.expected = _plan(Run(cfg, hardware, shape, ref_shape, spec, lengths))
+        plan.expected.at, plan.expected.lengths = "expected", lengths
+    return plan
+
+
+def _plan(run: Run) -> Plan:
+    """The processes of ``run`` at its lengths, composed."""
+    cfg, hardware, shape, spec = run.cfg, run.hw, run.shape, run.spec
     notes: list[str] = []
-    processes = [trainer_plan(run, notes)]
+    processes = rank_plans(run, notes)  # the trainer rank; under Ray the reference and critic ranks too
     growth = 0
     if cfg.rollout.engine == "vllm" and run.cuda:  # on CPU the engine is in the trainer's process (.trainer)
         engine, growth = vllm_plan(run, notes)

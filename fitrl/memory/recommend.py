@@ -159,7 +159,8 @@ def _apply(plan: Plan, change: Change) -> Optional[Plan]:
         cfg = config_from_dict(data)
     except ConfigError:
         return None  # e.g. a micro-batch that no longer divides the mini-batch
-    return plan_config(cfg, plan.hardware, shape=plan.shape)
+    # the same expected lengths (the data is not read again); the verdict alone needs the second plan
+    return plan_config(cfg, plan.hardware, shape=plan.shape, lengths=plan.lengths, expected_if_needed=True)
 
 
 def _overshoot(plan: Plan) -> int:

@@ -29,25 +29,41 @@ def describe_run(plan: Plan) -> str:
     return (f"{s.model_type} {s.num_params / 1e9:.2f}B params ({s.layers} layers, hidden {s.hidden}, vocab {s.vocab:,}) "
             f"on {where}{gib(hw.host_memory)} GiB host per node; {cfg.data.rollout_batch_size} prompts x "
             f"{cfg.rollout.n} samples, prompt <= {cfg.data.max_prompt_length:,}, response <= "
-            f"{cfg.rollout.max_response_length:,} tokens")
+            f"{cfg.rollout.max_response_length:,} tokens" + _expected_text(plan))
+
+
+def _expected_text(plan: Plan) -> str:
+    """``; expected: prompt 180 (the longest of 1,000 prompts read from ...), response 400 (plan....) tokens``."""
+    if plan.lengths is None or plan.lengths.at_caps(plan.cfg):
+        return "; expected lengths: the caps"
+    return f"; expected: {plan.lengths.describe()}"
 
 
 def phase_table(plan: Plan) -> Table:
-    cuda = plan.hardware.device == "cuda"
-    t = Table(title="peak memory per phase (steady state)", title_justify="left")
+    """Per phase the peaks at the caps with their largest parts, and, with expected lengths
+    shorter than the caps, the peaks at those lengths beside them (the verdict reads both)."""
+    cuda, exp = plan.hardware.device == "cuda", plan.expected
+    t = Table(title="peak memory per phase (steady state; at the caps" + (", and at expected lengths" if exp else "")
+              + ")", title_justify="left")
     t.add_column("phase")
     if cuda:
         t.add_column("GPU / device GiB", justify="right")
+        if exp:
+            t.add_column("expected", justify="right")
         t.add_column("largest GPU parts")
     t.add_column("host / node GiB", justify="right")
+    if exp:
+        t.add_column("expected", justify="right")
     t.add_column("largest host parts")
     for ph in plan.phases:
         dev, host = plan.device(ph), plan.node_host(ph)
         gd, hd = sum(dev.values()), sum(host.values())
         row = [ph]
         if cuda:
-            row += [_mark(gd, plan.gpu_limit), _top(dev)]
-        row += [_mark(hd, plan.host_limit), _top(host)]
+            row += [_mark(gd, plan.gpu_limit)] + ([_mark(sum(exp.device(ph).values()), exp.gpu_limit)] if exp else [])
+            row += [_top(dev)]
+        row += [_mark(hd, plan.host_limit)] + ([_mark(sum(exp.node_host(ph).values()), exp.host_limit)] if exp else [])
+        row += [_top(host)]
         t.add_row(*row)
     return t
 
@@ -66,6 +82,7 @@ def process_table(plan: Plan) -> Table:
     for col in ("process", "per node", "GPU GiB", "host GiB", "host peak phase"):
         t.add_column(col, justify="left" if col.startswith("process") else "right")
     names = {"trainer": "trainer rank", "engine": "rollout engine (vLLM)", "driver": "driver",
+             "ref": "reference rank (Ray actor)", "critic": "critic rank (Ray actor)",
              "node": "node services (Ray, object store, reward workers)", "rank0": "rank 0 extra (load, save)"}
     for p in plan.processes:
         phases = [ph for ph in plan.phases if ph in p.phases]
@@ -78,17 +95,27 @@ def process_table(plan: Plan) -> Table:
 
 
 def verdict(plan: Plan) -> str:
+    """The verdict by :class:`~fitrl.memory.model.Plan`'s rule, with what decided it."""
     hw = plan.hardware
+    within = (f"every device <= {C.GPU_MARGIN:.0%} of {gib(hw.gpu_memory)} GiB, every node <= {C.HOST_MARGIN:.0%} "
+              f"of {gib(hw.host_memory)} GiB" if hw.device == "cuda"
+              else f"host <= {C.HOST_MARGIN:.0%} of {gib(hw.host_memory)} GiB")
     problems = plan.problems()
+    if not problems and plan.verdict == "fits":
+        return f"[bold green]fits[/]: {within}" + (" at the caps" if plan.expected else "")
     if not problems:
-        return (f"[bold green]fits[/]: every device <= {C.GPU_MARGIN:.0%} of {gib(hw.gpu_memory)} GiB, "
-                f"every node <= {C.HOST_MARGIN:.0%} of {gib(hw.host_memory)} GiB"
-                if hw.device == "cuda" else f"[bold green]fits[/]: host <= {C.HOST_MARGIN:.0%} of {gib(hw.host_memory)} GiB")
-    lines = ["[bold red]does not fit[/]:"]
+        lines = [f"[bold yellow]fits at expected lengths[/]: {within} at {plan.lengths.describe()}; at the caps "
+                 f"within the whole device and node, but over the margin:"]
+        problems = plan.over(plan.gpu_limit, plan.host_limit)
+    else:
+        lines = ["[bold red]does not fit[/]:"]
     for p in problems:
         what = "GPU memory per device" if p.resource == "gpu" else "host memory on node 0"
         when = f" from step {p.step}" if p.step else ""
-        lines.append(f"  {what} in {p.phase}{when}: {gib(p.need)} GiB > {gib(p.limit)} GiB limit")
+        at = (" at expected lengths" if p.at == "expected" else " at the caps") if plan.expected else ""
+        total = hw.gpu_memory if p.resource == "gpu" else hw.host_memory
+        limit = "all of the memory" if p.limit == total else "limit"
+        lines.append(f"  {what} in {p.phase}{when}{at}: {gib(p.need)} GiB > {gib(p.limit)} GiB {limit}")
     return "\n".join(lines)
 
 

@@ -18,10 +18,17 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
     entries are per device: each of an engine's tp devices holds 1/tp of its weights and KV.
 
     Host entries are per engine, or where an engine spans nodes (tp > GPUs per node) per its part
-    on one node: each of its TP workers on the node keeps its own host memory (at sleep level 1
-    the pinned backup of its 1/tp weight shard), so an engine holds a full copy of the weights and
-    a node one per its GPUs' worth of engines: ``GPUs per node / tp`` engines of ``tp`` shards, or
-    one engine's ``GPUs per node`` shards (:func:`engine_layout`)."""
+    on one node: each of its TP workers on the node keeps its own host memory (vLLM's runtime, at
+    sleep level 1 the pinned backup of its 1/tp weight shard, vLLM V0's swap space, which is per
+    GPU), so an engine holds a full copy of the weights and a node one per its GPUs' worth of
+    engines: ``GPUs per node / tp`` engines of ``tp`` shards, or one engine's ``GPUs per node``
+    shards (:func:`engine_layout`). A node's host entries are its ``G`` workers' either way.
+
+    vLLM's own runtime: fitrl's engine (and veRL's and EasyR1's hybrid engine) runs in the trainer
+    rank's process, which has its CUDA runtime counted already: vLLM adds
+    :data:`~fitrl.memory.calibration.VLLM_IN_PROCESS_RUNTIME` per worker; engines in processes of
+    their own (``plan.emulate.separate_processes``) cost
+    :data:`~fitrl.memory.calibration.VLLM_PROCESS_RUNTIME` per worker and a CUDA context."""
     e, em, shape, hw = run.cfg.rollout, run.cfg.plan.emulate, run.shape, run.hw
     tp = e.tensor_parallel_size
     engines, workers = engine_layout(tp, hw)
@@ -42,12 +49,14 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
                      "sequences are preempted and recomputed (slower, not an OOM)")
     # sleep level 1: every TP worker backs its own shard up to pinned host memory (rounded per tensor)
     backup = workers * full_weights(shape, "bfloat16", tp, pinned=True) if e.sleep_level == 1 else 0
-    swap = int(em.swap_space_gib * C.GIB)
+    swap = int(workers * em.swap_space_gib * C.GIB)  # vLLM's swap_space is per GPU: every TP worker's
     phases = {}
     for ph in PHASES:
         u = Usage()
         if em.separate_processes:  # each TP worker is a process of its own (CUDA runtime, vLLM)
             u.add("host", "runtime", workers * C.VLLM_PROCESS_RUNTIME)
+        else:  # in the trainer rank's process: vLLM and the engine's structures
+            u.add("host", "vLLM runtime", workers * C.VLLM_IN_PROCESS_RUNTIME)
         awake = ph in ("rollout", "validation") or e.sleep_level == 0
         # loading streams the checkpoint through the node's page cache (its RSS shows those shared
         # pages: ~runtime + weights per engine, failure story 2); they are counted once per node
@@ -62,7 +71,9 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
         if em.separate_processes and run.cuda:
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
         phases[ph] = u
-    growth = (swap + backup) * engines if em.free_cache_engine else 0
+    # an engine awake through training (sleep_level 0: veRL's free_cache_engine=False) never frees its
+    # cache, so it never rebuilds it: the emulated rebuild's growth needs an engine that sleeps
+    growth = (swap + backup) * engines if em.free_cache_engine and e.sleep_level != 0 else 0
     if growth:
         where = "per engine" if workers == tp else f"per engine's {workers} workers on a node"
         notes.append(f"plan.emulate.free_cache_engine rebuilds the engine every step; its pinned host blocks "
@@ -71,21 +82,22 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
     return ProcessPlan("engine", engines, phases), growth
 
 
-def engine_layout(tp: int, hw: Hardware) -> tuple[int, int]:
-    """(engines on a node, TP workers of one engine on that node) for engines of ``tp`` devices:
-    ``(G / tp, tp)`` with ``tp`` dividing the node's ``G`` devices, ``(1, G)`` for an engine that
-    spans ``tp / G`` nodes (never 0 engines). Every device of a node runs one worker, so a node
-    holds ``G`` workers' host memory either way. A ``tp`` that is neither is refused (an engine
-    would take part of a node and the node's remaining devices could not form one), as is a
-    ``tp`` beyond the run's devices."""
+def engine_layout(tp: int, hw: Hardware) -> tuple[int, float]:
+    """(engines on a node, TP workers of one engine on that node) for engines of ``tp`` devices,
+    ``max(1, G // tp)`` engines per node of ``G`` devices: ``(G / tp, tp)`` with ``tp`` dividing
+    ``G``, ``(1, G)`` for an engine that spans ``tp / G`` nodes. Every device of a node runs one
+    worker, so the workers of a node's engines are its ``G`` either way: with a ``tp`` that
+    neither divides ``G`` nor is a multiple of it, engines straddle nodes (ranks are numbered
+    node by node) and a node's ``G // tp`` engines are planned with ``G / (G // tp)`` workers
+    each, its ``G`` workers' host memory in all (more than ``tp``; not a whole number where
+    ``G // tp`` does not divide ``G``). Refused: a ``tp`` the run's devices do not divide into
+    (vLLM's and veRL's rule), or beyond them."""
     g, total = hw.gpus_per_node, hw.nodes * hw.gpus_per_node
-    if tp > total or (g % tp and tp % g):
-        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not fit {hw.nodes} node(s) x {g} devices: an "
-                          f"engine takes a divisor of the {g} devices per node, or a multiple of them that the "
-                          f"{total} devices divide into")
-    if tp % g == 0 and total % tp:
-        raise ConfigError(f"rollout.tensor_parallel_size={tp}: the {total} devices do not divide into engines of {tp}")
-    return max(1, g // tp), min(tp, g)
+    if tp > total or total % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: the {hw.nodes} node(s) x {g} devices do not divide "
+                          f"into engines of {tp}; use a divisor of {total}")
+    engines = max(1, g // tp)
+    return engines, (g // engines if g % engines == 0 else g / engines)
 
 
 CPU_TP_WORKER_RUNTIME = int(0.46 * C.GIB)

@@ -1,7 +1,9 @@
 """A trainer rank's memory per phase: its roles' states where they live in that phase (device
 or host, by the offload settings), the traced transients of its micro-steps, FSDP2's gathered
 units, and the rollout engine that runs in the same process: the HF engine, or a vLLM engine on
-CPU (on CUDA the vLLM engine is planned as a process kind of its own, :mod:`.services`). With
+CPU (on CUDA the vLLM engine is planned as a process kind of its own, :mod:`.services`). Under
+Ray the reference's and the critic's ranks are processes of their own beside it, planned here
+the same way (:func:`rank_plans`). With
 LoRA the reference log-probs come from the policy itself, adapters off (fitrl/roles/workers.py,
 ``PolicyWorker.compute_ref_logprob``): its micro-batches and compute dtype, no model of its own."""
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fitrl.memory import calibration as C
-from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage, resident, role_states
+from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage, process_roles, resident, role_states
 from fitrl.memory.services import vllm_cpu_engine, vllm_push_bytes
 from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, lora_layer_params, root_bytes
@@ -80,18 +82,45 @@ def _micro_images(run: Run, seqs: int) -> int:
     return seqs * run.images_per_prompt * run.visual.pixel_values_bytes if run.visual else 0
 
 
-def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
-    cfg, cuda, dev = run.cfg, run.cuda, "gpu" if run.cuda else "host"
+def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
+    """The per-device processes (:func:`~fitrl.memory.model.process_roles`): the trainer rank, and
+    under Ray the reference's and the critic's ranks beside it. Each holds its own roles' states
+    in every phase (where the offload settings put them) and its own runtime and CUDA context; the
+    traced transients of a log-prob pass or an update are the process's that runs it: the
+    reference's in ``ref_logprob`` (the policy's with LoRA), the policy's in ``old_logprob`` and
+    ``update``. The critic's value and update passes have no traced transients (nor in one
+    process): only its states, gradients in ``update`` included."""
     roles = role_states(run)
+    held = process_roles(run)
+    ref_kind = "ref" if "ref" in held else "trainer"  # who computes the reference log-probs
+    plans = [_rank_plan(run, kind, {r: roles[r] for r in names}, notes, ref_kind) for kind, names in held.items()]
+    eng, cuda = run.cfg.rollout, run.cuda
+    if run.lora:
+        notes.append(_lora_note(run))
+    if cuda and eng.engine == "hf":
+        notes.append("rollout engine: transformers generate inside each trainer rank, on the actor's weights "
+                     "(gathered once per call under FSDP2)")
+    if eng.engine == "vllm" and not cuda:
+        notes.append(_vllm_cpu_note(run))
+    return plans
+
+
+def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str) -> ProcessPlan:
+    """One per-device process of ``kind`` holding ``roles`` (name -> (states, fsdp config))."""
+    cfg, cuda, dev = run.cfg, run.cuda, "gpu" if run.cuda else "host"
+    trainer = kind == "trainer"
+    # the passes this process runs (the in-process trainer runs the reference's too)
+    passes = ({"old_logprob", "update"} if trainer else set()) | ({"ref_logprob"} if kind == ref_kind else set())
     cb = DTYPE_BYTES[run.compute_dtype]
     eng = run.cfg.rollout
     phases = {}
     unretained = 0  # the update's transient bytes glibc cannot keep (mapped tensors)
     for ph in PHASES:
         u = Usage()
+        # a Ray role actor of its own (reference, critic) costs a process runtime like a trainer rank's
         u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.fsdp)
-        u.add("host", "runtime", C.PEFT_IMPORT_HOST if run.lora else 0)
-        if cuda:
+        u.add("host", "runtime", C.PEFT_IMPORT_HOST if run.lora and trainer else 0)
+        if cuda:  # every process on the device has its own context
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
         for role, (st, fsdp) in roles.items():
             on_dev, opt_dev = resident(role, fsdp, ph, run)
@@ -115,13 +144,14 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
         seqs = run.seqs_per_rank
         # under Ray each call's shard arrives pickled: the pixel values of the prompts it touches,
         # this process's own copy (in-process the driver's copy is the only one: counted there)
-        u.add("host", "image buffers", run.pixel_values_bytes(run.prompts_received(ph)))
-        if ph in ("old_logprob", "ref_logprob", "update"):
+        if ph in passes or (trainer and ph in ("rollout", "validation")):
+            u.add("host", "image buffers", run.pixel_values_bytes(run.prompts_received(ph)))
+        if ph in passes:
             u.add("host", "batch", run.batch_bytes(seqs))
             if cuda:  # the rank's token tensors go to the device; pixel values one micro-batch at a time
                 u.add("gpu", "batch", run.batch_bytes(seqs))
         slack = C.GPU_ALLOCATOR_SLACK if cuda else C.CPU_ALLOCATOR_SLACK
-        if ph in ("old_logprob", "ref_logprob", "update"):
+        if ph in passes:
             grad = ph == "update"
             ref_model = ph == "ref_logprob" and not run.lora  # a reference model of its own
             size = cfg.actor.micro_batch_size if grad else (
@@ -138,14 +168,15 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
             ckpt = cfg.actor.model.gradient_checkpointing
             vit = _vision_activations(run, b, grad, ckpt)
             if not cuda and run.cfg.plan.host_malloc == "glibc":
-                tr = _cpu_transient(tr, grad, ckpt, lora=run.lora is not None)
+                tr = _cpu_transient(run, tr, grad, ckpt, lora=run.lora is not None)
                 # the vision tower's tensors get the same excess from glibc (measured, 2048 x 2048
                 # pictures, bench/vl_image_memory.py: an update's tower took 0.95 GiB of RSS under
                 # glibc's defaults, mean of 4 runs, against 0.70 with MALLOC_MMAP_THRESHOLD_: 1.36x);
                 # LoRA's larger one is PEFT's adapter sum in the adapted language-model layers
-                vit = _cpu_transient(vit, grad, ckpt)
+                vit = _cpu_transient(run, vit, grad, ckpt)
                 if grad:
-                    unretained = _cpu_transient(_vision_activations(run, b, grad, ckpt, mapped_only=True), grad, ckpt)
+                    unretained = _cpu_transient(run, _vision_activations(run, b, grad, ckpt, mapped_only=True), grad,
+                                                ckpt)
             logits = min(tr, _logits_part(run, b, grad and not run.lora))  # LoRA: no lm_head gradient
             _logits_note(run, ph, b, notes)
             u.add(dev, "logits", logits * slack)
@@ -159,25 +190,19 @@ def trainer_plan(run: Run, notes: list[str]) -> ProcessPlan:
                       + (root_adapters + 2 * per_layer) * cb)
             elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
                 u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
-        if ph in ("rollout", "validation") and eng.engine == "hf":
-            _hf_rollout(run, ph, u, dev)
-        if eng.engine == "vllm" and not cuda:
-            _vllm_in_process(run, ph, u)
-        if ph == "load":
-            _load(run, u)
-        if ph == "checkpoint_save":
-            _checkpoint(run, u, roles)
+        if trainer:  # the policy's rollout engine, loading and saving
+            if ph in ("rollout", "validation") and eng.engine == "hf":
+                _hf_rollout(run, ph, u, dev)
+            if eng.engine == "vllm" and not cuda:
+                _vllm_in_process(run, ph, u)
+            if ph == "load":  # (the reference and critic groups load after the policy's: one copy at a time)
+                _load(run, u)
+            if ph == "checkpoint_save":
+                _checkpoint(run, u, roles)
         phases[ph] = u
-    if not cuda and run.cfg.plan.host_malloc == "glibc":
-        _cpu_retention(phases, unretained)
-    if run.lora:
-        notes.append(_lora_note(run))
-    if cuda and eng.engine == "hf":
-        notes.append("rollout engine: transformers generate inside each trainer rank, on the actor's weights "
-                     "(gathered once per call under FSDP2)")
-    if eng.engine == "vllm" and not cuda:
-        notes.append(_vllm_cpu_note(run))
-    return ProcessPlan("trainer", run.hw.gpus_per_node if run.fsdp else 1, phases)
+    if trainer and not cuda and run.cfg.plan.host_malloc == "glibc":
+        _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
+    return ProcessPlan(kind, run.hw.gpus_per_node if run.fsdp else 1, phases)
 
 
 def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
@@ -196,26 +221,49 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
 TRANSIENT = ("activations", "logits", "gathered weights", "autocast weights", "kv cache", "engine weight push")
 
 
-def _cpu_retention(phases: dict[str, Usage], unretained: int = 0) -> None:
-    """On the host, glibc keeps part of the update's peak heap resident into the next step: from
-    step 2 on, every other phase holds at least that (shown as "allocator (retained)").
-    ``unretained``: the update's transient bytes in tensors glibc maps (the vision tower's of at
-    least :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX`), which it cannot keep."""
+def _cpu_retention(phases: dict[str, Usage], unretained: int = 0, trimmed: bool = True) -> None:
+    """What glibc's heap adds to the phases besides the update (whose own excess is
+    :func:`_cpu_transient`'s), shown as one "allocator" entry.
+
+    ``trimmed`` (``memory.trim_heap``, the default: every role's phase ends with ``malloc_trim``,
+    fitrl/roles/workers.py): a phase starts from what is held, and its heap regrows over the phase
+    to a measured multiple of its own transients (activations, logits, gathered or autocast
+    weights, KV cache: :data:`~fitrl.memory.calibration.CPU_TRIMMED_PHASE_RSS_FACTOR`,
+    :data:`~fitrl.memory.calibration.CPU_TRIMMED_ROLLOUT_RSS_FACTOR` for generation).
+
+    Untrimmed: glibc keeps the update's peak heap resident into the next step, so from step 2 on
+    every other phase holds at least that share of the update's transients
+    (:data:`~fitrl.memory.calibration.CPU_RETAINED_AFTER_UPDATE`). ``unretained``: the update's
+    transient bytes in tensors glibc maps (the vision tower's of at least
+    :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX`), which it cannot keep."""
     update = sum(phases["update"].host.get(k, 0) for k in TRANSIENT)
     retained = int(C.CPU_RETAINED_AFTER_UPDATE * max(0, update - unretained))
     for ph, u in phases.items():
-        if ph not in ("update", "load"):
-            own = sum(u.host.get(k, 0) for k in TRANSIENT)
+        if ph in ("update", "load"):
+            continue
+        own = sum(u.host.get(k, 0) for k in TRANSIENT)
+        if trimmed:
+            factor = C.CPU_TRIMMED_ROLLOUT_RSS_FACTOR if ph in ("rollout", "validation") else C.CPU_TRIMMED_PHASE_RSS_FACTOR
+            u.add("host", "allocator (regrown heap)", (factor - 1) * own)
+        else:
             u.add("host", "allocator (retained)", retained - own)
 
 
-def _cpu_transient(traced: int, grad: bool, checkpointing: bool, lora: bool = False) -> int:
-    """glibc keeps freed heap memory: RSS above the traced live bytes by a measured factor."""
+def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora: bool = False) -> int:
+    """glibc keeps freed heap memory: RSS above the traced live bytes by a measured factor, one
+    set for a heap trimmed at every phase's end (``memory.trim_heap``, the default) and one for
+    a heap that kept the last step's blocks."""
+    if run.cfg.memory.trim_heap:  # (a no-grad pass's excess is :func:`_cpu_retention`'s, with the rest of the phase)
+        logprob, recompute, lora_bwd, bwd = (1.0, C.CPU_TRIMMED_RECOMPUTE_RSS_FACTOR,
+                                             C.CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR, C.CPU_TRIMMED_BACKWARD_RSS_FACTOR)
+    else:
+        logprob, recompute, lora_bwd, bwd = (C.CPU_LOGPROB_RSS_FACTOR, C.CPU_RECOMPUTE_RSS_FACTOR,
+                                             C.CPU_LORA_BACKWARD_RSS_FACTOR, C.CPU_BACKWARD_RSS_FACTOR)
     if not grad:
-        return int(traced * C.CPU_LOGPROB_RSS_FACTOR)
+        return int(traced * logprob)
     if checkpointing:
-        return int(traced * C.CPU_RECOMPUTE_RSS_FACTOR)
-    return int(traced * (C.CPU_LORA_BACKWARD_RSS_FACTOR if lora else C.CPU_BACKWARD_RSS_FACTOR))
+        return int(traced * recompute)
+    return int(traced * (lora_bwd if lora else bwd))
 
 
 def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
@@ -230,7 +278,13 @@ def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
         u.add(dev, "gathered weights", (shape.num_params + _adapters(run)[1]) * cb)
     elif run.autocast:  # autocast's cached bf16 copy, for the whole generate call
         u.add(dev, "autocast weights", shape.num_params * cb)
-    u.add(dev, "kv cache", b * run.seq_len * shape.kv_bytes_per_token(cb))
+    # rollout.decode=loop's StaticCache (fitrl/rollout/decode.py) is sized at the call's prompt width +
+    # max_tokens before the first token: its response part is at the cap whatever the responses hold.
+    # generate (a vision-language model, autocast in one process, or rollout.decode=generate) grows its
+    # cache with the longest response of the call.
+    static = cfg.rollout.decode == "loop" and shape.vision is None and not run.autocast
+    kv_tokens = run.prompt_len + (run.cap_response_len if static else run.response_len)
+    u.add(dev, "kv cache", b * kv_tokens * shape.kv_bytes_per_token(cb))
     u.add(dev, "image buffers", _micro_images(run, b))  # a generate call's pixel values, one row per sequence
     if run.cuda:
         u.add("host", "image buffers", _micro_images(run, b))

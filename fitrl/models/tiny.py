@@ -92,6 +92,17 @@ SIZES: dict[str, dict[str, Any]] = {
         vocab_size=8192,
         tie_word_embeddings=False,
     ),
+    # ~18M parameters: deeper and narrower than small, with twice its vocabulary (the logits weigh
+    # more against the activations); the CPU memory corpus's third shape (bench/cpu_corpus.py)
+    "deep": dict(
+        hidden_size=256,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=768,
+        vocab_size=16384,
+        tie_word_embeddings=False,
+    ),
     # ~0.2B parameters (0.8 GiB in fp32): big enough that loading, not process overhead,
     # dominates host memory in the rank-0 initialisation benchmark
     "medium": dict(
@@ -167,7 +178,7 @@ def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int 
 
     ``arch``: one of ``ARCHS`` (``qwen2``, ``llama``) or ``VL_ARCHS`` (``qwen2_vl``,
     ``qwen2_5_vl``, ``qwen3_vl``: also the processor's files, see :func:`processor_configs`);
-    ``size``: one of ``SIZES`` (``tiny``, ``small``, ``medium``; VL archs: ``VISION_SIZES``).
+    ``size``: one of ``SIZES`` (``tiny``, ``small``, ``deep``, ``medium``; VL archs: ``VISION_SIZES``).
     ``head_dim``: the decoder's attention head size (one of :func:`head_dims`; None: the size's
     own): the same width in ``hidden_size // head_dim`` heads, the q/kv ratio kept where possible,
     e.g. ``head_dim=32`` for a ``tiny`` model that vLLM's CPU attention can run. Raises

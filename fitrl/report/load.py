@@ -90,19 +90,23 @@ class PlanPredictions:
     The plan names process *kinds* (``trainer``, ``driver``, ``rank0``: rank 0's extra load and
     save copies, ``engine``, ``node``) and its own phase names; the run names processes ``rank0``
     (the in-process backend: driver and rank 0 of every role in one process), ``driver`` and
-    ``<role>.rank<i>`` (Ray). A Ray reference or critic rank gets no prediction: the plan counts
-    their memory inside the ``trainer`` kind (one process per device), so a line drawn for them
-    would be the whole device's prediction.
+    ``<role>.rank<i>`` (Ray). A Ray reference or critic rank is the plan's ``ref`` or ``critic``
+    kind (their processes of their own), the critic's ``values`` and ``critic_update`` phases the
+    plan's ``old_logprob`` and ``update``; a plan without those kinds (written before they were
+    planned apart) has no prediction for them.
     """
 
     record: dict
 
     PHASE_NAMES = {"ref": "ref_logprob"}  # the run's phase -> the plan's, where they differ
+    CRITIC_PHASES = {"values": "old_logprob", "critic_update": "update"}  # a critic rank's phases -> the plan's
 
     def kinds(self, process: str) -> list[str]:
         if process == "driver":
             return ["driver"]
         m = re.fullmatch(r"(?:(\w+)\.)?rank(\d+)", process)
+        if m and m.group(1) in ("ref", "critic"):
+            return [m.group(1)]
         if not m or m.group(1) not in (None, "policy"):
             return []
         kinds = ["trainer"] + (["rank0"] if m.group(2) == "0" else [])
@@ -111,6 +115,8 @@ class PlanPredictions:
     def peak(self, process: str, phase: str, resource: str) -> Optional[float]:
         """Predicted peak in GiB of ``resource`` (``host`` or ``gpu``) for this process and phase;
         None where the plan has no prediction for it."""
+        if process.startswith("critic."):
+            phase = self.CRITIC_PHASES.get(phase, phase)
         phase = self.PHASE_NAMES.get(phase, phase)
         found, total = False, 0.0
         for kind in self.kinds(process):

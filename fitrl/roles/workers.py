@@ -28,17 +28,22 @@ from fitrl.rollout import build_engine
 from fitrl.rollout.engine import EngineContext
 from fitrl.rollout.layout import gather_rollouts
 from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.memory import trim_heap
 from fitrl.workers.group import dispatch
 
 
 class OffloadBetweenPhases:
     """Keeps a role's parameters (and optimizer states) in host memory between its phases when
-    ``fsdp.offload_params`` / ``offload_optimizer`` ask for it; a no-op on a CPU device."""
+    ``fsdp.offload_params`` / ``offload_optimizer`` ask for it (a no-op on a CPU device), and gives
+    what a phase freed back at its end: CUDA's cached blocks, or on a CPU device with ``trim``
+    (``memory.trim_heap``) the heap's free pages (glibc ``malloc_trim``), which glibc would
+    otherwise keep resident into the next step (bench/RESULTS.md, "Host memory on CPU")."""
 
     def __init__(self, model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, trim: bool = False):
         self.model, self.fsdp, self.device, self.optimizer = model, fsdp, device, optimizer
         self.active = device.type != "cpu" and not fsdp.cpu_offload
+        self.trim = trim and device.type == "cpu"
         self.release()
 
     @contextmanager
@@ -59,6 +64,8 @@ class OffloadBetweenPhases:
             move_optimizer_state(self.optimizer, "cpu")
         if self.active:
             torch.cuda.empty_cache()  # give the freed blocks back for the next role's phase
+        if self.trim:
+            trim_heap()
 
 
 def low_precision(name: str | None) -> torch.dtype | None:
@@ -82,7 +89,8 @@ class PolicyWorker:
                            inputs=inputs, autocast_dtype=self.autocast_dtype)
         self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs,
                                     context=self.engine_context())
-        self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer)
+        self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer,
+                                            trim=cfg.memory.trim_heap)
 
     def engine_context(self) -> EngineContext:
         """What an engine with its own copy of the policy (vLLM) needs: where the model's files are,
@@ -172,7 +180,7 @@ class ReferenceWorker:
                                  nnodes=cfg.trainer.nnodes)
         self.model.eval().requires_grad_(False)
         self.inputs = family_for(model_cfg.path).inputs_for(self.model)
-        self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device)
+        self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device, trim=cfg.memory.trim_heap)
 
     @dispatch("dp")
     @torch.no_grad()
@@ -202,7 +210,8 @@ class CriticWorker:
         self.critic = Critic(self.model, cfg.critic, total_steps=cfg.trainer.max_steps,
                              max_response_length=cfg.rollout.max_response_length,
                              inputs=family_for(model_cfg.path).inputs_for(self.model))
-        self.offload = OffloadBetweenPhases(self.model, cfg.critic.fsdp, self.device, self.critic.optimizer)
+        self.offload = OffloadBetweenPhases(self.model, cfg.critic.fsdp, self.device, self.critic.optimizer,
+                                            trim=cfg.memory.trim_heap)
 
     @dispatch("dp")
     def compute_values(self, batch: Batch) -> Batch:

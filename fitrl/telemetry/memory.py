@@ -57,16 +57,27 @@ def peak_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def trim_heap() -> bool:
-    """Give freed heap pages back to the OS (glibc ``malloc_trim``), so RSS shows what is held;
-    False where there is no glibc."""
+@functools.lru_cache(maxsize=None)
+def _libc():
+    """glibc, or None (another C library, another OS)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 (raises AttributeError where there is no glibc)
+        return libc
     except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> bool:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim(0)``: every arena's free pages,
+    not only the heap's top), so RSS shows what is held; False where there is no glibc."""
+    libc = _libc()
+    if libc is None:
         return False
+    libc.malloc_trim(0)
+    return True
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,7 @@ from fitrl.core.device import resolve_device
 from fitrl.core.errors import RunStopped
 from fitrl.memory import cache as plan_cache
 from fitrl.memory import calibration as C
+from fitrl.memory.lengths import expected_lengths
 from fitrl.memory.model import Hardware, Plan
 from fitrl.memory.plan import plan_config
 from fitrl.memory.recommend import as_overrides, recommend
@@ -77,13 +78,16 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
     start = time.perf_counter()
     try:
         hardware = detect_hardware(cfg)
-        key = plan_cache.plan_key(cfg, hardware, extra="preflight")
+        # read before the key (plan.expected_prompt_length=auto samples the data): a changed dataset is a new key
+        lengths = expected_lengths(cfg)
+        key = plan_cache.plan_key(cfg, hardware, extra=["preflight", dataclasses.asdict(lengths)])
         cached = plan_cache.load(key)
         if cached is not None:  # the same config, models, hardware and code: the same plan
             plan, recs, combo = cached
             plan = dataclasses.replace(plan, cfg=cfg)  # differs only in keys the planner does not read
         else:
-            plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path))
+            plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path), lengths=lengths,
+                               expected_if_needed=True)
             # Recommendations re-plan the run once per candidate change: only worth it when it does not fit.
             recs, combo = ([], None) if plan.fits else recommend(plan, first_fit=True)
             plan_cache.store(key, (plan, recs, combo))
@@ -118,6 +122,9 @@ def fits_line(plan: Plan) -> str:
         gpu = f"GPU {_gib(peaks[gpu_phase][0])} of {_gib(hw.gpu_memory)} GiB per device ({gpu_phase})"
     else:
         gpu = "GPU –"
+    if plan.verdict == "fits at expected lengths":  # over the margin at the caps, within it at these lengths
+        return (f"memory plan: fits at expected lengths ({plan.lengths.describe()}), at the caps {host}, {gpu}: "
+                f"within the memory, over the margin; `fitrl plan` on this config shows both")
     return f"memory plan: fits, {host}, {gpu}; `fitrl plan` on this config shows the table"
 
 
@@ -128,13 +135,16 @@ def problem_text(plan: Plan) -> str:
     when = f" from step {p.step}" if p.step else ""
     if p.resource == "gpu":
         what = f"GPU memory per device in {p.phase}{when}"
-        total, margin = plan.hardware.gpu_memory, C.GPU_MARGIN
+        total = plan.hardware.gpu_memory
     else:
         what = f"host memory on node 0 in {p.phase}{when}"
-        total, margin = plan.hardware.host_memory, C.HOST_MARGIN
-    text = (f"predicted not to fit: {what}: {_gib(p.need)} GiB > {_gib(p.limit)} GiB "
-            f"({margin:.0%} of {_gib(total)} GiB)")
-    biggest = _largest_process(plan, p.resource, p.phase)
+        total = plan.hardware.host_memory
+    at = f" at expected lengths ({plan.lengths.describe()})" if p.at == "expected" else (
+        " at the caps" if plan.expected is not None else "")
+    limit = "all" if p.limit == total else f"{p.limit / total:.0%}"
+    text = (f"predicted not to fit: {what}{at}: {_gib(p.need)} GiB > {_gib(p.limit)} GiB "
+            f"({limit} of {_gib(total)} GiB)")
+    biggest = _largest_process(plan.expected if p.at == "expected" else plan, p.resource, p.phase)
     text += f", mostly {biggest}" if biggest else ""
     others = sorted({q.phase for q in problems} - {p.phase}, key=list(plan.phases).index)
     return text + (f"; also over in {', '.join(others)}" if others else "")
@@ -153,8 +163,8 @@ def stop_message(plan: Plan, best) -> str:
 
 def _largest_process(plan: Plan, resource: str, phase: str) -> str:
     """``trainer rank x 8 (1,500.0 GiB)``: the process kind with the most of ``resource`` in ``phase``."""
-    names = {"trainer": "trainer rank", "engine": "rollout engine", "driver": "driver",
-             "node": "node services", "rank0": "rank 0's load/save copies"}
+    names = {"trainer": "trainer rank", "ref": "reference rank", "critic": "critic rank", "engine": "rollout engine",
+             "driver": "driver", "node": "node services", "rank0": "rank 0's load/save copies"}
     best, most = "", 0
     for proc in plan.processes:
         if phase not in proc.phases:
@@ -177,8 +187,13 @@ def plan_record(plan: Plan) -> dict:
     (per process) peaks in GiB, the node-wide peaks per phase and the limits the verdict used."""
     phases = plan.phases
     hw = plan.hardware
+    lengths = plan.lengths
     return {
         "fits": plan.fits,
+        "verdict": plan.verdict,
+        "lengths": None if lengths is None else dataclasses.asdict(lengths),
+        "expected_node_peaks_gib": None if plan.expected is None else {
+            ph: {"gpu": gpu / C.GIB, "host": host / C.GIB} for ph, (gpu, host) in plan.expected.peaks().items()},
         "hardware": {"device": hw.device, "nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node,
                      "gpu_memory_gib": hw.gpu_memory / C.GIB, "host_memory_gib": hw.host_memory / C.GIB},
         "limits_gib": {"gpu": plan.gpu_limit / C.GIB, "host": plan.host_limit / C.GIB},

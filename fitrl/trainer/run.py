@@ -36,17 +36,14 @@ def seed_everything(seed: int) -> None:
 
 def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, PromptDataset | None]:
     d = cfg.data
-    common = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, prompt_template=d.prompt_template,
-                  system_prompt=d.system_prompt, apply_chat_template=d.apply_chat_template,
-                  max_prompt_length=d.max_prompt_length,
-                  # a Qwen-VL policy (None for a text model): image rows, pixel budget, tokenizer check
-                  vision=VisionSpec.from_model_dir(cfg.actor.model.path), media=d)
+    # a Qwen-VL policy (None for a text model): image rows, pixel budget, tokenizer check
+    vision = VisionSpec.from_model_dir(cfg.actor.model.path)
     train = None
     if not cfg.trainer.val_only:
         if not d.train_files:
             raise ConfigError("data.train_files is empty: give at least one jsonl/json/parquet file")
-        train = PromptDataset(d.train_files, tokenizer, name="train", **common)
-    val = PromptDataset(d.val_files, tokenizer, name="val", **common) if d.val_files else None
+        train = PromptDataset.from_config(d.train_files, tokenizer, d, name="train", vision=vision)
+    val = PromptDataset.from_config(d.val_files, tokenizer, d, name="val", vision=vision) if d.val_files else None
     if train is not None and len(train) < d.rollout_batch_size:
         # The sampler would wrap around within each step: the same prompts twice in one batch, a
         # group-relative advantage computed over duplicates, and no word about it.

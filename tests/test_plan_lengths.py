@@ -1,0 +1,160 @@
+"""The plan at expected lengths beside the plan at the caps (fitrl/memory/lengths.py, plan.py) and
+the verdict rule that reads both (fitrl/memory/model.py, ``Plan``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from fitrl.config import ConfigError, load_config
+from fitrl.memory import Hardware, plan_config
+from fitrl.memory import calibration as C
+from fitrl.memory.lengths import SAMPLE_ROWS, Lengths, expected_lengths
+from fitrl.memory.model import Run
+from helpers import EXAMPLE as ARITH
+
+
+def _cfg(model_dir, *overrides: str):
+    # caps 512 + 512, a micro-batch of 4 sequences, 8 of them per rank
+    return load_config(ARITH, [f"actor.model.path={model_dir}", "data.rollout_batch_size=8", "actor.mini_batch_size=8",
+                               "actor.micro_batch_size=4", "actor.logprob_micro_batch_size=4",
+                               "data.max_prompt_length=512", "rollout.max_response_length=512", *overrides])
+
+
+def _gpu(plan, phase: str) -> dict[str, int]:
+    return plan.process("trainer").phases[phase].gpu
+
+
+def test_expected_plan_follows_the_lengths_and_keeps_the_preallocated_kv_at_the_cap(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir)
+    hw = Hardware(nodes=1, gpus_per_node=1)
+    half = plan_config(cfg, hw, lengths=Lengths(256, 256, "config", "config"))
+    caps, exp = _gpu(half, "update"), _gpu(half.expected, "update")
+    # the batch's token tensors are a closed form in the tokens: half the lengths, half the bytes
+    assert exp["batch"] * 2 == caps["batch"]
+    # activations: linear in the tokens plus attention's (T, T) scores: at most half, at least a quarter
+    assert caps["activations"] / 4 <= exp["activations"] <= caps["activations"] / 2
+    # the expected plan is the plan of a config whose caps are the expected lengths, term for term,
+    # but for generate's StaticCache: allocated for max_response_length tokens, whatever is generated
+    short = plan_config(_cfg(tiny_model_dir, "data.max_prompt_length=256", "rollout.max_response_length=256"), hw,
+                        lengths=Lengths(256, 256))
+    assert short.expected is None
+    assert _gpu(short, "update") == exp
+    kv = _gpu(half, "rollout")["kv cache"]  # rollout.micro_batch_size x (512 + 512) tokens
+    assert _gpu(half.expected, "rollout")["kv cache"] * 1024 == kv * (256 + 512)
+    assert _gpu(short, "rollout")["kv cache"] * 1024 == kv * (256 + 256)
+    # a shorter response alone: the cache is unchanged
+    resp = plan_config(cfg, hw, lengths=Lengths(512, 128, "cap", "config"))
+    assert _gpu(resp.expected, "rollout")["kv cache"] == _gpu(resp, "rollout")["kv cache"]
+
+
+def test_token_budget_holds_more_sequences_at_expected_lengths(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir, "actor.micro_batch_token_budget=2048")
+    plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=1), lengths=Lengths(128, 128, "config", "config"))
+    caps = Run(cfg, plan.hardware, plan.shape, None, plan.spec)
+    exp = Run(cfg, plan.hardware, plan.shape, None, plan.spec, Lengths(128, 128))
+    assert caps.seqs_per_rank == 64             # 8 prompts x rollout.n=8 on one rank
+    assert caps.micro(4) == 2048 // 1024 == 2   # two sequences of 512 + 512
+    assert exp.micro(4) == 2048 // 256 == 8     # eight of 128 + 128
+    assert _gpu(plan.expected, "update")["batch"] * 4 == _gpu(plan, "update")["batch"]
+
+
+def test_verdict_rule_three_outcomes(tiny_model_dir):
+    # long caps and large micro-batches: activations, not the CUDA context, make the device's peak
+    cfg = _cfg(tiny_model_dir, "actor.micro_batch_size=16", "actor.logprob_micro_batch_size=16",
+               "data.max_prompt_length=4096", "rollout.max_response_length=4096")
+    lengths = Lengths(64, 64, "config", "config")
+
+    def plan_on(gpu: float):
+        return plan_config(cfg, Hardware(nodes=1, gpus_per_node=1, gpu_memory=int(gpu)), lengths=lengths)
+
+    probe = plan_on(80 * C.GIB)
+    at_caps = max(g for g, _ in probe.peaks().values())
+    expected = max(g for g, _ in probe.expected.peaks().values())
+    assert expected < C.GPU_MARGIN * at_caps  # room for the middle outcome
+
+    roomy = plan_on(at_caps / C.GPU_MARGIN + C.MIB)           # the caps within the margin
+    assert roomy.verdict == "fits" and roomy.fits and not roomy.problems()
+
+    tight = plan_on(at_caps + C.MIB)                          # the caps within the device, over the margin
+    assert tight.expected.over(tight.gpu_limit, tight.host_limit) == []
+    assert tight.verdict == "fits at expected lengths" and tight.fits and not tight.problems()
+    assert tight.over(tight.gpu_limit, tight.host_limit)     # what makes it the middle outcome
+
+    short = plan_on(at_caps - C.MIB)                          # the caps over the device itself
+    assert short.verdict == "does not fit" and not short.fits
+    assert {(p.resource, p.at, p.limit) for p in short.problems()} == {("gpu", "caps", short.hardware.gpu_memory)}
+
+    small = plan_on(expected)                                 # expected lengths over the margin too
+    assert {p.at for p in small.problems()} == {"caps", "expected"}
+
+    # the same need without an expected plan (lengths at the caps): over the margin does not fit
+    caps_only = plan_config(cfg, tight.hardware, lengths=Lengths.caps(cfg))
+    assert caps_only.expected is None and caps_only.verdict == "does not fit"
+
+
+def _write_data(path, prompts):
+    path.write_text("".join(json.dumps({"prompt": p, "answer": 1}) + "\n" for p in prompts))
+
+
+def _prompt_tokens(tokenizer, text: str) -> int:
+    # as the run builds a prompt (fitrl/data/dataset.py): the chat template, then its ids
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_auto_reads_the_longest_prompt_of_the_first_rows(tiny_model_dir, tmp_path):
+    from fitrl.models.check import load_local_tokenizer
+
+    tok = load_local_tokenizer(str(tiny_model_dir))
+    prompts = [f"What is {i} + {i}?" + " Think" * (i % 7) for i in range(SAMPLE_ROWS)]
+    path = tmp_path / "train.jsonl"
+    _write_data(path, prompts + ["a very long prompt " * 20])  # row 1,001: beyond the sample
+    cfg = _cfg(tiny_model_dir, f"data.train_files=[{path}]")
+    lengths = expected_lengths(cfg)
+    assert lengths.prompt == max(_prompt_tokens(tok, p) for p in prompts)
+    assert lengths.prompt < _prompt_tokens(tok, "a very long prompt " * 20)
+    assert (lengths.prompt_source, lengths.response, lengths.response_source) == ("dataset", 512, "cap")
+    assert f"{SAMPLE_ROWS:,} prompts read from" in lengths.note
+
+    # parquet, as the run reads it; a changed file gives another number (and so another cache key)
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    table = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"prompt": prompts[:10] + ["Think " * 30], "answer": [1] * 11}), table)
+    longer = expected_lengths(_cfg(tiny_model_dir, f"data.train_files=[{table}]"))
+    assert longer.prompt == _prompt_tokens(tok, "Think " * 30) > lengths.prompt
+
+
+def test_auto_keeps_the_cap_with_a_note_when_the_data_is_not_here(tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir, f"data.train_files=[{tmp_path / 'absent.parquet'}]")
+    lengths = expected_lengths(cfg)
+    assert (lengths.prompt, lengths.prompt_source) == (512, "cap") and "could not read" in lengths.note
+    plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=1))
+    assert plan.expected is None and any("could not read data.train_files" in n for n in plan.notes)
+
+
+def test_config_values_and_where_they_come_from(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir, "plan.expected_prompt_length=100", "plan.expected_response_length=200")
+    assert expected_lengths(cfg) == Lengths(100, 200, "config", "config")
+    cfg = _cfg(tiny_model_dir, "plan.expected_prompt_length=null")
+    assert expected_lengths(cfg) == Lengths(512, 512)
+    assert dataclasses.replace(Lengths(400, 500), prompt=600).within(cfg) == Lengths(512, 500)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("plan.expected_prompt_length=0", "plan.expected_prompt_length"),
+    ("plan.expected_prompt_length=-3", "plan.expected_prompt_length"),
+    ("plan.expected_prompt_length=mean", "plan.expected_prompt_length"),
+    ("plan.expected_prompt_length=513", "plan.expected_prompt_length=513 is longer than data.max_prompt_length=512"),
+    ("plan.expected_response_length=0", "plan.expected_response_length"),
+    ("plan.expected_response_length=600", "plan.expected_response_length=600 is longer than rollout.max_response"),
+])
+def test_bad_values_are_config_errors(tiny_model_dir, override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+        _cfg(tiny_model_dir, override)
+    assert "\n" not in str(e.value)

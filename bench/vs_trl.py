@@ -84,6 +84,9 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ROOT / "bench" / "vs_trl_sides.py"
+# what each side generates and learns with (the same on both): --task
+TASKS = {"throughput": {"max_new": 32, "top_k": 0, "lr": 1e-3},
+         "curve": {"max_new": 8, "top_k": 50, "lr": 2e-3}}
 DATA = ROOT / "examples" / "data" / "arith_train.jsonl"
 
 # Shapes: a size of fitrl's tiny-model builder (fitrl/models/tiny.py SIZES) plus overrides of its
@@ -235,6 +238,10 @@ def main() -> None:
                         help="sequences per forward/backward on both sides (64 per step)")
     parser.add_argument("--fitrl-set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="extra dotted overrides for the fitrl side (e.g. algorithm.fold_old_logprob=false)")
+    parser.add_argument("--task", default="throughput", choices=list(TASKS),
+                        help="throughput: <= 32 new tokens, full-vocabulary sampling (the timing cells); "
+                             "curve: the demo's sampling (<= 8 new tokens, top-k 50, lr 2e-3), where a "
+                             "random-initialised model's reward can rise within 100 steps")
     parser.add_argument("--work-dir", default=str(ROOT / ".cache" / "bench-vs-trl"))
     parser.add_argument("--json", help="also write every run's raw record here")
     args = parser.parse_args()
@@ -249,8 +256,11 @@ def main() -> None:
     import transformers
     import trl
 
+    task = TASKS[args.task]
+
     print(f"fitrl vs TRL {trl.__version__}: torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{os.cpu_count()} CPUs; 8 prompts x 8 samples, <= 32 new tokens (EOS stops), lr 1e-3, no KL, "
+          f"{os.cpu_count()} CPUs; 8 prompts x 8 samples, <= {task['max_new']} new tokens (EOS stops), top-k "
+          f"{task['top_k'] or 'off'}, lr {task['lr']:g}, no KL, "
           f"token-mean, micro-batch {args.micro_batch}; {args.steps} steps, medians after {args.warmup}; "
           f"{args.repeats} repeat(s) x seeds {args.seeds}")
     models = {label: build_model(work, label) for label in args.shapes}
@@ -278,7 +288,7 @@ def main() -> None:
                             name = f"{side}-{label}-{precision}-t{threads}-s{seed}-r{rep}"
                             spec = {"side": side, "model": str(models[label][0]), "data": str(DATA),
                                     "steps": args.steps, "seed": seed, "threads": threads, "precision": precision,
-                                    "micro_batch": args.micro_batch, "fitrl_set": args.fitrl_set,
+                                    "micro_batch": args.micro_batch, "fitrl_set": args.fitrl_set, **TASKS[args.task],
                                     "run_dir": str(work / "runs" / name),
                                     "log": str(work / "runs" / f"{name}.log"),
                                     "result": str(work / "runs" / f"{name}.json")}

@@ -134,6 +134,7 @@ def test_auto_keeps_the_cap_with_a_note_when_the_data_is_not_here(tiny_model_dir
     cfg = _cfg(tiny_model_dir, f"data.train_files=[{tmp_path / 'absent.parquet'}]")
     lengths = expected_lengths(cfg)
     assert (lengths.prompt, lengths.prompt_source) == (512, "cap") and "could not read" in lengths.note
+    assert "not on this machine: " in lengths.note and "absent.parquet" in lengths.note  # the cause, not a side effect
     plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=1))
     assert plan.expected is None and any("could not read data.train_files" in n for n in plan.notes)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from fitrl.config import FitrlConfig
 
@@ -103,6 +104,9 @@ def sample_prompt_length(cfg: FitrlConfig) -> tuple[int, int]:
     d, model = cfg.data, cfg.actor.model
     if not d.train_files:
         raise ValueError("data.train_files is empty")
+    missing = [f for f in d.train_files if not Path(f).exists()]
+    if missing:  # before the tokenizer: the plan of a reported run (a model's config.json only) says this first
+        raise FileNotFoundError(f"not on this machine: {missing[0]}")
     vision = VisionSpec.from_model_dir(model.path)
     rows = VISION_SAMPLE_ROWS if vision is not None else SAMPLE_ROWS
     tokenizer = load_local_tokenizer(model.tokenizer_path or model.path)

@@ -60,7 +60,6 @@ KNOWN = {("1", "fails"): "story 1: the plan fits on the 2 TB node (mechanism of 
          ("3", "step"): "story 3: the plan's 85 % margin is crossed a step before Ray's 95 % kill threshold",
          ("4", "phase"): "story 4: the plan's GPU peak is in the log-prob/update phases, not the generation",
          ("4", "step"): "story 4: no per-step GPU growth in the planner",
-         ("5", "resource"): "story 5: fitrl's init=every_rank reads onto the host, EasyR1's onto the GPU",
          ("3", "fix"): "story 3: the awake engine (rollout.sleep_level=0) leaves no GPU room at the caps"}
 
 
@@ -142,11 +141,18 @@ def test_story_4_offload_off_does_not_help_the_device(outcomes):
     assert {p.resource for p in o.plan.problems()} == {"gpu"}
 
 
-def test_story_5_rank0_init_holds_one_copy_per_node(outcomes):
+def test_story_5_every_rank_loads_onto_its_gpu_rank0_init_one_host_copy(outcomes):
+    """EasyR1 without rank-0 init (plan.emulate.load_on_device): every rank holds the whole fp32
+    model on its own device at load, more than the 96 GB part: a GPU OOM at load, with no host
+    copy. The fix, rank 0 init: rank 0 alone reads, into host memory, and the devices stay free."""
     o = outcomes["5"]
     copy = 73_405_560_320 * 4  # Qwen2-VL-72B in fp32
-    assert o.plan.node_host("load")["checkpoint copy"] == 8 * copy   # every rank of node 0 holds the fp32 model
+    assert o.plan.cfg.plan.emulate.load_on_device and o.fixed.cfg.plan.emulate.load_on_device
+    assert o.plan.device("load")["checkpoint copy"] == copy          # each rank's own, on its device
+    assert "checkpoint copy" not in o.plan.node_host("load")
+    assert [(p.resource, p.phase) for p in o.plan.problems()] == [("gpu", "load")]
     assert o.fixed.node_host("load")["checkpoint copy"] == copy      # rank 0 only
+    assert "checkpoint copy" not in o.fixed.device("load")
     assert fs.checkpoint_copies(o.plan) == 8 and fs.checkpoint_copies(o.fixed) == 1
 
 

@@ -2,7 +2,7 @@
 
 ``fitrl plan`` predicts memory for a config; this section says which machines the prediction is
 for (``plan.hardware``) and holds what the planner alone reads: behaviours of another
-framework's vLLM integration that fitrl's engine never has (``plan.emulate``), kept to reproduce
+framework (its vLLM integration, its checkpoint loading) that fitrl never has (``plan.emulate``), kept to reproduce
 the failure stories' reported runs; and the lengths a typical step has
 (``plan.expected_prompt_length``, ``plan.expected_response_length``), for the plan at expected
 lengths beside the one at the caps. The rollout engine itself is planned from the run's own keys
@@ -73,16 +73,18 @@ class PlanHardwareConfig:
 
 @dataclass
 class PlanEmulateConfig:
-    """Behaviours of another framework's vLLM integration, to reproduce a reported run in the plan
-    (examples/failure_stories/); fitrl's own engine never does any of them. Only the planner
-    reads them (``fitrl plan``, and ``fitrl train``'s plan before the run), with
-    ``rollout.engine=vllm``; training itself never does."""
+    """Behaviours of another framework (its vLLM integration, its checkpoint loading), to reproduce
+    a reported run in the plan (examples/failure_stories/); fitrl never does any of them. Only the
+    planner reads them (``fitrl plan``, and ``fitrl train``'s plan before the run), the engine's
+    with ``rollout.engine=vllm``; training itself never does."""
     free_cache_engine: bool = False
     """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): the engine frees and rebuilds its cache and host buffers every step instead of sleeping (failure story 3): the old pinned host blocks stay cached, so host memory grows every rollout."""
     separate_processes: bool = False
     """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): engines in processes of their own instead of inside the trainer ranks: one more CUDA runtime each, and each loads the checkpoint on the host at start-up (failure story 2)."""
     swap_space_gib: float = 0.0
     """Another framework's vLLM integration, emulated to reproduce a reported run (fitrl's own engine never does this; only the planner reads it, with ``rollout.engine=vllm``): vLLM V0's ``swap_space``, pinned host KV blocks per GPU in GiB (every tensor-parallel worker holds its own) (V0's default was 4; failure story 3)."""
+    load_on_device: bool = False
+    """Another framework's checkpoint loading, emulated to reproduce a reported run (fitrl never does this; only the planner reads it, with ``trainer.backend=ray`` on CUDA and ``actor.fsdp.init=every_rank``): every rank loads the whole checkpoint onto its own device, in the actor's dtype, before sharding it, instead of reading it into host memory (EasyR1 without ``enable_rank0_init``: ``from_pretrained(device_map="cuda")`` on every rank; failure story 5). With ``init=rank0`` it changes nothing: rank 0 reads into host memory, as EasyR1's rank-0 path does."""
 
     def __post_init__(self) -> None:
         if not self.swap_space_gib >= 0:
@@ -94,7 +96,7 @@ class PlanConfig:
     hardware: PlanHardwareConfig = field(default_factory=PlanHardwareConfig)
     """The machines ``fitrl plan`` plans for (``--nodes``, ``--gpu-memory``, ... override it); ``fitrl train`` detects its own."""
     emulate: PlanEmulateConfig = field(default_factory=PlanEmulateConfig)
-    """Behaviours of another framework's vLLM integration that fitrl's engine never has, to reproduce a reported run (the failure stories); the engine's own settings are ``rollout.*`` keys."""
+    """Behaviours of another framework (its vLLM integration, its checkpoint loading) that fitrl never has, to reproduce a reported run (the failure stories); the engine's own settings are ``rollout.*`` keys."""
     steps: int = 0
     """Steps over which host memory growth is checked (0: ``trainer.max_steps``)."""
     object_store_fraction: float = 0.30

@@ -54,7 +54,7 @@ class FitrlConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """The memory plan before the run, telemetry and leak detection during it, the guard at the edge."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """What the memory planner reads beyond the run's keys: ``fitrl plan``'s hardware, and ``plan.emulate``: behaviours of another framework's vLLM integration that fitrl's engine never has, to reproduce a reported run. The rollout engine is planned from the run's own ``rollout.*`` keys (``engine``, ``gpu_memory_utilization``, ``kv_cache_memory``, ``tensor_parallel_size``, ``sleep_level``), images from ``data.max_pixels`` and ``data.limit_images``. The trainer ignores ``plan.hardware`` (it detects the hardware it runs on)."""
+    """What the memory planner reads beyond the run's keys: ``fitrl plan``'s hardware, and ``plan.emulate``: behaviours of another framework (its vLLM integration, its checkpoint loading) that fitrl never has, to reproduce a reported run. The rollout engine is planned from the run's own ``rollout.*`` keys (``engine``, ``gpu_memory_utilization``, ``kv_cache_memory``, ``tensor_parallel_size``, ``sleep_level``), images from ``data.max_pixels`` and ``data.limit_images``. The trainer ignores ``plan.hardware`` (it detects the hardware it runs on)."""
 
     @property
     def world_size(self) -> int:

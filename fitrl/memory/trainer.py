@@ -350,10 +350,14 @@ def _lora_note(run: Run) -> str:
 
 def _load(run: Run, u: Usage) -> None:
     """``init=every_rank`` (or no FSDP): this rank reads the whole checkpoint, one full copy in
-    the actor's dtype. With ``init=rank0`` only rank 0 does (the "rank0" process of the plan);
-    the checkpoint file's pages are counted once per node."""
+    the actor's dtype, into host memory; with ``plan.emulate.load_on_device`` (under Ray on CUDA)
+    onto its device instead, as another framework's ranks do (EasyR1 without rank-0 init: each
+    rank's ``from_pretrained(device_map="cuda")``, failure story 5). With ``init=rank0`` only rank
+    0 reads, into host memory (the "rank0" process of the plan); the checkpoint file's pages are
+    counted once per node."""
     if not run.fsdp or run.cfg.actor.fsdp.init == "every_rank":
-        u.add("host", "checkpoint copy", full_weights(run.shape, run.cfg.actor.model.dtype))
+        on_device = run.fsdp and run.cuda and run.cfg.plan.emulate.load_on_device
+        u.add("gpu" if on_device else "host", "checkpoint copy", full_weights(run.shape, run.cfg.actor.model.dtype))
 
 
 def _checkpoint(run: Run, u: Usage, roles) -> None:

@@ -61,6 +61,23 @@ def test_token_budget_holds_more_sequences_at_expected_lengths(tiny_model_dir):
     assert _gpu(plan.expected, "update")["batch"] * 4 == _gpu(plan, "update")["batch"]
 
 
+@pytest.mark.parametrize("budget,prompt,response", [(3000, 512, 512), (24000, 250, 400), (2048, 512, 512)])
+def test_token_budget_plans_the_actors_own_split(tiny_model_dir, budget, prompt, response):
+    """The planner's micro-batch is the largest of the split ``Actor.partition`` makes: as few
+    micro-batches as the budget allows, balanced, so a batch of 64 sequences of 1,024 tokens under
+    a 3,000-token budget runs 22 micro-batches of up to 3 sequences (3,072 tokens), and one of
+    650-token sequences under 24,000 tokens two of 32 (20,800 tokens), not 36 (the budget's worth)."""
+    from fitrl.data.balance import micro_batches_by_tokens
+
+    cfg = _cfg(tiny_model_dir, f"actor.micro_batch_token_budget={budget}")
+    plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=1), lengths=Lengths(prompt, response, "config", "config"))
+    run = Run(cfg, plan.hardware, plan.shape, None, plan.spec, Lengths(prompt, response))
+    assert run.seqs_per_rank == run.mini_seqs_per_rank == 64
+    split = micro_batches_by_tokens([prompt + response] * 64, budget)
+    assert run.micro(4, update=True) == run.micro(4) == max(len(b) for b in split)
+    assert {(3000, 512): 3, (24000, 250): 32, (2048, 512): 2}[budget, prompt] == run.micro(4)
+
+
 def test_verdict_rule_three_outcomes(tiny_model_dir):
     # long caps and large micro-batches: activations, not the CUDA context, make the device's peak
     cfg = _cfg(tiny_model_dir, "actor.micro_batch_size=16", "actor.logprob_micro_batch_size=16",

@@ -317,12 +317,24 @@ class Run:
     def seqs_per_rank(self) -> int:
         return max(1, self.cfg.data.rollout_batch_size * self.cfg.rollout.n // self.world)
 
-    def micro(self, size: int) -> int:
-        """Sequences in one forward: the count, or the token budget's worth of sequences of
-        :attr:`seq_len` tokens (at expected lengths, more of them than at the caps)."""
+    @property
+    def mini_seqs_per_rank(self) -> int:
+        """Sequences of one optimizer step on a rank (``Actor.update``'s ``sequences_per_mini_batch``)."""
+        return max(1, min(self.seqs_per_rank, self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world))
+
+    def micro(self, size: int, update: bool = False) -> int:
+        """Sequences in one forward: the count; or, with a token budget, the largest micro-batch of
+        the actor's split (``Actor.partition``, fitrl/data/balance.py): the sequences split together
+        (a mini-batch in the update, the rank's whole batch for log-probs) go into
+        ceil(tokens / budget) micro-batches of about equal tokens, so at :attr:`seq_len` tokens each
+        the largest holds ceil(sequences / count) of them. At expected lengths that is more
+        sequences than at the caps, and often fewer tokens than the budget."""
         budget = self.cfg.actor.micro_batch_token_budget
-        b = max(1, budget // self.seq_len) if budget else size
-        return min(b, self.seqs_per_rank)
+        if not budget:
+            return min(size, self.seqs_per_rank)
+        seqs = self.mini_seqs_per_rank if update else self.seqs_per_rank
+        count = min(seqs, -(-seqs * self.seq_len // budget))
+        return -(-seqs // count)
 
     def batch_bytes(self, seqs: int) -> int:
         """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are

@@ -156,7 +156,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             ref_model = ph == "ref_logprob" and not run.lora  # a reference model of its own
             size = cfg.actor.micro_batch_size if grad else (
                 cfg.ref.logprob_micro_batch_size if ref_model else cfg.actor.logprob_micro_batch_size)
-            b = run.micro(size)
+            b = run.micro(size, update=grad)
             u.add(dev, "image buffers", _micro_images(run, b))
             if cuda:
                 u.add("host", "image buffers", _micro_images(run, b))

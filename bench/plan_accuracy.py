@@ -24,6 +24,8 @@ planner models with measured factors (``fitrl/memory/calibration.py``).
     .venv/bin/python bench/plan_accuracy.py                  # every configuration, both allocators
     .venv/bin/python bench/plan_accuracy.py --only 0 3 --malloc mmap
     .venv/bin/python bench/plan_accuracy.py --only 11 12 13       # KL: full vs LoRA r=16 (medium), LoRA (small)
+    .venv/bin/python bench/plan_accuracy.py --malloc glibc --factors --json rows.json   # the trimmed factors
+    .venv/bin/python bench/plan_accuracy.py --malloc glibc --factors --set memory.trim_heap=false  # untrimmed
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 GIB = 1024**3
@@ -250,6 +252,26 @@ def predict(case: Case, model_dir: str, malloc: str) -> dict:
     return {phase: trainer.host_peak(PLAN_PHASES[phase]) - ray_actor for phase in case.phases} | {"plan": plan}
 
 
+def breakdown(case: Case, model_dir: str) -> dict[str, tuple[int, int]]:
+    """phase -> (held, transient) of the plan without glibc's factors (``plan.host_malloc=mmap``:
+    what is held plus the traced transients): ``transient`` is what a glibc factor multiplies, the
+    update's traced activations and logits (``_cpu_transient``), another phase's transients
+    (``_cpu_retention``: activations, logits, gathered or autocast weights, KV cache), and
+    ``held`` the rest. A measured factor is then (measured peak - held) / transient."""
+    from fitrl.memory import calibration
+    from fitrl.memory.trainer import TRANSIENT
+
+    plan = predict(case, model_dir, "mmap")["plan"].process("trainer")
+    ray_actor = calibration.CPU_RANK_EXTRA if case.ranks > 1 else 0  # as predict()
+    out = {}
+    for phase in case.phases:
+        host = plan.phases[PLAN_PHASES[phase]].host
+        keys = ("activations", "logits") if PLAN_PHASES[phase] == "update" else TRANSIENT
+        transient = sum(host.get(k, 0) for k in keys)
+        out[phase] = (sum(host.values()) - transient - ray_actor, transient)
+    return out
+
+
 def model_dirs(cases: list[Case], tmp: str) -> dict[tuple[str, str], str]:
     """The tiny models the cases use, built under ``tmp``: (arch, size) -> directory."""
     from fitrl.models.tiny import make_tiny_model
@@ -263,8 +285,16 @@ def main() -> None:
     parser.add_argument("--only", type=int, nargs="*", help="indices of CASES to run")
     parser.add_argument("--malloc", nargs="+", default=["mmap", "glibc"], choices=["mmap", "glibc"])
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more config overrides for every run and its plan (e.g. memory.trim_heap=false)")
+    parser.add_argument("--factors", action="store_true",
+                        help="glibc rows: also print what the plan holds without glibc's factors, the transients a "
+                             "factor multiplies, and the factor measured, (measured - held) / transients")
     args = parser.parse_args()
-    cases = [(i, CASES[i]) for i in args.only] if args.only else list(enumerate(CASES))
+    from fitrl.memory.trainer import TRANSIENT
+
+    chosen = args.only if args.only else range(len(CASES))
+    cases = [(i, replace(CASES[i], extra=CASES[i].extra + tuple(args.set))) for i in chosen]
     rows = []
     print(f"{'#':>2} {'configuration':<80} {'phase':<7} {'malloc':<6} {'predicted':>9} {'measured':>9} {'error':>7} "
           f"{'phase s':>7}", flush=True)
@@ -274,13 +304,23 @@ def main() -> None:
             for malloc in args.malloc:
                 meas = measure(case, dirs[case.arch, case.size], port=29700 + 2 * i + (malloc == "glibc"), malloc=malloc)
                 pred = predict(case, dirs[case.arch, case.size], malloc)
+                parts = breakdown(case, dirs[case.arch, case.size])
                 for phase in case.phases:
                     err = (pred[phase] - meas[phase]) / meas[phase]
+                    held, transient = parts[phase]
+                    factor = (meas[phase] - held) / transient if transient else float("nan")
                     rows.append({"case": i, "label": case.label, "phase": phase, "malloc": malloc,
                                  "predicted_gib": pred[phase] / GIB, "measured_gib": meas[phase] / GIB,
-                                 "error": err, "seconds": meas["seconds"][phase]})
+                                 "error": err, "seconds": meas["seconds"][phase], "held_gib": held / GIB,
+                                 "transient_gib": transient / GIB, "factor": factor, "settings": list(args.set),
+                                 # what CPU_RETAINED_AFTER_UPDATE takes a share of (the update's, factor applied)
+                                 "update_transient_gib": sum(pred["plan"].process("trainer").phases["update"].host.get(k, 0)
+                                                             for k in TRANSIENT) / GIB})
                     print(f"{i:>2} {case.label:<80} {phase:<7} {malloc:<6} {pred[phase] / GIB:9.3f} "
                           f"{meas[phase] / GIB:9.3f} {err:+7.1%} {meas['seconds'][phase]:7.1f}", flush=True)
+                    if args.factors and malloc == "glibc":
+                        print(f"{'':>2} {'held ' + format(held / GIB, '.3f') + ' GiB, transients ':>80} "
+                              f"{transient / GIB:.3f} GiB: measured factor {factor:.2f}", flush=True)
     for malloc in args.malloc:
         errs = [abs(r["error"]) for r in rows if r["malloc"] == malloc]
         print(f"malloc={malloc}: {len(errs)} phase peaks, worst error {max(errs):.1%}, "

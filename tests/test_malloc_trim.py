@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fitrl.config.schema import FSDPConfig
+from fitrl.memory import calibration as C
 from fitrl.roles import workers
 from fitrl.roles.workers import OffloadBetweenPhases
 from fitrl.telemetry import memory as mem
@@ -74,3 +75,43 @@ def test_trim_heap_returns_free_pages():
     assert mem.trim_heap() is True
     assert before - mem.rss_bytes() > 50 * mem.MIB
     del keep
+
+
+def _cpu_plan(model_dir, tmp_path, *overrides):
+    from fitrl.memory import Hardware, plan_config
+
+    cfg = toy_config(model_dir, tmp_path, "trainer.device=cpu", "rollout.ignore_eos=true", *overrides)
+    return plan_config(cfg, Hardware.cpu(host_memory=64 * C.GIB)).process("trainer").phases
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_cpu_plan_follows_trim(tmp_path, tiny_model_dir, ckpt):
+    """The glibc plan is the plan without allocator factors (``plan.host_malloc=mmap``: held +
+    traced transients) with the update's traced activations and logits scaled by the trimmed
+    backward factor, and every other phase's transients by the trimmed phase (generation: rollout)
+    factor; untrimmed, by the untrimmed factors and the retained share of the update."""
+    from fitrl.memory.trainer import TRANSIENT
+
+    ck = f"actor.model.gradient_checkpointing={str(ckpt).lower()}"
+    bare = _cpu_plan(tiny_model_dir, tmp_path, ck, "plan.host_malloc=mmap")
+    trimmed = _cpu_plan(tiny_model_dir, tmp_path, ck)
+    untrimmed = _cpu_plan(tiny_model_dir, tmp_path, ck, "memory.trim_heap=false")
+    traced = lambda u, keys=("activations", "logits"): sum(u.host.get(k, 0) for k in keys)  # noqa: E731
+    held = lambda u: sum(u.host.values()) - traced(u)  # noqa: E731
+
+    bwd = C.CPU_TRIMMED_RECOMPUTE_RSS_FACTOR if ckpt else C.CPU_TRIMMED_BACKWARD_RSS_FACTOR
+    assert held(trimmed["update"]) == held(bare["update"])
+    assert traced(trimmed["update"]) == pytest.approx(bwd * traced(bare["update"]), abs=2)
+    for ph in ("rollout", "old_logprob"):
+        factor = C.CPU_TRIMMED_ROLLOUT_RSS_FACTOR if ph == "rollout" else C.CPU_TRIMMED_PHASE_RSS_FACTOR
+        own = traced(bare[ph], TRANSIENT)
+        assert own > 0
+        assert trimmed[ph].host.get("allocator (regrown heap)", 0) == pytest.approx((factor - 1) * own, abs=1)
+        assert sum(trimmed[ph].host.values()) == pytest.approx(sum(bare[ph].host.values()) + (factor - 1) * own, abs=2)
+
+    bwd = C.CPU_RECOMPUTE_RSS_FACTOR if ckpt else C.CPU_BACKWARD_RSS_FACTOR
+    assert traced(untrimmed["update"]) == pytest.approx(bwd * traced(bare["update"]), abs=2)
+    retained = int(C.CPU_RETAINED_AFTER_UPDATE * traced(untrimmed["update"], TRANSIENT))
+    for ph in ("rollout", "old_logprob"):
+        assert sum(untrimmed[ph].host.values()) == pytest.approx(
+            sum(bare[ph].host.values()) + max(0, retained - traced(bare[ph], TRANSIENT)), abs=2)

@@ -221,8 +221,12 @@ def print_cell(title: str, runs: dict[str, list[dict]], peak: dict, precision: s
             print(f"reward per 10-step block, {side:5}: " + " ".join(f"{x:.3f}" for x in curve))
     flops = med["fitrl"].get("update_flops")
     if flops and peak.get(precision):
-        print(f"fitrl update: {flops / 1e9:.1f} GFLOP/s achieved = {flops / 1e9 / peak[precision]:.1%} of this "
-              f"machine's {precision} matmul peak ({peak[precision]:.1f} GFLOP/s)")
+        share = flops / 1e9 / peak[precision]
+        # above 100 %: the large torch.mm was slower than the model's own matmuls, so it is no peak
+        # (bf16 on a CPU without bf16 matmul units: bench/RESULTS.md, "fitrl against TRL")
+        caveat = "; that peak is not this machine's: its large bf16 mm is slower than the model's" if share > 1 else ""
+        print(f"fitrl update: {flops / 1e9:.1f} GFLOP/s achieved = {share:.1%} of this "
+              f"machine's {precision} matmul peak ({peak[precision]:.1f} GFLOP/s){caveat}")
 
 
 def main() -> None:

@@ -224,7 +224,7 @@ def print_cell(title: str, runs: dict[str, list[dict]], peak: dict, precision: s
         share = flops / 1e9 / peak[precision]
         # above 100 %: the large torch.mm was slower than the model's own matmuls, so it is no peak
         # (bf16 on a CPU without bf16 matmul units: bench/RESULTS.md, "fitrl against TRL")
-        caveat = "; that peak is not this machine's: its large bf16 mm is slower than the model's" if share > 1 else ""
+        caveat = (f"; not a peak here: its large {precision} mm ran slower than the model's" if share > 1 else "")
         print(f"fitrl update: {flops / 1e9:.1f} GFLOP/s achieved = {share:.1%} of this "
               f"machine's {precision} matmul peak ({peak[precision]:.1f} GFLOP/s){caveat}")
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
+from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
 from fitrl.memory.shapes import ModelShape, VisualInput
@@ -332,9 +333,8 @@ class Run:
         budget = self.cfg.actor.micro_batch_token_budget
         if not budget:
             return min(size, self.seqs_per_rank)
-        seqs = self.mini_seqs_per_rank if update else self.seqs_per_rank
-        count = min(seqs, -(-seqs * self.seq_len // budget))
-        return -(-seqs // count)
+        seqs = self.mini_seqs_per_rank if update else self.seqs_per_rank  # the split itself, on equal lengths
+        return max(len(b) for b in micro_batches_by_tokens([self.seq_len] * seqs, budget))
 
     def batch_bytes(self, seqs: int) -> int:
         """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are

@@ -18,8 +18,8 @@ from PIL import Image
 
 from fitrl.core.errors import DataError, ModelDirError
 from fitrl.data.images import BadImage, image_tokens, load_image, smart_resize
-from fitrl.data.vision import (VisionSpec, expand_placeholders, insert_vision_markers, process_images,
-                               process_videos, sample_frames)
+from fitrl.data.vision import (VisionSpec, expand_placeholders, frames_from_pixels, images_from_pixels,
+                               insert_vision_markers, process_images, process_videos, sample_frames)
 from vision_helpers import CHATML, MARK, QWEN2, QWEN3, QWEN25, encode, gif_animated, png_header, rgb, tokenizer  # noqa: F401
 
 # ------------------------------------------------------------------------------ pixel budget
@@ -224,6 +224,31 @@ def test_video_frames_subsampled_padded_and_resized_to_the_first():
                                                       max_pixels=56 * 84, min_pixels=3136)
     with pytest.raises(DataError, match="videos are not supported for qwen3_vl yet"):
         process_videos([frames[:2]], QWEN3, fps=2.0, max_frames=4, max_pixels=56 * 84, min_pixels=3136)
+
+
+@pytest.mark.parametrize("spec", [QWEN2, QWEN25])
+def test_pixels_back_to_the_resized_images_and_frames_exactly(spec):
+    """What an engine taking pictures (vLLM) is given: the resized 8-bit pixels, recovered exactly
+    from the patches (re-patchified, they are the trainer's patches again)."""
+    lo, hi = 3136, 56 * 84
+    images = [rgb(90, 130, 1), rgb(40, 300, 2)]
+    ours = process_images(images, spec, lo, hi)
+    back = images_from_pixels(ours["pixel_values"], ours["image_grid_thw"], spec)
+    for img, got in zip(images, back):
+        h, w = smart_resize(img.height, img.width, factor=spec.factor, min_pixels=lo, max_pixels=hi)
+        assert got.size == (w, h)
+        want = np.asarray(img.resize((w, h), resample=Image.Resampling.BICUBIC))
+        assert np.array_equal(np.asarray(got), want)
+    assert torch.equal(process_images(back, spec, lo, hi)["pixel_values"], ours["pixel_values"])
+
+    frames = [rgb(56, 84, s) for s in range(5)]
+    vids = process_videos([frames, frames[:2]], spec, fps=2.0, max_frames=8, max_pixels=hi, min_pixels=lo)
+    got = frames_from_pixels(vids["pixel_values_videos"], vids["video_grid_thw"], spec)
+    assert [v.shape for v in got] == [(6, 56, 84, 3), (2, 56, 84, 3)]  # 5 frames padded to 6 with the last
+    assert all(np.array_equal(got[0][i], np.asarray(frames[min(i, 4)])) for i in range(6))
+    again = process_videos([[Image.fromarray(f) for f in v] for v in got], spec, fps=2.0, max_frames=8,
+                           max_pixels=hi, min_pixels=lo)
+    assert torch.equal(again["pixel_values_videos"], vids["pixel_values_videos"])
 
 
 # ------------------------------------------------------------------------------ prompt text

@@ -4,6 +4,8 @@ it, and its sampling against the HF engine's: tests/test_vllm_train.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -68,6 +70,14 @@ def test_greedy_and_ignore_eos(worker):
     assert torch.equal(a["responses"], b["responses"])  # argmax: the same every time
     full = worker.generate(prompts_from(worker, 4), SamplingConfig(temperature=1.0, n=2, max_tokens=12, ignore_eos=True))
     assert full["response_mask"].sum(-1).tolist() == [12] * 8  # EOS never sampled, never stops
+    # EOS masked after the record: the log-probs are still the full (tempered) distribution's,
+    # which the trainer recomputes at the run's temperature
+    sampling = worker.cfg.rollout.sampling()
+    tempered = worker.generate(prompts_from(worker, 4), dataclasses.replace(sampling, ignore_eos=True))
+    assert tempered["response_mask"].sum(-1).tolist() == [sampling.max_tokens] * 4 * sampling.n
+    assert max_logprob_gap(worker, tempered) <= 1e-4
+    again = worker.generate(prompts_from(worker, 8), SamplingConfig(temperature=1.0, n=4, max_tokens=12))
+    assert again["response_mask"].sum(-1).min() < 12  # and EOS is sampled again without ignore_eos
 
 
 BROKEN_PUSH = """

@@ -1,6 +1,6 @@
-"""The vLLM engine with a tiny Qwen2.5-VL model and images (examples/shapes_vl.yaml's task), on
-CPU in .venv-vllm: the engine's log-probs equal the trainer's with images in the prompts, after
-every push of a GRPO run whose reward rises."""
+"""The vLLM engine with tiny Qwen-VL models, images and videos (examples/shapes_vl.yaml's task), on
+CPU in .venv-vllm: the engine's log-probs equal the trainer's with images and videos in the
+prompts, after every push of a GRPO run whose reward rises."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
+
+import json  # noqa: E402
 
 from fitrl.cli import judge_rise  # noqa: E402
 from fitrl.config import load_config  # noqa: E402
@@ -66,3 +68,36 @@ def test_grpo_with_images_and_vllm_rollouts(model_dir, tmp_path):
     assert max(h["rollout/logprob_diff_max"] for h in history) <= 1e-4
     verdict = judge_rise([h["reward/mean"] for h in history])
     assert verdict["rose"], verdict["message"]
+
+
+def video_rows(path):
+    """Rows with one video (3 frames: padded to 4), a video and a picture, two videos, and a picture
+    alone; the frames are shapes pictures (112x112, resized to 56x56)."""
+    pics = sorted(str(p) for p in (DATA / "shapes").glob("train_00*_0.png"))[:6]
+    rows = [{"prompt": "<video>What moves?", "videos": [pics[:3]], "images": []},
+            {"prompt": "<image>then<video>: which?", "videos": [pics[2:6]], "images": [pics[0]]},
+            {"prompt": "<video><video>Same?", "videos": [pics[:2], pics[3:5]], "images": []},
+            {"prompt": "<image>Which colour?", "videos": [], "images": [pics[1]]}]
+    path.write_text("".join(json.dumps({**r, "answer": "A", "choices": ["A", "B"]}) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_logprobs_with_videos_equal_the_trainers(arch, tmp_path):
+    """Videos reach vLLM as the trainer's sampled, padded and resized frames; Qwen2.5-VL's temporal
+    positions follow data.video_fps (4 here, not the processor's default 2)."""
+    data = video_rows(tmp_path / "videos.jsonl")
+    cfg = shapes_config(vl_model(tmp_path, arch), tmp_path / "run", f"data.train_files=[{data}]", "data.video_key=videos",
+                        "data.video_fps=4", "data.max_frames=4", "data.video_max_pixels=6272", "data.rollout_batch_size=4",
+                        "rollout.temperature=0.7", "rollout.max_response_length=8", "rollout.ignore_eos=true")
+    w = PolicyWorker(cfg, rank=0, world_size=1)
+    from fitrl.trainer.collect import prompts_batch
+    from fitrl.trainer.run import build_datasets
+
+    train, _ = build_datasets(w.cfg, w.tokenizer)
+    grids = [train.multi_modal_inputs(i).get("video_grid_thw") for i in range(len(train))]
+    assert [g.tolist() if g is not None else None for g in grids][:3] == [[[2, 4, 4]], [[2, 4, 4]], [[1, 4, 4]] * 2]
+    out = w.generate(prompts_batch(train, list(range(len(train))), "video"), w.cfg.rollout.sampling())
+    trainer = w.compute_logprob(out)["old_logprobs"]
+    gap = float(((trainer - out["rollout_logprobs"]).abs() * out["response_mask"]).max())
+    assert int(out["response_mask"].sum()) == 4 * 8 * 8 and gap <= 1e-4, gap

@@ -235,19 +235,31 @@ def images_from_pixels(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
     patch layout and the normalisation, round to 8 bits (the resized image was 8-bit, so the
     round trip is exact up to float error far below half a level). An engine that takes images
     rather than patches (vLLM) gets the very pixels the trainer sees, at their resized size."""
+    # an image's temporal copies are the same picture: its first frame
+    return [Image.fromarray(frames[0], "RGB") for frames in _unpatchify(pixel_values, image_grid_thw, spec)]
+
+
+def frames_from_pixels(pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor, spec: VisionSpec):
+    """The frames of each video that :func:`process_videos` patchified, as uint8 arrays
+    ``(grid_t * temporal_patch_size, h', w', 3)``: sampled, padded to whole temporal patches and
+    resized, exactly as the trainer sees them (see :func:`images_from_pixels`)."""
+    return _unpatchify(pixel_values_videos, video_grid_thw, spec)
+
+
+def _unpatchify(pixel_values: torch.Tensor, grid_thw: torch.Tensor, spec: VisionSpec):
     p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     mean = torch.tensor(spec.image_mean, dtype=torch.float64)[:, None, None]
     std = torch.tensor(spec.image_std, dtype=torch.float64)[:, None, None]
-    images, start = [], 0
-    for grid_t, gh, gw in image_grid_thw.tolist():
+    items, start = [], 0
+    for grid_t, gh, gw in grid_thw.tolist():
         n = grid_t * gh * gw
         # rows: (grid_t, gh/m, gw/m, m, m) patches; columns: (C, temporal, p, p)
         x = pixel_values[start:start + n].double().reshape(grid_t, gh // m, gw // m, m, m, -1, t, p, p)
         start += n
-        x = x.permute(0, 6, 5, 1, 3, 7, 2, 4, 8).reshape(grid_t * t, -1, gh * p, gw * p)[0]  # the first frame
-        rgb = ((x * std + mean) * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
-        images.append(Image.fromarray(rgb, "RGB"))
-    return images
+        x = x.permute(0, 6, 5, 1, 3, 7, 2, 4, 8).reshape(grid_t * t, -1, gh * p, gw * p)  # (frames, C, H, W)
+        rgb = ((x * std + mean) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        items.append(rgb.numpy())
+    return items
 
 
 def sample_frames(n_frames: int, max_frames: int) -> list[int]:

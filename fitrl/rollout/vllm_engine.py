@@ -46,7 +46,7 @@ from fitrl.config.schema import RolloutConfig, SamplingConfig
 from fitrl.core.errors import ConfigError, Diverged, EngineError
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
-from fitrl.data.vision import VisionSpec, images_from_pixels
+from fitrl.data.vision import VisionSpec, frames_from_pixels, images_from_pixels
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
@@ -80,7 +80,8 @@ class VllmRollout(RolloutEngine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sleeps = self.cuda and cfg.sleep_level > 0  # vLLM's sleep mode needs CUDA's allocator
         self.vision = VisionSpec.from_model_dir(context.model_path)  # None for a text model
-        self.image_token_id = (tokenizer.convert_tokens_to_ids(self.vision.image_token) if self.vision else None)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.vision.image_token) if self.vision else None
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.vision.video_token) if self.vision else None
         self.llm = build_llm(cfg, context, model, cuda=self.cuda, sleep=self.sleeps)
         self.tp = cfg.tensor_parallel_size
         missing = self.llm.collective_rpc("fitrl_prepare", args=(list(inputs.never_generate), os.getpid()))[0]
@@ -91,6 +92,7 @@ class VllmRollout(RolloutEngine):
             self.llm.collective_rpc("fitrl_restore_input_norm", args=(list(self.vision.image_mean),
                                                                       list(self.vision.image_std), 1 / 255))
         self.awake = True
+        self.eos_masked = False  # sampling.ignore_eos the worker masks EOS for (fitrl_mask_eos)
         self.stale = True  # dummy weights until the first push
         self.broken: Optional[str] = None
         self.last_push = {}  # seconds and tensors of the last push (perf metrics, benchmarks)
@@ -200,6 +202,9 @@ class VllmRollout(RolloutEngine):
         # TP workers draw from their own RNGs: seeded from this process's, the same way.
         if self.tp > 1:
             self.llm.collective_rpc("fitrl_seed", args=(int(torch.randint(0, 2**62, ())),))
+        if sampling.ignore_eos != self.eos_masked:
+            self.llm.collective_rpc("fitrl_mask_eos", args=(list(self.eos_ids) if sampling.ignore_eos else [],))
+            self.eos_masked = sampling.ignore_eos
         outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
         responses, logprobs = [], []
         for out in outputs:
@@ -224,18 +229,30 @@ class VllmRollout(RolloutEngine):
         media = media[i] if media is not None else None
         if not media:
             return {"prompt_token_ids": ids}
-        if "pixel_values_videos" in media:
-            raise ConfigError("rollout.engine=vllm does not take videos yet (data.video_key): use rollout.engine=hf "
-                              "for video prompts")
-        # vLLM expands one image-pad token per image itself (fitrl's prompts hold the expanded run:
-        # sent as is, each image's pads would be expanded again), and takes images, not patches:
-        # the exact resized pixels the trainer sees, which vLLM's own resize then leaves alone
-        images = images_from_pixels(media["pixel_values"], media["image_grid_thw"], self.vision)
-        pad = self.image_token_id
-        collapsed = [t for j, t in enumerate(ids) if t != pad or j == 0 or ids[j - 1] != pad]
-        pixels = [im.width * im.height for im in images]
-        return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images},
-                "mm_processor_kwargs": {"min_pixels": min(pixels), "max_pixels": max(pixels)}}
+        # vLLM expands one pad token per image or video itself (fitrl's prompts hold the expanded
+        # runs: sent as is, each run would be expanded again), and takes pictures, not patches:
+        # the exact resized pixels the trainer sees, which vLLM's processor leaves as they are
+        pads = {self.image_token_id, self.video_token_id}
+        collapsed = [t for j, t in enumerate(ids) if t not in pads or j == 0 or ids[j - 1] != t]
+        data: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}
+        if media.get("pixel_values") is not None:
+            data["image"] = images_from_pixels(media["pixel_values"], media["image_grid_thw"], self.vision)
+            pixels = [im.width * im.height for im in data["image"]]
+            kwargs.update(min_pixels=min(pixels), max_pixels=max(pixels))
+        if media.get("pixel_values_videos") is not None:
+            videos = frames_from_pixels(media["pixel_values_videos"], media["video_grid_thw"], self.vision)
+            # Qwen2.5-VL's temporal positions step by second_per_grid_ts = temporal patch / fps:
+            # the frame rate the trainer's positions were built with (Qwen2-VL reads none)
+            steps = media.get("second_per_grid_ts")
+            fps = [self.vision.temporal_patch_size / float(s) for s in steps] if steps is not None else [1.0] * len(videos)
+            data["video"] = [(frames, {"fps": rate, "total_num_frames": len(frames), "duration": len(frames) / rate,
+                                       "frames_indices": list(range(len(frames))), "video_backend": "fitrl"})
+                             for frames, rate in zip(videos, fps)]
+            # frames are already sampled, padded and resized (fitrl.data.vision.process_videos);
+            # images too are at their resized size, so no resize is right for both
+            kwargs.update(do_resize=False, do_sample_frames=False)
+        return {"prompt_token_ids": collapsed, "multi_modal_data": data, "mm_processor_kwargs": kwargs}
 
     def _params(self, sampling: SamplingConfig):
         from vllm import SamplingParams
@@ -250,9 +267,8 @@ class VllmRollout(RolloutEngine):
             top_p=1.0 if greedy else sampling.top_p,
             max_tokens=sampling.max_tokens,
             # vLLM's ignore_eos only keeps going; like the HF engine, EOS must not be sampled
-            # either (min_tokens masks the stop tokens, before the recorded log-softmax)
+            # either: the worker masks it after the record (fitrl_mask_eos)
             ignore_eos=sampling.ignore_eos,
-            min_tokens=sampling.max_tokens if sampling.ignore_eos else 0,
             stop_token_ids=list(self.eos_ids),
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,  # decoded once here, without EOS and padding
@@ -318,7 +334,8 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     if context.limit_images:
-        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": 0}
+        videos = context.limit_images if VisionSpec.from_model_dir(context.model_path).supports_video else 0
+        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": videos}
     # each push warns that rotary embeddings (which have no weights) "failed to load"
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: "Failed to load weights" not in record.getMessage())

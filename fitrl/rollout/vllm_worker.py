@@ -62,18 +62,27 @@ class FitrlWorkerExtension:
         if getattr(inner, "_fitrl_patched", False):
             return ""
         original = inner.forward
-        never = torch.tensor(sorted(never_ids), dtype=torch.long) if never_ids else None
+        self._fitrl_never = sorted(never_ids)
+        self._fitrl_masked = torch.tensor(self._fitrl_never, dtype=torch.long) if never_ids else None
 
         def forward(logits: torch.Tensor, generators, k, p):
             untruncated = logits.log_softmax(dim=-1, dtype=torch.float32)  # (num_reqs, V)
-            if never is not None:
-                logits[:, never.to(logits.device)] = float("-inf")
+            if self._fitrl_masked is not None:
+                logits[:, self._fitrl_masked.to(logits.device)] = float("-inf")
             sampled, _ = original(logits, generators, k, p)
             return sampled, untruncated
 
         inner.forward = forward
         inner._fitrl_patched = True
         return ""
+
+    def fitrl_mask_eos(self, eos_ids: list[int]) -> None:
+        """``ignore_eos``: EOS is masked out of sampling after the record, with the never-generated
+        tokens (vLLM's own way, ``min_tokens``, masks it before the sampler, which would leave it
+        out of the recorded log-probs as well: no longer the distribution the trainer recomputes).
+        ``eos_ids`` empty: EOS is sampled again."""
+        ids = sorted(set(self._fitrl_never) | set(eos_ids))
+        self._fitrl_masked = torch.tensor(ids, dtype=torch.long) if ids else None
 
     def fitrl_restore_input_norm(self, mean: list[float], std: list[float], rescale: float) -> int:
         """Qwen-VL in vLLM normalises pixels inside the model (``FusedMMInputNorm``: weight

@@ -3,8 +3,10 @@
 
 What differs from a text model, and where it is handled:
 
-- **Positions** are (3, B, T) (temporal, height, width) from the family's own ``get_rope_index``
-  (transformers), called once per rollout on the whole prompt+response; the batch carries them
+- **Positions** are (3, B, T) (temporal, height, width) from the backbone's ``get_rope_index``,
+  which for Qwen2-VL and Qwen2.5-VL is replaced by :func:`fitrl.models.families.mrope.rope_index`
+  (the released models' layout after a video, which transformers 5.x departs from; Qwen3-VL keeps
+  transformers'), called once per rollout on the whole prompt+response; the batch carries them
   as (B, 3, T) so that every tensor's first dimension is the batch, and the same tensor feeds
   generation's successors: log-prob recompute, the reference and the critic. During ``generate``
   transformers computes the same positions itself from the prompt (tested equal, fp32 log-probs
@@ -32,6 +34,7 @@ from torch import nn
 from fitrl.config.schema import ModelConfig
 from fitrl.core.padding import position_ids_from_mask
 from fitrl.models.families.base import HEADS, MODEL_FAMILIES, Builder, ModelFamily, ModelInputs, auto_builders
+from fitrl.models.families.mrope import rope_index
 from fitrl.models.vl_types import VISION_LANGUAGE_TYPES
 
 
@@ -74,7 +77,7 @@ class QwenVLInputs(ModelInputs):
     merge size and, for videos, the time scale)."""
 
     def __init__(self, model: nn.Module):
-        inner = backbone(model)
+        inner = backbone(use_released_positions(model))
         self._rope_index = inner.get_rope_index  # reads only the config: no parameters, no collective
         config = inner.config
         self.image_token_id = int(config.image_token_id)
@@ -111,6 +114,34 @@ class QwenVLInputs(ModelInputs):
         if extra:
             extra["mm_token_type_ids"] = self.token_types(input_ids)
         return extra
+
+
+RELEASED_POSITIONS = ("qwen2_vl", "qwen2_5_vl")
+"""Families whose positions come from :mod:`fitrl.models.families.mrope` (Qwen3-VL's videos are
+split into timestamped frames, which fitrl does not take: its images keep transformers' code)."""
+
+
+def use_released_positions(model: nn.Module) -> nn.Module:
+    """Make the backbone's ``get_rope_index`` (which both the trainer's positions and Hugging Face
+    ``generate`` call) :func:`~fitrl.models.families.mrope.rope_index`, on this instance only."""
+    inner = backbone(model)
+    config = inner.config
+    if config.model_type not in RELEASED_POSITIONS or getattr(inner.get_rope_index, "_fitrl", False):
+        return model
+    merge = int(config.vision_config.spatial_merge_size)
+    per_second = getattr(config.vision_config, "tokens_per_second", None) if config.model_type == "qwen2_5_vl" else None
+    image_id, video_id = int(config.image_token_id), int(config.video_token_id)
+
+    def released(input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,
+                 second_per_grid_ts=None, attention_mask=None, **_):
+        types = (mm_token_type_ids if mm_token_type_ids is not None
+                 else (input_ids == image_id).int() + 2 * (input_ids == video_id).int())
+        return rope_index(types, attention_mask, image_grid_thw, video_grid_thw, second_per_grid_ts, merge=merge,
+                          tokens_per_second=per_second)
+
+    released._fitrl = True
+    inner.get_rope_index = released
+    return model
 
 
 def _field(batch: Optional[Mapping[str, Any]]) -> Optional[list]:

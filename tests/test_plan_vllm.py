@@ -111,10 +111,10 @@ def test_sleep_level_2_and_0_keep_nothing_on_the_host():
 
 # ------------------------------------------------------------------------------ vLLM on CPU
 
-def _cpu_plan(model_dir, *overrides):
+def _cpu_plan(model_dir, *overrides, ranks: int = 1):
     cfg = load_config(ARITH, [f"actor.model.path={model_dir}", "trainer.device=cpu", "rollout.engine=vllm",
                               "reward.num_workers=0", *overrides])
-    return plan_config(cfg, Hardware.cpu(host_memory=64 * C.GIB))
+    return plan_config(cfg, Hardware.cpu(ranks, host_memory=64 * C.GIB))
 
 
 def test_cpu_engine_is_counted_in_the_policy_process_in_every_phase(tiny_model_dir):
@@ -138,6 +138,13 @@ def test_cpu_engine_is_counted_in_the_policy_process_in_every_phase(tiny_model_d
     # under Ray with mixed precision the engine computes (and holds its weights) in bf16
     ray = _cpu_plan(tiny_model_dir, "trainer.backend=ray", "actor.fsdp.mixed_precision=true")
     assert ray.process("trainer").phases["update"].host["engine weights"] == weights // 2
+    # tp 2 over two Ray ranks: one engine shared by both, each rank's process holds half its weights
+    # and a KV cache of its own; no worker process, and a push streams tensors (no buckets)
+    shared = _cpu_plan(tiny_model_dir, "trainer.backend=ray", "rollout.tensor_parallel_size=2", ranks=2)
+    alone = _cpu_plan(tiny_model_dir, "trainer.backend=ray", ranks=2)
+    host, one = shared.process("trainer").phases["rollout"].host, alone.process("trainer").phases["rollout"].host
+    assert host["engine weights"] == -(-weights // 2) and host["engine kv cache"] == 256 * C.MIB
+    assert "TP worker processes" not in host and host["engine weight push"] == one["engine weight push"]
     # what buys host memory there: the KV cache's size (its CPU default when unset), not sleeping
     changes = {c.text: c.overrides for c in candidates(default)}
     assert changes["rollout.kv_cache_memory 256MiB -> 128MiB"] == [("rollout.kv_cache_memory", "128MiB")]

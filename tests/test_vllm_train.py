@@ -141,15 +141,18 @@ def sigkill_mid_generation(model_dir, tmp_path, *overrides) -> dict[int, str]:
             proc.kill()
 
 
-def test_two_ray_ranks_each_with_an_engine(trained, tmp_path):
-    """Under Ray with two FSDP2 ranks, each rank builds its own in-process engine, and the pushes
-    (one all-gathered tensor at a time) leave both computing the trainer's log-probs."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_ray_ranks_with_vllm_engines(trained, tmp_path, tp):
+    """Under Ray with two FSDP2 ranks, each rank builds its own in-process engine (tp 1) or the two
+    share one tensor-parallel engine (tp 2, tests/test_vllm_shared_tp.py), and the pushes (one
+    all-gathered tensor at a time) leave the engines computing the trainer's log-probs."""
     from fitrl.trainer.run import train
 
     history = train(vllm_config(trained["model_dir"], tmp_path / "run", "trainer.backend=ray",
                                 "trainer.devices_per_node=2", "actor.micro_batch_size=16",
                                 "actor.logprob_micro_batch_size=16", "trainer.max_steps=3",
-                                "trainer.val_before_train=false", "data.val_files=[]"))
+                                "trainer.val_before_train=false", "data.val_files=[]",
+                                f"rollout.tensor_parallel_size={tp}"))
     assert len(history) == 3
     assert max(h["rollout/logprob_diff_max"] for h in history) <= 1e-4
 

@@ -319,7 +319,7 @@ class RolloutConfig:
     kv_cache_memory: Optional[str] = None
     """vLLM: the KV cache's size as a byte count (e.g. ``2GiB``) instead of a share of the device; on CPU the default is 256MiB (vLLM's own CPU default takes several GiB)."""
     tensor_parallel_size: int = 1
-    """vLLM: GPUs per engine (each engine serves ``tensor_parallel_size`` policy ranks)."""
+    """vLLM: TP shards per engine. With several policy ranks, that many consecutive ranks share one engine, a shard (and a GPU) each, so the ranks must be a multiple of it; with one policy rank, the engine's TP workers are processes of its own (docs/vllm.md)."""
     sleep_level: Literal[0, 1, 2] = 1
     """vLLM between rollouts (GPU only): 0 stays awake, 1 frees the KV cache and keeps the weights in pinned host memory (2 bytes/param/GPU in bf16), 2 frees both (the weights come back by the next push)."""
     enforce_eager: bool = False

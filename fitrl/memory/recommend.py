@@ -111,7 +111,7 @@ def candidates(plan: Plan) -> list[Change]:
             out.append(Change([(key, v // 2)], cost, f"{key} {v} -> {v // 2}"))
     kv_size = e.kv_cache_memory
     if e.engine == "vllm" and kv_size is None and not cuda:  # on CPU the KV cache has a size of its own
-        from fitrl.rollout.vllm_engine import CPU_KV_CACHE  # lazy: fitrl.rollout imports torch
+        from fitrl.rollout.vllm_build import CPU_KV_CACHE  # lazy: fitrl.rollout imports torch
 
         kv_size = CPU_KV_CACHE
     if e.engine == "vllm" and kv_size is not None:  # it overrides gpu_memory_utilization

@@ -128,17 +128,25 @@ def vllm_cpu_engine(run: Run) -> dict[str, int]:
     - ``TP worker processes`` (tp > 1): tp x :data:`CPU_TP_WORKER_RUNTIME`. The weights term stays
       one copy: each worker holds a 1/tp shard (norms and replicated KV heads aside).
 
+    With tp > 1 and several policy ranks, tp ranks share one engine (fitrl/rollout/vllm_build.py,
+    ``shared``): each rank's process holds the runtime, a 1/tp shard of the weights and head and
+    one KV cache of ``rollout.kv_cache_memory``, and no worker process exists.
+
     Measured (``bench/vllm_cpu_memory.py``, fp32, two runs): the engine's part of a step's update
     peak (the vLLM run minus the HF engine's) is these bytes within 5% for the tiny and small
     models (0.39-0.75 GiB), +1% to +17% over for the medium one (1.07 GiB planned; its update
     peak moves by ~0.15 GiB between runs under glibc). Not counted: what vLLM's profiling forward
     leaves in the heap at build (~0.1-0.2 GiB more at the medium model's widths than the tiny's),
     which an update's transients reuse."""
-    from fitrl.rollout.vllm_engine import CPU_KV_CACHE  # lazy: fitrl.rollout imports torch
+    from fitrl.rollout.vllm_build import CPU_KV_CACHE  # lazy: fitrl.rollout imports torch
 
     shape, b = run.shape, DTYPE_BYTES[run.compute_dtype]
     kv = run.cfg.rollout.kv_cache_memory or CPU_KV_CACHE
     tp = run.cfg.rollout.tensor_parallel_size
+    if tp > 1 and run.world > 1:  # shared: this rank is one shard of its group's engine
+        return {"vLLM runtime": C.VLLM_CPU_RUNTIME,
+                "engine weights": -(-(full_weights(shape, run.compute_dtype) + shape.vocab * shape.hidden * b) // tp),
+                "engine kv cache": parse_bytes(kv, "rollout.kv_cache_memory")}
     parts = {"vLLM runtime": C.VLLM_CPU_RUNTIME,
              "engine weights": full_weights(shape, run.compute_dtype) + shape.vocab * shape.hidden * b,
              "engine kv cache": tp * parse_bytes(kv, "rollout.kv_cache_memory")}
@@ -164,7 +172,7 @@ def vllm_push_bytes(run: Run) -> int:
     largest = max(numel(s) for _, s in run.shape.tensors())
     copy = run.fsdp or run.lora is not None
     tp = run.cfg.rollout.tensor_parallel_size
-    if tp > 1 and not run.cuda:
+    if tp > 1 and not run.cuda and run.world == 1:  # TP worker processes
         weights = full_weights(run.shape, run.compute_dtype)
         b = DTYPE_BYTES[run.compute_dtype]
         return tp * (2 * min(PUSH_BUCKET_BYTES, weights) + largest * b) + copy * largest * b

@@ -101,7 +101,8 @@ class PolicyWorker:
             model_path=cfg.actor.model.path, tokenizer_path=cfg.actor.model.tokenizer_path or cfg.actor.model.path,
             dtype="bfloat16" if mixed else cfg.actor.model.dtype,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
-            seed=cfg.trainer.seed + self.rank,
+            # the ranks of one engine (rollout.tensor_parallel_size of them, consecutive) build it alike
+            seed=cfg.trainer.seed + self.rank // cfg.rollout.tensor_parallel_size,
             limit_images=cfg.data.limit_images if getattr(self.model.config, "vision_config", None) else 0,
             weights=lambda: self.params.inference_weights(self.model))
 

@@ -1,11 +1,13 @@
 """Rollout with vLLM (``rollout.engine: vllm``), colocated with the policy on each rank.
 
-One engine per policy rank, built in the trainer's own process (vLLM's in-process mode,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``): there is no engine process to orphan when the trainer is
-killed, and weights reach the engine as tensors, not through a socket (docs/vllm.md). With
-``rollout.tensor_parallel_size`` > 1 the engine core stays in the trainer's process and its TP
-workers are processes of vLLM's multiprocess executor, which the kernel kills with the trainer
-(fitrl/rollout/vllm_worker.py, ``die_with_parent``); weights reach them in bounded buckets.
+With ``rollout.tensor_parallel_size`` 1, one engine per policy rank, built in the trainer's own
+process (vLLM's in-process mode, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): there is no engine
+process to orphan when the trainer is killed, and weights reach the engine as tensors, not
+through a socket (docs/vllm.md). With tp > 1 and several policy ranks, ``tp`` consecutive ranks
+make one engine, each rank one TP shard in its own process; with one policy rank, the engine's
+TP workers are processes of vLLM's multiprocess executor, which the kernel kills with the
+trainer (fitrl/rollout/vllm_worker.py, ``die_with_parent``), and weights reach them in bounded
+buckets (fitrl/rollout/vllm_build.py says which layout is used when).
 
 The engine's lifecycle per RL step (driven by :class:`fitrl.roles.workers.PolicyWorker`):
 
@@ -31,17 +33,12 @@ masked the same way as in sampling.
 
 from __future__ import annotations
 
-import logging
 import os
-import random
 import time
-from contextlib import contextmanager
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
-from fitrl.config.plan import parse_bytes
 from fitrl.config.schema import RolloutConfig, SamplingConfig
 from fitrl.core.errors import ConfigError, Diverged, EngineError
 from fitrl.core.padding import left_pad
@@ -50,20 +47,15 @@ from fitrl.data.vision import VisionSpec, frames_from_pixels, images_from_pixels
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
+from fitrl.rollout.vllm_build import (SUPPORTED_VLLM, build_llm, engine_layout, trainer_group_kept,
+                                      vllm_version)
 from fitrl.telemetry.guard import GUARD
 
-SUPPORTED_VLLM = ("0.32.",)
-"""vLLM releases this engine was written and tested against (its worker extension touches the
-sampler and the in-place weight reload, which change between releases)."""
-CPU_KV_CACHE = "256MiB"
-"""KV cache on CPU when ``rollout.kv_cache_memory`` is unset (vLLM's own CPU default takes
-several GiB of host memory)."""
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Attention head sizes vLLM 0.32's CPU backend runs."""
 PUSH_BUCKET_BYTES = 128 << 20
-"""Tensor parallelism: full tensors per weight-push call at most (one larger tensor goes alone).
-Every TP worker receives a bucket whole (a copy in its own memory while it loads) and the trainer
-holds it until the call returns; the push never holds the whole model a second time."""
+"""TP worker processes (layout ``workers``): full tensors per weight-push call at most (one larger
+tensor goes alone). Every TP worker receives a bucket whole (a copy in its own memory while it
+loads) and the trainer holds it until the call returns; the push never holds the whole model a
+second time."""
 
 
 @ROLLOUT_ENGINES.register("vllm")
@@ -82,11 +74,15 @@ class VllmRollout(RolloutEngine):
         self.vision = VisionSpec.from_model_dir(context.model_path)  # None for a text model
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.vision.image_token) if self.vision else None
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.vision.video_token) if self.vision else None
-        self.llm = build_llm(cfg, context, model, cuda=self.cuda, sleep=self.sleeps)
-        self.tp = cfg.tensor_parallel_size
+        self.layout = engine_layout(cfg.tensor_parallel_size)
+        self.tp = self.layout.tp
+        # shared: the ranks of one engine exchange their requests (and a sampling seed) over this
+        # group before each generate; new_group is itself a collective over the policy's ranks
+        self.group = shared_groups(self.layout) if self.layout.mode == "shared" else None
+        self.llm = build_llm(cfg, context, model, self.layout, cuda=self.cuda, sleep=self.sleeps)
         missing = self.llm.collective_rpc("fitrl_prepare", args=(list(inputs.never_generate), os.getpid()))[0]
         if missing:
-            raise ConfigError(f"rollout.engine=vllm: this vLLM ({_vllm_version()}) has no {missing}; fitrl's engine "
+            raise ConfigError(f"rollout.engine=vllm: this vLLM ({vllm_version()}) has no {missing}; fitrl's engine "
                               f"supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}")
         if self.vision is not None:
             self.llm.collective_rpc("fitrl_restore_input_norm", args=(list(self.vision.image_mean),
@@ -138,7 +134,8 @@ class VllmRollout(RolloutEngine):
         llm, self.llm = getattr(self, "llm", None), None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+            with trainer_group_kept():  # vLLM would destroy the policy's process group too
+                core.shutdown()
         del llm
         if self.cuda:
             torch.cuda.empty_cache()
@@ -146,7 +143,7 @@ class VllmRollout(RolloutEngine):
     def _push(self) -> None:
         start = time.perf_counter()
         try:
-            if self.tp == 1:  # the worker is this process: the trainer's iterator is passed as is
+            if self.layout.mode != "workers":  # the worker is this process: the trainer's iterator as is
                 count = self.llm.collective_rpc("fitrl_load_weights", args=(self.context.weights(),))[0]
             else:
                 count = self._push_in_buckets()
@@ -199,13 +196,15 @@ class VllmRollout(RolloutEngine):
         # No per-request seeds: in-process, vLLM's sampler draws from this process's torch RNG,
         # whose state fitrl checkpoints (a resumed run samples what the uninterrupted one would).
         # (Seeded requests also fail on vLLM 0.32's CPU backend once a prefill is chunked.)
-        # TP workers draw from their own RNGs: seeded from this process's, the same way.
-        if self.tp > 1:
-            self.llm.collective_rpc("fitrl_seed", args=(int(torch.randint(0, 2**62, ())),))
         if sampling.ignore_eos != self.eos_masked:
             self.llm.collective_rpc("fitrl_mask_eos", args=(list(self.eos_ids) if sampling.ignore_eos else [],))
             self.eos_masked = sampling.ignore_eos
-        outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
+        if self.layout.mode == "shared":
+            outputs = self._generate_shared(requests, sampling)
+        else:
+            if self.layout.mode == "workers":  # TP workers draw from their own RNGs: seeded from this process's
+                self.llm.collective_rpc("fitrl_seed", args=(int(torch.randint(0, 2**62, ())),))
+            outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
         responses, logprobs = [], []
         for out in outputs:
             for sample in sorted(out.outputs, key=lambda s: s.index):
@@ -222,6 +221,24 @@ class VllmRollout(RolloutEngine):
         prompt_ids, prompt_mask = left_pad(seqs["prompt_ids"], self.pad_id, width)
         return assemble_rollout(prompts, seqs, prompt_ids, prompt_mask, responses, logprobs, eos_ids=self.eos_ids,
                                 pad_id=self.pad_id, inputs=self.inputs, tokenizer=self.tokenizer)
+
+    def _generate_shared(self, requests: list[dict], sampling: SamplingConfig) -> list:
+        """One engine over ``tp`` ranks: each of them schedules and samples on its own, in lockstep,
+        so all must submit the same requests from the same RNG state (different requests abort
+        vLLM's TP all-reduce; different RNG states sample different tokens, silently). The group
+        gathers its ranks' requests in rank order and samples from the first rank's seed; each
+        rank keeps the outputs of its own prompts."""
+        seed = int(torch.randint(0, 2**62, ()))  # every rank draws: all RNG streams advance alike
+        gathered: list = [None] * self.tp
+        torch.distributed.all_gather_object(gathered, (requests, seed), group=self.group)
+        everyone = [r for part, _ in gathered for r in part]
+        mine = self.layout.group.index(self.layout.rank)
+        start = sum(len(part) for part, _ in gathered[:mine])
+        devices = [torch.cuda.current_device()] if self.cuda else []
+        with torch.random.fork_rng(devices=devices):  # the trainer's own stream resumes after
+            torch.manual_seed(gathered[0][1])
+            outputs = self.llm.generate(everyone, self._params(sampling), use_tqdm=False)
+        return outputs[start:start + len(requests)]
 
     def _request(self, prompts: Batch, i: int) -> dict[str, Any]:
         ids = list(prompts["prompt_ids"][i])
@@ -292,137 +309,13 @@ class VllmRollout(RolloutEngine):
         return result
 
 
-def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module, *, cuda: bool, sleep: bool):
-    """The vLLM ``LLM`` for this rank, or one line saying why it cannot be built."""
-    # in-process engine core: no engine process to orphan, weights passed as tensors. Set before
-    # vLLM reads its environment (it reads it lazily, at engine construction).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # vLLM logs every engine step's housekeeping at INFO; fitrl's console shows the run's own lines
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm
-    except ImportError as e:
-        raise ConfigError(f"rollout.engine=vllm needs vLLM ({e}): pip install 'fitrl[vllm]' on a CUDA machine, or "
-                          "`make .venv-vllm` for the CPU build (docs/vllm.md); or set rollout.engine=hf") from None
-    if not vllm.__version__.startswith(SUPPORTED_VLLM):
-        raise ConfigError(f"rollout.engine=vllm: vLLM {vllm.__version__} is installed but fitrl's engine supports vLLM "
-                          f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)}: pip install 'fitrl[vllm]'")
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    if not cuda and head not in CPU_HEAD_SIZES:
-        raise ConfigError(f"rollout.engine=vllm on CPU: {context.model_path} has attention heads of size {head}, which "
-                          f"vLLM's CPU backend does not run (sizes {', '.join(map(str, CPU_HEAD_SIZES))}); use "
-                          "rollout.engine=hf, or a model with such heads (fitrl make-tiny-model --head-dim 32)")
-    tp = cfg.tensor_parallel_size
-    if tp > 1:
-        check_tensor_parallel(tp, text_cfg, context.model_path, cuda=cuda)
-    kwargs: dict[str, Any] = dict(
-        model=context.model_path, tokenizer=context.tokenizer_path or context.model_path,
-        dtype=context.dtype, seed=context.seed, max_model_len=context.max_model_len,
-        enforce_eager=cfg.enforce_eager or not cuda, enable_prefix_caching=cfg.enable_prefix_caching,
-        logprobs_mode="processed_logprobs",  # sampler output the worker extension replaces (untruncated)
-        load_format="dummy",  # never read the checkpoint: the first wake pushes the trainer's weights
-        worker_extension_cls="fitrl.rollout.vllm_worker.FitrlWorkerExtension",
-        enable_sleep_mode=sleep, disable_log_stats=True, tensor_parallel_size=tp,
-    )
-    if tp > 1:  # the engine core stays here; its TP workers are processes (spawned, on CPU)
-        kwargs["distributed_executor_backend"] = "mp"
-        if not cuda:
-            bind_cpu_workers(tp)
-    if cfg.kv_cache_memory or not cuda:
-        kwargs["kv_cache_memory_bytes"] = parse_bytes(cfg.kv_cache_memory or CPU_KV_CACHE, "rollout.kv_cache_memory")
-    else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    if context.limit_images:
-        videos = context.limit_images if VisionSpec.from_model_dir(context.model_path).supports_video else 0
-        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": videos}
-    # each push warns that rotary embeddings (which have no weights) "failed to load"
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        lambda record: "Failed to load weights" not in record.getMessage())
-    # vLLM freezes its environment variables once an engine is built in a process; a later
-    # engine here (a test's, or this one's TP binding) must see the current ones
-    import vllm.envs
-
-    vllm.envs.disable_envs_cache()
-    try:
-        with trainer_process_kept():
-            return vllm.LLM(**kwargs)
-    except Exception as e:  # vLLM's own errors are long; the first line names the cause
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise EngineError(f"vLLM could not build its engine for {context.model_path}: {first}") from e
-
-
-def check_tensor_parallel(tp: int, text_cfg, model_path: str, *, cuda: bool) -> None:
-    """One line for what ``rollout.tensor_parallel_size`` > 1 cannot run, naming the fix."""
-    for what, n in (("attention heads", text_cfg.num_attention_heads),
-                    ("intermediate size", getattr(text_cfg, "intermediate_size", None))):
-        if isinstance(n, int) and n % tp:
-            divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
-            raise ConfigError(f"rollout.tensor_parallel_size={tp}: {model_path}'s {n} {what} do not split into {tp} "
-                              f"shards; use one of {divisors}")
-    kv = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-    if kv % tp and tp % kv:  # vLLM shards KV heads, or replicates them over a multiple of their count
-        raise ConfigError(f"rollout.tensor_parallel_size={tp}: {model_path}'s {kv} key/value heads neither split "
-                          f"into {tp} shards nor divide {tp}; use a divisor or a multiple of {kv}")
-    if cuda:
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise ConfigError(f"rollout.tensor_parallel_size={tp} with {torch.distributed.get_world_size()} policy "
-                              "ranks: every rank builds its own engine, whose TP workers would take the same GPUs "
-                              "as the other ranks' (engines shared by several ranks are not in this release); set "
-                              "rollout.tensor_parallel_size=1, or run one policy rank that sees the engine's GPUs")
-        if tp > torch.cuda.device_count():
-            raise ConfigError(f"rollout.tensor_parallel_size={tp}: this process sees {torch.cuda.device_count()} GPU(s) "
-                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}) and each TP worker "
-                              "takes one; make more visible or lower rollout.tensor_parallel_size")
-    elif tp > len(os.sched_getaffinity(0)):
-        raise ConfigError(f"rollout.tensor_parallel_size={tp}: this process may run on "
-                          f"{len(os.sched_getaffinity(0))} CPU core(s) and each TP worker needs one at least; "
-                          "lower rollout.tensor_parallel_size")
-
-
-def bind_cpu_workers(tp: int) -> None:
-    """vLLM binds each CPU TP worker's OpenMP threads to one NUMA node of its own and refuses
-    more workers than nodes (``utils/ompmultiprocessing.py``). Where the machine has fewer nodes
-    and ``VLLM_CPU_OMP_THREADS_BIND`` is unset, the cores this process may use are split into
-    ``tp`` contiguous groups instead (``0,1|2,3``), one per worker."""
-    from vllm.utils.cpu_resource_utils import get_visible_memory_node
-
-    global _cpu_binding
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding) != _cpu_binding:  # the user's own
-        return
-    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier engine's split, for another tp
-    if len(get_visible_memory_node()) >= tp:
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    groups = [cores[i * len(cores) // tp:(i + 1) * len(cores) // tp] for i in range(tp)]
-    _cpu_binding = os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
-
-
-_cpu_binding = None  # the split bind_cpu_workers last set
-
-
-@contextmanager
-def trainer_process_kept():
-    """Undo what building an in-process engine does to the trainer's process: vLLM seeds the
-    global RNGs (Python, NumPy, torch) with its own seed, and its CPU worker drops torch to one
-    thread and replaces ``torch.set_num_threads`` with a no-op. The trainer's RNG streams (part of
-    exact resume) and its thread count (``trainer.num_threads``) are restored afterwards."""
-    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        torch.set_num_threads = set_threads
-        set_threads(threads)
-
-
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return vllm.__version__
-    except ImportError:
-        return "not installed"
+def shared_groups(layout) -> Any:
+    """This rank's engine group (gloo: the requests exchanged are Python objects on the host).
+    Every rank creates every group, in the same order: ``new_group`` is a collective."""
+    mine = None
+    for first in range(0, layout.world, layout.tp):
+        ranks = list(range(first, first + layout.tp))
+        group = torch.distributed.new_group(ranks, backend="gloo")
+        if layout.rank in ranks:
+            mine = group
+    return mine

@@ -29,6 +29,7 @@ import torch
 from fitrl.config.plan import parse_bytes
 from fitrl.config.schema import RolloutConfig
 from fitrl.core.errors import ConfigError, EngineError
+from fitrl.data.vision import VisionSpec
 from fitrl.rollout.engine import EngineContext
 
 SUPPORTED_VLLM = ("0.32.",)

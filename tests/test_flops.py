@@ -124,6 +124,9 @@ def test_gpu_peak_table():
 
 
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FITRL_CACHE_DIR", str(tmp_path / "mine"))  # fitrl's cache directory wins
+    assert cache_file() == tmp_path / "mine" / "peak_flops.json"
+    monkeypatch.delenv("FITRL_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_file() == tmp_path / "xdg" / "fitrl" / "peak_flops.json"
     calls = []
@@ -189,6 +192,7 @@ def test_step_perf_counts_tokens_from_masks(tiny_model_dir):
 def test_short_run_logs_perf(tiny_model_dir, tmp_path, monkeypatch):
     from fitrl.trainer.run import train
 
+    monkeypatch.delenv("FITRL_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the CPU benchmark's cache
     run_dir = tmp_path / "run"
     train(toy_config(tiny_model_dir, run_dir, "trainer.max_steps=1", "rollout.n=2", "data.val_files=[]",

@@ -217,3 +217,10 @@ def test_cpu_engine_plan_within_15_percent_of_measured(bench_models, size):
         plan_engine = planned[kv][2] - planned["hf"][2]
         measured_engine = (MEASURED_GIB[size, kv][2] - MEASURED_GIB[size, "hf"][2]) * C.GIB
         assert abs(plan_engine / measured_engine - 1) <= 0.10, (size, kv, plan_engine / C.GIB, measured_engine / C.GIB)
+
+
+def test_engine_emulation_without_a_vllm_engine_is_named_not_silently_dropped():
+    hf = _plan("rollout.engine=hf", "plan.emulate.free_cache_engine=true", "plan.emulate.swap_space_gib=4")
+    assert any(n.startswith("plan.emulate.free_cache_engine, plan.emulate.swap_space_gib ignored with "
+                            "rollout.engine=hf") for n in hf.notes), hf.notes
+    assert not any("ignored with" in n for n in _plan("plan.emulate.free_cache_engine=true").notes)

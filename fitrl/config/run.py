@@ -213,7 +213,7 @@ class TrainerConfig:
     signal_grace_s: float = 25.0
     """After the first SIGINT/SIGTERM the run stops at the next safe point (before the step's next phase, or after its update) and saves an emergency checkpoint if that save ends within this many seconds of the signal (judged by this run's last save; Slurm and Kubernetes send SIGKILL 30 s after SIGTERM by default); otherwise the last complete checkpoint is the resume point. A second signal stops at once. Exit status 130 (SIGINT) or 143 (SIGTERM). 0: never save on a signal."""
     peak_flops: float = 0.0
-    """Peak FLOP/s of one device for ``perf/mfu`` (e.g. ``989e12``); 0: the GPU's datasheet figure from a table, or on CPU a matmul benchmark measured once and cached in ``~/.cache/fitrl/peak_flops.json``."""
+    """Peak FLOP/s of one device for ``perf/mfu`` (e.g. ``989e12``); 0: the GPU's datasheet figure from a table, or on CPU a matmul benchmark measured once and cached in fitrl's cache directory (``$FITRL_CACHE_DIR``, default ``~/.cache/fitrl``)."""
 
     def __post_init__(self) -> None:
         for name, low in (("max_steps", 0), ("val_freq", 0), ("log_freq", 1), ("num_threads", 0), ("nnodes", 1),

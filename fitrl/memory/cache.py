@@ -31,6 +31,8 @@ import pickle
 import sys
 import tempfile
 from pathlib import Path
+
+from fitrl.core.cache import cache_root
 from typing import Any, Optional
 
 import fitrl
@@ -51,11 +53,7 @@ LIBRARIES = ("torch", "transformers", "peft")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("FITRL_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "fitrl")
-    return Path(root) / "plans"
+    return cache_root() / "plans"
 
 
 def plan_key(cfg, hardware, extra: Any = None) -> str:

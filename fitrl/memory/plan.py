@@ -54,12 +54,26 @@ def _plan(run: Run) -> Plan:
     if cfg.rollout.engine == "vllm" and run.cuda:  # on CPU the engine is in the trainer's process (.trainer)
         engine, growth = vllm_plan(run, notes)
         processes.append(engine)
+    else:
+        _unused_engine_emulation(run, notes)
     processes += driver_and_node_plans(run)
     if not run.fsdp:  # one process: trainer, driver and node share it
         processes = [p for p in processes if p.kind != "rank0"]
         _decoding_before_generate(run, processes)
     _image_notes(run, notes)
     return Plan(cfg, hardware, shape, spec, processes, notes, growth)
+
+
+def _unused_engine_emulation(run: Run, notes: list[str]) -> None:
+    """``plan.emulate``'s engine behaviours describe another framework's vLLM engine on GPUs; with
+    the HF engine, or on CPU, nothing reads them: say so rather than plan as if they held."""
+    em, default = run.cfg.plan.emulate, type(run.cfg.plan.emulate)()
+    keys = [k for k in ("free_cache_engine", "separate_processes", "swap_space_gib")
+            if getattr(em, k) != getattr(default, k)]
+    if keys:
+        where = "rollout.engine=hf" if run.cfg.rollout.engine != "vllm" else "a CPU run (the engine is in the trainer)"
+        notes.append(f"{', '.join('plan.emulate.' + k for k in keys)} ignored with {where}: they emulate another "
+                     "framework's vLLM engine on GPUs")
 
 
 def _decoding_before_generate(run: Run, processes: list) -> None:

@@ -13,8 +13,7 @@ A device the table does not know gets no MFU (throughput is still logged); ``tra
 sets the peak of one device by hand and overrides the table and the benchmark.
 
 On CPU the peak is measured: the best rate of a square matmul at the run's dtype and thread
-count, a fraction of a second, cached in ``$XDG_CACHE_HOME/fitrl/peak_flops.json`` (default
-``~/.cache``) under the CPU model, thread count and dtype, so a machine is measured once.
+count, a fraction of a second, cached in ``peak_flops.json`` of fitrl's cache directory (``fitrl.core.cache``) under the CPU model, thread count and dtype, so a machine is measured once.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from fitrl.core.cache import cache_root
 
 log = logging.getLogger("fitrl.telemetry")
 
@@ -106,8 +107,7 @@ def measure_matmul_flops(dtype: str, threads: int, budget_s: float = 0.3) -> flo
 
 
 def cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fitrl" / "peak_flops.json"
+    return cache_root() / "peak_flops.json"
 
 
 def cpu_model_name() -> str:

@@ -62,20 +62,26 @@ def test_token_budget_holds_more_sequences_at_expected_lengths(tiny_model_dir):
 
 
 @pytest.mark.parametrize("budget,prompt,response", [(3000, 512, 512), (24000, 250, 400), (2048, 512, 512)])
-def test_token_budget_plans_the_actors_own_split(tiny_model_dir, budget, prompt, response):
-    """The planner's micro-batch is the largest of the split ``Actor.partition`` makes: as few
-    micro-batches as the budget allows, balanced, so a batch of 64 sequences of 1,024 tokens under
-    a 3,000-token budget runs 22 micro-batches of up to 3 sequences (3,072 tokens), and one of
-    650-token sequences under 24,000 tokens two of 32 (20,800 tokens), not 36 (the budget's worth)."""
+def test_token_budget_plans_the_budgets_worth(tiny_model_dir, budget, prompt, response):
+    """The actor keeps each micro-batch's padded size within the budget, whatever the lengths, so
+    the planner's micro-batch is the budget's worth at the planned length, rounded up: 3 sequences
+    of 1,024 tokens under 3,000, 37 of 650 under 24,000. Lengths that pack differently (many short ones
+    with a few long ones) never pad to more tokens than that."""
+    import random
+
     from fitrl.data.balance import micro_batches_by_tokens
 
     cfg = _cfg(tiny_model_dir, f"actor.micro_batch_token_budget={budget}")
     plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=1), lengths=Lengths(prompt, response, "config", "config"))
     run = Run(cfg, plan.hardware, plan.shape, None, plan.spec, Lengths(prompt, response))
     assert run.seqs_per_rank == run.mini_seqs_per_rank == 64
-    split = micro_batches_by_tokens([prompt + response] * 64, budget)
-    assert run.micro(4, update=True) == run.micro(4) == max(len(b) for b in split)
-    assert {(3000, 512): 3, (24000, 250): 32, (2048, 512): 2}[budget, prompt] == run.micro(4)
+    assert {(3000, 512): 3, (24000, 250): 37, (2048, 512): 2}[budget, prompt] == run.micro(4, update=True) == run.micro(4)
+    rng = random.Random(0)
+    full = prompt + response
+    for lengths in ([full] * 64, [full] + [prompt + 1] * 63, [rng.randint(prompt + 1, full) for _ in range(64)]):
+        split = micro_batches_by_tokens(lengths, budget)
+        assert sorted(i for b in split for i in b) == list(range(64))
+        assert max(len(b) * max(lengths[i] for i in b) for b in split) <= run.micro(4) * full
 
 
 def test_verdict_rule_three_outcomes(tiny_model_dir):

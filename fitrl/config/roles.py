@@ -193,7 +193,7 @@ class ActorConfig:
     logprob_micro_batch_size: int = 16
     """Sequences per forward when computing log-probs without gradients."""
     micro_batch_token_budget: int = 0
-    """When > 0, micro-batches (update and log-prob) are formed by tokens instead: as few as keep each near this many prompt+response tokens, balanced, and the same number on every rank. 0 uses the sequence counts above."""
+    """When > 0, micro-batches (update and log-prob) are formed by tokens instead: sequences of similar length grouped so that each micro-batch's padded size (sequences x its longest, what a forward holds) stays within this many prompt+response tokens (a longer sequence alone), as few as that allows, and the same number on every rank. 0 uses the sequence counts above."""
     ppo_epochs: int = 1
     """Passes over the rollout batch per RL step."""
     clip_ratio_low: float = 0.2

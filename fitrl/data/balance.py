@@ -1,11 +1,10 @@
-"""Balancing work by tokens: micro-batches under a token budget, and equal-count data-parallel
-shards with similar token totals. Pure functions over sequence lengths.
+"""Balancing work by tokens: micro-batches under a (padded) token budget, and equal-count
+data-parallel shards with similar token totals. Pure functions over sequence lengths.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 
 
 def balanced_bins(lengths: list[int], num_bins: int) -> list[list[int]]:
@@ -27,10 +26,46 @@ def balanced_bins(lengths: list[int], num_bins: int) -> list[list[int]]:
 
 
 def micro_batches_by_tokens(lengths: list[int], budget: int, min_count: int = 1) -> list[list[int]]:
-    """As few micro-batches as keep each near ``budget`` tokens (at least ``min_count``, e.g. the
-    largest count over data-parallel ranks, so every rank runs the same number of backwards)."""
-    count = max(min_count, math.ceil(sum(lengths) / max(budget, 1)))
-    return balanced_bins(lengths, min(count, len(lengths)))
+    """Micro-batches whose *padded* size (sequences x the longest of them, what a forward holds:
+    fitrl pads a micro-batch to its longest) stays within ``budget`` tokens, a sequence longer
+    than the budget alone; as few as that allows, at least ``min_count`` (e.g. the largest count
+    over data-parallel ranks, so every rank runs the same number of backwards) and at most one per
+    sequence, with the largest padded size as small as that many allow. Sequences are grouped by
+    length (longest first), each group in ascending index order.
+
+    Bounding real tokens instead would let many short sequences and one long one share a
+    micro-batch padded to the long one: more than the budget, and more than a plan at the caps.
+
+    >>> micro_batches_by_tokens([10, 50, 12, 48], 100)  # 50+48 padded to 2 x 50; 12+10 to 2 x 12
+    [[1, 3], [0, 2]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    count = min(len(lengths), max(min_count, len(_pack(order, lengths, budget))))
+    # the smallest padded cap at which packing needs no more than ``count`` micro-batches
+    lo, hi = max(lengths, default=0), max(budget, max(lengths, default=0))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_pack(order, lengths, mid)) <= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    bins = _pack(order, lengths, lo)
+    while len(bins) < count:  # fewer than the ranks' count: split the fullest (never raises a cap)
+        bins.sort(key=len, reverse=True)
+        big = bins.pop(0)
+        bins += [big[:len(big) // 2], big[len(big) // 2:]]
+    return [sorted(b) for b in sorted(bins, key=lambda b: (-max(lengths[i] for i in b), min(b)))]
+
+
+def _pack(order: list[int], lengths: list[int], cap: int) -> list[list[int]]:
+    """Consecutive runs of ``order`` (longest first) while runs x their first (longest) <= cap."""
+    bins: list[list[int]] = []
+    for i in order:
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= cap:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return bins
 
 
 def equal_count_shards(lengths: list[int], parts: int) -> list[int]:

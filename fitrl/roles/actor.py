@@ -134,13 +134,14 @@ class Actor:
         return Batch({"old_logprobs": logp, "entropy": entropy})
 
     def partition(self, batch: Batch, size: int) -> list[list[int]]:
-        """Micro-batch indices: consecutive runs of ``size``, or, with a token budget, groups
-        balanced by length and as many on every rank (under FSDP2 each forward is a collective)."""
+        """Micro-batch indices: consecutive runs of ``size``, or, with a token budget, groups of
+        similar length whose padded size stays within it, as many on every rank (under FSDP2 each
+        forward is a collective)."""
         budget = self.cfg.micro_batch_token_budget
         if not budget:
             return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
         lengths = batch["attention_mask"].sum(-1).tolist()
-        count = all_reduce_max(math.ceil(sum(lengths) / budget), batch["attention_mask"].device)
+        count = all_reduce_max(len(micro_batches_by_tokens(lengths, budget)), batch["attention_mask"].device)
         return micro_batches_by_tokens(lengths, budget, min_count=count)
 
     def _forward(self, micro: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = False):

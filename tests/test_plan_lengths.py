@@ -62,26 +62,33 @@ def test_token_budget_holds_more_sequences_at_expected_lengths(tiny_model_dir):
 
 
 @pytest.mark.parametrize("budget,prompt,response", [(3000, 512, 512), (24000, 250, 400), (2048, 512, 512)])
-def test_token_budget_plans_the_budgets_worth(tiny_model_dir, budget, prompt, response):
-    """The actor keeps each micro-batch's padded size within the budget, whatever the lengths, so
-    the planner's micro-batch is the budget's worth at the planned length, rounded up: 3 sequences
-    of 1,024 tokens under 3,000, 37 of 650 under 24,000. Lengths that pack differently (many short ones
-    with a few long ones) never pad to more tokens than that."""
+def test_token_budget_plans_the_actors_split_and_bounds_it_at_the_caps(tiny_model_dir, budget, prompt, response):
+    """The actor keeps each micro-batch's padded size within the budget, as few as allows,
+    balanced. At expected lengths the planner takes that split of equal sequences: 64 of 1,024
+    tokens under 3,000 go 2 to a micro-batch, 64 of 650 under 24,000 go 32 and 32 (not 36 and 28).
+    At the caps it takes the budget's worth, rounded up (3 of 1,024, 37 of 650): lengths up to the
+    caps that pack otherwise (many short ones with a long one) never pad to more tokens than that."""
     import random
 
     from fitrl.data.balance import micro_batches_by_tokens
 
-    cfg = _cfg(tiny_model_dir, f"actor.micro_batch_token_budget={budget}")
-    plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=1), lengths=Lengths(prompt, response, "config", "config"))
-    run = Run(cfg, plan.hardware, plan.shape, None, plan.spec, Lengths(prompt, response))
-    assert run.seqs_per_rank == run.mini_seqs_per_rank == 64
-    assert {(3000, 512): 3, (24000, 250): 37, (2048, 512): 2}[budget, prompt] == run.micro(4, update=True) == run.micro(4)
-    rng = random.Random(0)
     full = prompt + response
+    for caps in (False, True):
+        extra = [f"data.max_prompt_length={prompt}", f"rollout.max_response_length={response}"] if caps else []
+        cfg = _cfg(tiny_model_dir, f"actor.micro_batch_token_budget={budget}", *extra)
+        lengths = None if caps else Lengths(prompt, response)
+        plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=1),
+                           lengths=Lengths(prompt, response, "config", "config"))
+        run = Run(cfg, plan.hardware, plan.shape, None, plan.spec, lengths)
+        assert run.seq_len == full and run.seqs_per_rank == run.mini_seqs_per_rank == 64
+        want = {(3000, 512): (2, 3), (24000, 250): (32, 37), (2048, 512): (2, 2)}[budget, prompt][caps]
+        assert run.micro(4, update=True) == run.micro(4) == want
+    rng = random.Random(0)
     for lengths in ([full] * 64, [full] + [prompt + 1] * 63, [rng.randint(prompt + 1, full) for _ in range(64)]):
         split = micro_batches_by_tokens(lengths, budget)
         assert sorted(i for b in split for i in b) == list(range(64))
-        assert max(len(b) * max(lengths[i] for i in b) for b in split) <= run.micro(4) * full
+        assert max(len(b) * max(lengths[i] for i in b) for b in split) <= min(budget, 64 * full) or len(split) == 64
+        assert max(len(b) * max(lengths[i] for i in b) for b in split) <= run.micro(4) * full  # the caps' plan
 
 
 def test_verdict_rule_three_outcomes(tiny_model_dir):

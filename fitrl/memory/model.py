@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
+from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
 from fitrl.memory.shapes import ModelShape, VisualInput
@@ -323,17 +324,22 @@ class Run:
         return max(1, min(self.seqs_per_rank, self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world))
 
     def micro(self, size: int, update: bool = False) -> int:
-        """Sequences in one forward: the count; or, with a token budget, the budget's worth at
-        :attr:`seq_len` tokens each, ``ceil(budget / seq_len)`` (at most the sequences split
-        together: a mini-batch in the update, the rank's whole batch for log-probs). The
-        actor keeps every micro-batch's padded size (sequences x its longest) within the budget
-        (``Actor.partition``, fitrl/data/balance.py), so this bounds what any lengths make: shorter
-        sequences come more to a micro-batch, never more padded tokens."""
+        """Sequences in one forward: the count; or, with a token budget, what the actor's split
+        (``Actor.partition``, fitrl/data/balance.py) puts in its largest micro-batch. The actor keeps
+        every micro-batch's padded size (sequences x its longest) within the budget, as few
+        micro-batches as that allows, balanced. At the caps the plan takes the worst any lengths up
+        to them can make: the budget's worth, ``ceil(budget / seq_len)`` sequences of
+        :attr:`seq_len` (short sequences come more to a micro-batch, never more padded tokens). At
+        expected lengths it takes the split of equal sequences of that length (the typical step).
+        Either way at most the sequences split together: a mini-batch in the update, the rank's
+        whole batch for log-probs."""
         budget = self.cfg.actor.micro_batch_token_budget
         if not budget:
             return min(size, self.seqs_per_rank)
         seqs = self.mini_seqs_per_rank if update else self.seqs_per_rank
-        return max(1, min(seqs, -(-budget // max(1, self.seq_len))))
+        if self.lengths is None:
+            return max(1, min(seqs, -(-budget // max(1, self.seq_len))))
+        return max(len(b) for b in micro_batches_by_tokens([self.seq_len] * seqs, budget))
 
     def batch_bytes(self, seqs: int) -> int:
         """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are

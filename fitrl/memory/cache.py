@@ -31,11 +31,10 @@ import pickle
 import sys
 import tempfile
 from pathlib import Path
-
-from fitrl.core.cache import cache_root
 from typing import Any, Optional
 
 import fitrl
+from fitrl.core.cache import cache_root
 
 log = logging.getLogger(__name__)
 

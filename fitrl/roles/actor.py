@@ -141,8 +141,9 @@ class Actor:
         if not budget:
             return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
         lengths = batch["attention_mask"].sum(-1).tolist()
-        count = all_reduce_max(len(micro_batches_by_tokens(lengths, budget)), batch["attention_mask"].device)
-        return micro_batches_by_tokens(lengths, budget, min_count=count)
+        bins = micro_batches_by_tokens(lengths, budget)
+        count = all_reduce_max(len(bins), batch["attention_mask"].device)
+        return bins if count == len(bins) else micro_batches_by_tokens(lengths, budget, min_count=count)
 
     def _forward(self, micro: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = False):
         with autocast(micro["input_ids"].device, self.autocast_dtype):

@@ -21,7 +21,7 @@ import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -79,9 +79,10 @@ def engine_layout(tp: int) -> EngineLayout:
 
 
 def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module, layout: EngineLayout, *, cuda: bool,
-              sleep: bool):
+              sleep: bool, vision: Optional[VisionSpec] = None):
     """The vLLM ``LLM`` for this rank, or one line saying why it cannot be built. ``shared``: a
-    collective over the policy's process group (every rank builds at the same point)."""
+    collective over the policy's process group (every rank builds at the same point). ``vision``:
+    the model's vision settings (None for a text model)."""
     # in-process engine core: no engine process to orphan, weights passed as tensors. Set before
     # vLLM reads its environment (it reads it lazily, at engine construction).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -124,7 +125,7 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     if context.limit_images:
-        videos = context.limit_images if VisionSpec.from_model_dir(context.model_path).supports_video else 0
+        videos = context.limit_images if vision is not None and vision.supports_video else 0
         kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": videos}
     # each push warns that rotary embeddings (which have no weights) "failed to load"
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(

@@ -79,7 +79,7 @@ class VllmRollout(RolloutEngine):
         # shared: the ranks of one engine exchange their requests (and a sampling seed) over this
         # group before each generate; new_group is itself a collective over the policy's ranks
         self.group = shared_groups(self.layout) if self.layout.mode == "shared" else None
-        self.llm = build_llm(cfg, context, model, self.layout, cuda=self.cuda, sleep=self.sleeps)
+        self.llm = build_llm(cfg, context, model, self.layout, cuda=self.cuda, sleep=self.sleeps, vision=self.vision)
         missing = self.llm.collective_rpc("fitrl_prepare", args=(list(inputs.never_generate), os.getpid()))[0]
         if missing:
             raise ConfigError(f"rollout.engine=vllm: this vLLM ({vllm_version()}) has no {missing}; fitrl's engine "

@@ -22,7 +22,7 @@ mismatch would otherwise be exactly this difference, ``tests/test_mrope.py``).
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -35,11 +35,12 @@ def vision_run_positions(start: int, grid: tuple[int, int, int], merge: int, ste
     return torch.stack([tt, hh, ww]).reshape(3, -1) + start
 
 
-def sequence_positions(token_types: list[int], image_grids: list, video_grids: list, video_steps: list[float],
-                       merge: int) -> torch.Tensor:
+def sequence_positions(token_types: list[int], image_grids: Iterable, video_grids: Iterable,
+                       video_steps: Iterable[float], merge: int) -> torch.Tensor:
     """(3, len(token_types)) positions of one unpadded sequence; ``token_types``: 0 text, 1 image
-    pad, 2 video pad; grids and steps are consumed in order of appearance."""
-    grids = {1: iter(image_grids), 2: iter(zip(video_grids, video_steps))}
+    pad, 2 video pad; grids and steps are consumed in order of appearance (iterators shared by a
+    batch's rows are consumed as far as this row goes)."""
+    grids = {1: iter(image_grids), 2: zip(video_grids, video_steps)}
     runs, next_pos = [], 0
     for kind, group in itertools.groupby(token_types):
         n = len(list(group))
@@ -76,14 +77,10 @@ def rope_index(token_types: torch.Tensor, attention_mask: Optional[torch.Tensor]
     positions = torch.zeros(3, B, T, dtype=torch.long)
     deltas = torch.zeros(B, 1, dtype=torch.long)
     types, keep = token_types.cpu(), mask.cpu()
-    used_images = used_videos = 0
+    images, videos, steps = iter(images), iter(videos), iter(steps)  # rows take theirs in batch order
     for b in range(B):
         row = types[b][keep[b]].tolist()
-        n_img = sum(1 for k, _ in itertools.groupby(row) if k == 1)
-        n_vid = sum(1 for k, _ in itertools.groupby(row) if k == 2)
-        pos = sequence_positions(row, images[used_images:used_images + n_img], videos[used_videos:used_videos + n_vid],
-                                 steps[used_videos:used_videos + n_vid], merge)
-        used_images, used_videos = used_images + n_img, used_videos + n_vid
+        pos = sequence_positions(row, images, videos, steps, merge)
         positions[:, b, keep[b]] = pos
         deltas[b, 0] = (int(pos.max()) + 1 if pos.numel() else 0) - len(row)
     device = token_types.device

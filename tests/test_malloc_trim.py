@@ -50,7 +50,8 @@ def test_config_key(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("trim", [True, False])
 def test_policy_phases_trim(tmp_path, tiny_model_dir, trims, trim):
-    """Each of a CPU policy's calls (generate, log-probs, update) ends with one trim, or none."""
+    """Each of a CPU policy's calls (generate, log-probs, update) ends with one trim, and each
+    micro-batch of its log-probs and update with one more; or none at all."""
     from fitrl.config.schema import SamplingConfig
     from fitrl.data.batch import Batch
 
@@ -62,7 +63,10 @@ def test_policy_phases_trim(tmp_path, tiny_model_dir, trims, trim):
     batch.update(worker.compute_logprob(batch))
     batch.update(advantages=torch.ones_like(batch["response_mask"], dtype=torch.float32))
     worker.update(batch)
-    assert len(trims) - built == (3 if trim else 0)
+    a = worker.actor.cfg
+    micro = len(worker.actor.partition(batch, a.logprob_micro_batch_size)) + len(worker.actor.partition(batch, a.micro_batch_size))
+    assert micro >= 2
+    assert len(trims) - built == (3 + micro if trim else 0)
 
 
 @pytest.mark.skipif(mem._libc() is None, reason="no glibc")
@@ -115,3 +119,15 @@ def test_cpu_plan_follows_trim(tmp_path, tiny_model_dir, ckpt):
     for ph in ("rollout", "old_logprob"):
         assert sum(untrimmed[ph].host.values()) == pytest.approx(
             sum(bare[ph].host.values()) + max(0, retained - traced(bare[ph], TRANSIENT)), abs=2)
+
+
+def test_cpu_plan_bf16_compute_factor(tmp_path, tiny_model_dir):
+    """bf16 compute over fp32 weights (autocast in one process) scales the update's traced
+    activations and logits by the mixed-precision factor, not the fp32 one."""
+    mixed = "actor.fsdp.mixed_precision=true"
+    bare = _cpu_plan(tiny_model_dir, tmp_path, mixed, "plan.host_malloc=mmap")["update"]
+    trimmed = _cpu_plan(tiny_model_dir, tmp_path, mixed)["update"]
+    traced = lambda u: u.host.get("activations", 0) + u.host.get("logits", 0)  # noqa: E731
+    assert traced(bare) > 0
+    assert traced(trimmed) == pytest.approx(C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR * traced(bare), abs=2)
+    assert C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR > C.CPU_TRIMMED_BACKWARD_RSS_FACTOR

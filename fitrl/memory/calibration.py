@@ -132,32 +132,32 @@ batch) / the update's transients, measured with the gradients freed: 0.60-0.93, 
 (0.62 when the gradients were still held and counted apart); a second run gave 0.46-1.00, mean
 0.70. That spread, and up to 0.14 between two runs of one configuration, bounds the accuracy of
 a CPU run's phases after an update under the default allocator (about ±20%)."""
-CPU_TRIMMED_BACKWARD_RSS_FACTOR = 1.32
-"""Measured (default glibc, heap trimmed at every phase's end: ``memory.trim_heap``): peak RSS of
-an update above what it holds (runtime, weights, AdamW states, gradients, batch) / its traced
-activations and logits. ``.venv/bin/python bench/plan_accuracy.py --malloc glibc --factors``
-(which prints (measured - held) / transients per phase; 2026-11-23, the 2-core machine under
-heavy load from other sessions, which moves times, not memory): 1.28 (configuration 1, small),
-1.31 (3, small, R384, chunked log-probs), 1.19 (4, the same unchunked), 1.12 (14, the deep
-16k-vocabulary model); mean 1.23. 1.57 on the tiny model (0: 0.026 GiB of transients, left out
-as for :data:`CPU_RETAINED_AFTER_UPDATE`). Set to cover the largest (configuration 3's update
-+0.6% instead of -0.5%): the untrimmed figure (:data:`CPU_BACKWARD_RSS_FACTOR`) holds, as
-expected, since the update allocates the same blocks into a heap that the trim emptied. No
-2-rank or bf16 configuration was reached; held out, ``bench/cpu_corpus.py`` configuration 5
-(2 FSDP2 ranks, bf16 compute) measured its update 5.9% above the plan (bench/RESULTS.md, "Host
-memory on CPU")."""
-CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 3.8
-"""Measured once, kept conservative: the same ratio with gradient checkpointing was 3.27 in the one
-configuration measured trimmed (2, small; same command as above). Configurations 5 and 9
-(checkpointed, chunked and 2 ranks) were not reached in the time the measuring session had,
-so one figure does not justify lowering the untrimmed factor (:data:`CPU_RECOMPUTE_RSS_FACTOR`:
-3.6-4.0): kept at 3.8, which over-predicts configuration 2's update by +4.9%."""
-CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR = 2.0
-"""Not measured trimmed (configurations 12 and 13 of ``bench/plan_accuracy.py`` were not reached
-in the time the measuring session had): the untrimmed figure (:data:`CPU_LORA_BACKWARD_RSS_FACTOR`,
-1.9-2.1) is kept. The trimmed full-fine-tuning factor equals its untrimmed one (1.32 vs 1.3), so
-the same is expected here; check it with ``bench/plan_accuracy.py --only 12 13 --malloc glibc
---factors``."""
+CPU_TRIMMED_BACKWARD_RSS_FACTOR = 1.27
+"""Measured (default glibc, heap trimmed at every phase's end and after every micro-batch:
+``memory.trim_heap``, fitrl/roles/workers.py): peak RSS of an update above what it holds
+(runtime, weights, AdamW states, gradients, batch) / its traced activations and logits, fp32
+compute. ``.venv/bin/python bench/plan_accuracy.py --malloc glibc --factors --only 1 3 4 14 18 8``
+(2026-11-24, the 2-core machine, quiet): 1.18 (configuration 1, small), 1.19 (3, small, R384,
+chunked log-probs), 1.14 (4, the same unchunked), 1.11 (14, the deep 16k-vocabulary model), 1.10
+(18, llama tiny), 1.27 (8, small on two FSDP2 ranks). Set to the largest. Trimmed only at phase
+ends the same update took 1.1-1.9x, changing from run to run (configuration 1: 1.28 in one run,
+1.49 in another; bench/RESULTS.md, "Host memory on CPU"): the heap grew over the micro-batches."""
+CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR = 1.85
+"""Measured: the same ratio with bf16 compute over fp32 weights (``actor.fsdp.mixed_precision``):
+1.82 (configuration 17, the deep model on two FSDP2 ranks, which cast each unit's gathered
+weights), 1.44 (16, one process under autocast, whose cast weights live in the autocast cache
+for one forward). Same command with ``--only 16 17``. Set just above the larger: the casts' copies
+come and go between the activations and the heap keeps more of their holes."""
+CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 2.6
+"""Measured: the same ratio with gradient checkpointing, whose recomputation allocates and frees
+every layer's activations again inside backward: 2.57 (configuration 2, small), 1.78 (15, llama
+deep, chunk 512); same command with ``--only 2 15``. Set to cover the larger (3.8 before the heap
+was trimmed between micro-batches)."""
+CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR = 1.65
+"""Measured: the same ratio with LoRA adapters (PEFT) on every linear layer: 1.65 (configuration
+12, medium, KL from the policy with adapters off), 1.64 (13, small, R384, chunked); same command
+with ``--only 12 13``. PEFT's adapter sum makes three ``tokens x out`` tensors per adapted layer,
+two freed at once between saved activations (:data:`CPU_LORA_BACKWARD_RSS_FACTOR`)."""
 CPU_TRIMMED_PHASE_RSS_FACTOR = 3.3
 """Measured, not a constant: peak RSS of a no-grad phase (log-probs, reference log-probs, values)
 above what it holds, once the heap was trimmed at the previous phase's end / its traced

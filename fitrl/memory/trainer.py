@@ -254,8 +254,11 @@ def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora:
     set for a heap trimmed at every phase's end (``memory.trim_heap``, the default) and one for
     a heap that kept the last step's blocks."""
     if run.cfg.memory.trim_heap:  # (a no-grad pass's excess is :func:`_cpu_retention`'s, with the rest of the phase)
+        mixed = run.compute_dtype != "float32"  # bf16 compute casts fp32 weights every forward
         logprob, recompute, lora_bwd, bwd = (1.0, C.CPU_TRIMMED_RECOMPUTE_RSS_FACTOR,
-                                             C.CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR, C.CPU_TRIMMED_BACKWARD_RSS_FACTOR)
+                                             C.CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR,
+                                             C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR if mixed
+                                             else C.CPU_TRIMMED_BACKWARD_RSS_FACTOR)
     else:
         logprob, recompute, lora_bwd, bwd = (C.CPU_LOGPROB_RSS_FACTOR, C.CPU_RECOMPUTE_RSS_FACTOR,
                                              C.CPU_LORA_BACKWARD_RSS_FACTOR, C.CPU_BACKWARD_RSS_FACTOR)

@@ -8,6 +8,7 @@ mini-batch loss whatever the micro-batch size (tested as an invariance).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from collections import defaultdict
 
 import torch
@@ -93,8 +94,11 @@ class WeightedMetrics:
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int,
                  seed: int = 0, max_response_length: int = 1, inputs: ModelInputs = TEXT_INPUTS,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, after_micro_batch: Callable[[], object] | None = None):
         self.model = model
+        # called once a micro-batch's tensors are freed (its forward, or forward and backward): a CPU
+        # process trims its heap there (memory.trim_heap; fitrl/roles/workers.py, OffloadBetweenPhases)
+        self.after_micro_batch = after_micro_batch or (lambda: None)
         # mixed precision in one process: each forward under autocast (one context per forward: its
         # cache of low-precision weights must not outlive an optimizer step)
         self.autocast_dtype = autocast_dtype
@@ -131,6 +135,7 @@ class Actor:
         for ix in self.partition(batch, self.cfg.logprob_micro_batch_size):
             GUARD.check(logp.device)  # safe point (read-only phase; same count on every rank)
             logp[ix], entropy[ix] = self._forward(batch.index(ix), temperature, with_entropy=True)
+            self.after_micro_batch()
         return Batch({"old_logprobs": logp, "entropy": entropy})
 
     def partition(self, batch: Batch, size: int) -> list[list[int]]:
@@ -222,6 +227,8 @@ class Actor:
             if folded is not None:
                 folded[ix] = logp
             metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)
+            del micro, loss
+            self.after_micro_batch()
 
     def folded_mismatch(self, batch: Batch, old: torch.Tensor) -> dict[str, float]:
         """The rollout engine's log-probs against the update's own (what the separate pass would

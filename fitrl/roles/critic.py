@@ -8,6 +8,7 @@ Values are read at the same positions as the actor's log-probs: the value of the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -33,8 +34,9 @@ def response_values(model: torch.nn.Module, micro: Batch, inputs: ModelInputs = 
 
 class Critic:
     def __init__(self, model: torch.nn.Module, cfg: CriticConfig, total_steps: int, max_response_length: int,
-                 inputs: ModelInputs = TEXT_INPUTS):
+                 inputs: ModelInputs = TEXT_INPUTS, after_micro_batch: Callable[[], object] | None = None):
         self.model, self.cfg = model, cfg
+        self.after_micro_batch = after_micro_batch or (lambda: None)  # as the actor's
         self.inputs = inputs  # the family's extra forward inputs (a VL model's images)
         self.max_response_length = max_response_length
         self.optimizer = build_optimizer(model, cfg.optim)
@@ -55,6 +57,7 @@ class Critic:
         for m in batch.split(self.cfg.values_micro_batch_size):
             GUARD.check(m["response_mask"].device)  # safe point (read-only phase)
             values.append(response_values(self.model, m, self.inputs) * m["response_mask"])
+            self.after_micro_batch()
         return Batch({"values": torch.cat(values)})
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int) -> dict[str, float]:
@@ -78,6 +81,8 @@ class Critic:
                     m = dict(m)
                     m["critic/vf_loss"] = loss.detach() * denom.tokens / m_mask.sum().clamp(min=1)
                     metrics.add(m, float(m_mask.sum()) / denom.tokens)
+                    del loss
+                    self.after_micro_batch()
                 norm = clip_gradients(self.model, self.cfg.optim.grad_clip)
                 if math.isfinite(norm):
                     self.optimizer.step()

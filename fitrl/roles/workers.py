@@ -67,6 +67,14 @@ class OffloadBetweenPhases:
         if self.trim:
             trim_heap()
 
+    def micro_batch_done(self) -> None:
+        """Between micro-batches of a phase: on a CPU device with ``trim``, the heap's free pages
+        too. Without it glibc's heap grows over a phase's micro-batches by an amount that changes
+        from run to run (an update's peak 1.1-1.9x its live tensors, bench/RESULTS.md, "Host memory
+        on CPU"); trimmed, each micro-batch starts from what is held."""
+        if self.trim:
+            trim_heap()
+
 
 def low_precision(name: str | None) -> torch.dtype | None:
     return getattr(torch, name) if name else None
@@ -86,7 +94,8 @@ class PolicyWorker:
         self.autocast_dtype = low_precision(cfg.autocast_dtype("actor"))  # mixed precision in one process
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length,
-                           inputs=inputs, autocast_dtype=self.autocast_dtype)
+                           inputs=inputs, autocast_dtype=self.autocast_dtype,
+                           after_micro_batch=lambda: self.offload.micro_batch_done())
         self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs,
                                     context=self.engine_context())
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer,
@@ -196,6 +205,7 @@ class ReferenceWorker:
                     micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
                     chunk_size=self.cfg.actor.logprob_chunk_size, model_kwargs=self.inputs.extra(micro, self.device))
                 out.append(lp)
+                self.offload.micro_batch_done()
         return Batch({"ref_logprobs": torch.cat(out).cpu()})
 
 
@@ -210,7 +220,8 @@ class CriticWorker:
                                  what="critic.model.path", nnodes=cfg.trainer.nnodes)
         self.critic = Critic(self.model, cfg.critic, total_steps=cfg.trainer.max_steps,
                              max_response_length=cfg.rollout.max_response_length,
-                             inputs=family_for(model_cfg.path).inputs_for(self.model))
+                             inputs=family_for(model_cfg.path).inputs_for(self.model),
+                             after_micro_batch=lambda: self.offload.micro_batch_done())
         self.offload = OffloadBetweenPhases(self.model, cfg.critic.fsdp, self.device, self.critic.optimizer,
                                             trim=cfg.memory.trim_heap)
 

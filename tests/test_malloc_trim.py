@@ -69,6 +69,33 @@ def test_policy_phases_trim(tmp_path, tiny_model_dir, trims, trim):
     assert len(trims) - built == (3 + micro if trim else 0)
 
 
+
+def test_critic_and_reference_trim_per_micro_batch(tmp_path, tiny_model_dir, trims):
+    """The critic's values and update, and the reference's log-probs, trim once per micro-batch
+    besides their phase ends."""
+    from fitrl.config.schema import SamplingConfig
+    from fitrl.data.batch import Batch
+
+    cfg = toy_config(tiny_model_dir, tmp_path, "trainer.device=cpu", "algorithm.adv_estimator=gae",
+                     "algorithm.use_kl_loss=true", "critic.micro_batch_size=2", "critic.values_micro_batch_size=2",
+                     "ref.logprob_micro_batch_size=2")
+    batch = workers.PolicyWorker(cfg, rank=0, world_size=1).generate(
+        Batch(fields={"prompt_ids": [[10, 11, 12], [13, 14]]}), SamplingConfig(n=3, max_tokens=4, ignore_eos=True))
+    assert len(batch) == 6
+    critic, ref = workers.CriticWorker(cfg, rank=0, world_size=1), workers.ReferenceWorker(cfg, rank=0, world_size=1)
+    before = len(trims)
+    batch.update(critic.compute_values(batch))
+    assert len(trims) - before == 3 + 1  # 6 sequences in micro-batches of 2, then the phase's end
+    batch.update(returns=torch.zeros_like(batch["values"]))
+    before = len(trims)
+    critic.update(batch)
+    mini = critic.cfg.critic.mini_batch_size * cfg.rollout.n
+    updates = sum(-(-min(mini, 6 - i) // 2) for i in range(0, 6, mini)) * cfg.critic.ppo_epochs
+    assert len(trims) - before == updates + 1
+    before = len(trims)
+    ref.compute_ref_logprob(batch)
+    assert len(trims) - before == 3 + 1
+
 @pytest.mark.skipif(mem._libc() is None, reason="no glibc")
 def test_trim_heap_returns_free_pages():
     """Freed heap blocks below glibc's mmap threshold stay resident until trimmed."""
@@ -131,3 +158,23 @@ def test_cpu_plan_bf16_compute_factor(tmp_path, tiny_model_dir):
     assert traced(bare) > 0
     assert traced(trimmed) == pytest.approx(C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR * traced(bare), abs=2)
     assert C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR > C.CPU_TRIMMED_BACKWARD_RSS_FACTOR
+
+
+def test_cpu_plan_fsdp_unit_buffers(tmp_path, tiny_model_dir):
+    """On CPU FSDP2 ranks the update's heap excess is the larger of the activations' factor and
+    one unsharded copy of the parameters and gradients (fp32 here: 8 bytes per parameter)."""
+    from fitrl.memory import Hardware, plan_config
+
+    def plan(*extra):
+        cfg = toy_config(tiny_model_dir, tmp_path, "trainer.device=cpu", "rollout.ignore_eos=true",
+                         "trainer.backend=ray", "trainer.devices_per_node=2", "actor.micro_batch_size=4", *extra)
+        return plan_config(cfg, Hardware.cpu(host_memory=64 * C.GIB, ranks_per_node=2))
+
+    glibc, bare = plan(), plan("plan.host_malloc=mmap")
+    g, b = (p.process("trainer").phases["update"].host for p in (glibc, bare))
+    traced = b.get("activations", 0) + b.get("logits", 0)
+    units = 8 * glibc.shape.num_params
+    excess = sum(g.values()) - sum(b.values())
+    assert excess == pytest.approx(max((C.CPU_TRIMMED_BACKWARD_RSS_FACTOR - 1) * traced, units), abs=4)
+    assert g.get("allocator (FSDP2 unit buffers)", 0) == pytest.approx(
+        max(0, units - (C.CPU_TRIMMED_BACKWARD_RSS_FACTOR - 1) * traced), abs=4)

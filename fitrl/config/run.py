@@ -272,7 +272,7 @@ class MemoryConfig:
     uss_min_phase_s: Optional[float] = None
     """Also read USS at the end of every phase lasting at least this long (0: every phase), for a per-phase breakdown; unset: not per phase. Each reading costs what ``uss_every`` says."""
     trim_heap: bool = True
-    """CPU processes (``trainer.device=cpu``) give the heap's free pages back to the OS (glibc ``malloc_trim``) at the end of each role's phase: generation, log-probs, values, updates. glibc otherwise keeps most of an update's freed memory resident into the next step, an amount that varies from run to run; trimmed, a phase's host memory is what it holds plus its own working set, which the CPU memory plan assumes (``plan.host_malloc=glibc``). false: no trim (the plan then counts what glibc keeps)."""
+    """CPU processes (``trainer.device=cpu``) give the heap's free pages back to the OS (glibc ``malloc_trim``) at the end of each role's phase (generation, log-probs, values, updates) and after each micro-batch of a log-prob, value or update phase. glibc otherwise keeps most of an update's freed memory resident into the next step, and lets the heap grow over a phase's micro-batches, amounts that vary from run to run; trimmed, a phase's host memory is what it holds plus one micro-batch's working set, which the CPU memory plan assumes (``plan.host_malloc=glibc``). Costs a few page faults per micro-batch (bench/RESULTS.md, "Host memory on CPU"). false: no trim (the plan then counts what glibc keeps)."""
     leak_warmup_steps: int = 5
     """Steps ignored by leak detection (allocator pools, caches and compiled kernels settle first)."""
     leak_window: int = 50

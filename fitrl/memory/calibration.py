@@ -142,12 +142,24 @@ chunked log-probs), 1.14 (4, the same unchunked), 1.11 (14, the deep 16k-vocabul
 (18, llama tiny), 1.27 (8, small on two FSDP2 ranks). Set to the largest. Trimmed only at phase
 ends the same update took 1.1-1.9x, changing from run to run (configuration 1: 1.28 in one run,
 1.49 in another; bench/RESULTS.md, "Host memory on CPU"): the heap grew over the micro-batches."""
-CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR = 1.85
-"""Measured: the same ratio with bf16 compute over fp32 weights (``actor.fsdp.mixed_precision``):
-1.82 (configuration 17, the deep model on two FSDP2 ranks, which cast each unit's gathered
-weights), 1.44 (16, one process under autocast, whose cast weights live in the autocast cache
-for one forward). Same command with ``--only 16 17``. Set just above the larger: the casts' copies
-come and go between the activations and the heap keeps more of their holes."""
+CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR = 1.5
+"""Measured: the same ratio with bf16 compute over fp32 weights in one process (autocast, whose
+cast weights live in the autocast cache for one forward): 1.44 (configuration 16, small; same
+command with ``--only 16``). The casts' copies come and go between the activations and the heap
+keeps more of their holes. Two FSDP2 ranks with bf16 compute measured 1.82 (configuration 17),
+which :data:`CPU_FSDP_UNIT_BUFFERS` accounts for."""
+CPU_FSDP_UNIT_BUFFERS = 1.0
+"""Measured (default glibc, trimmed): on a CPU rank of two or more FSDP2 ranks an update's RSS
+stays above its live tensors by about one unsharded copy of the parameters in the compute
+dtype plus one of the gradients in fp32, however small its activations: the all-gather outputs
+and unsharded gradients of unit after unit (layer-sized, below glibc's mmap threshold) leave
+their blocks in the heap. The small model (32M parameters) on two fp32 ranks, 16 sequences P32
+R128: RSS above the live tensors measured with ``MALLOC_MMAP_THRESHOLD_=65536`` 0.23-0.27 GiB
+against 0.24 GiB of parameters and gradients, with one or two micro-batches and with or without
+checkpointing (a /tmp script over ``bench/plan_accuracy.py``'s ``measure`` and ``predict``,
+2026-11-24); 0.105 GiB for the deep model (18M) on two bf16 ranks (configuration 17 of
+``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12). The planner counts the larger
+of this and the activations' own excess (:func:`fitrl.memory.trainer._fsdp_unit_buffers`)."""
 CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 2.6
 """Measured: the same ratio with gradient checkpointing, whose recomputation allocates and frees
 every layer's activations again inside backward: 2.57 (configuration 2, small), 1.78 (15, llama

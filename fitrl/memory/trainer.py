@@ -167,7 +167,9 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                         entropy_grad=grad and cfg.actor.entropy_coeff != 0)
             ckpt = cfg.actor.model.gradient_checkpointing
             vit = _vision_activations(run, b, grad, ckpt)
-            if not cuda and run.cfg.plan.host_malloc == "glibc":
+            heap = not cuda and run.cfg.plan.host_malloc == "glibc"
+            live = tr
+            if heap:
                 tr = _cpu_transient(run, tr, grad, ckpt, lora=run.lora is not None)
                 # the vision tower's tensors get the same excess from glibc (measured, 2048 x 2048
                 # pictures, bench/vl_image_memory.py: an update's tower took 0.95 GiB of RSS under
@@ -188,6 +190,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                 root_adapters = total - per_layer * run.shape.layers
                 u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
                       + (root_adapters + 2 * per_layer) * cb)
+                if heap and grad:
+                    u.add("host", "allocator (FSDP2 unit buffers)", max(0, _fsdp_unit_buffers(run, cb) - (tr - live)))
             elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
                 u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
         if trainer:  # the policy's rollout engine, loading and saving
@@ -267,6 +271,20 @@ def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora:
     if checkpointing:
         return int(traced * recompute)
     return int(traced * (lora_bwd if lora else bwd))
+
+
+def _fsdp_unit_buffers(run: Run, cb: int) -> int:
+    """What a CPU rank's glibc heap keeps of FSDP2's per-unit buffers over an update: one unsharded
+    copy of every unit's parameters in the compute dtype (all-gather outputs; with bf16 compute
+    also the shards cast for the all-gather) and of its gradients in fp32 (the reduce dtype),
+    layer-sized blocks that the heap keeps in place as
+    it goes through the units (:data:`~fitrl.memory.calibration.CPU_FSDP_UNIT_BUFFERS`). The
+    activations' own excess can reuse those holes: the planner counts the larger of the two."""
+    _, adapters = _adapters(run)
+    trained = adapters if run.lora else run.shape.num_params
+    n = run.shape.num_params
+    cast = n // run.world * cb if run.compute_dtype != "float32" else 0  # bf16 all-gather inputs (shards)
+    return int(C.CPU_FSDP_UNIT_BUFFERS * (n * cb + trained * 4 + cast))
 
 
 def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:

@@ -158,8 +158,9 @@ R128: RSS above the live tensors measured with ``MALLOC_MMAP_THRESHOLD_=65536`` 
 against 0.24 GiB of parameters and gradients, with one or two micro-batches and with or without
 checkpointing (a /tmp script over ``bench/plan_accuracy.py``'s ``measure`` and ``predict``,
 2026-11-24); 0.105 GiB for the deep model (18M) on two bf16 ranks (configuration 17 of
-``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12). The planner counts the larger
-of this and the activations' own excess (:func:`fitrl.memory.trainer._fsdp_unit_buffers`)."""
+``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12).
+The planner counts the larger of this and the activations' own excess
+(:func:`fitrl.memory.trainer._fsdp_unit_buffers`)."""
 CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 3.2
 """Measured: the same ratio with gradient checkpointing, whose recomputation allocates and frees
 every layer's activations again inside backward: 2.57 and 2.26 (configuration 2, small, two

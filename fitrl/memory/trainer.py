@@ -276,10 +276,10 @@ def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora:
 def _fsdp_unit_buffers(run: Run, cb: int) -> int:
     """What a CPU rank's glibc heap keeps of FSDP2's per-unit buffers over an update: one unsharded
     copy of every unit's parameters in the compute dtype (all-gather outputs; with bf16 compute
-    also the shards cast for the all-gather) and of its gradients in fp32 (the reduce dtype),
-    layer-sized blocks that the heap keeps in place as
-    it goes through the units (:data:`~fitrl.memory.calibration.CPU_FSDP_UNIT_BUFFERS`). The
-    activations' own excess can reuse those holes: the planner counts the larger of the two."""
+    also the shards cast for the all-gather) and of its gradients in fp32 (the reduce dtype):
+    layer-sized blocks that the heap keeps in place as it goes through the units
+    (:data:`~fitrl.memory.calibration.CPU_FSDP_UNIT_BUFFERS`). The activations' own excess can
+    reuse those holes: the planner counts the larger of the two."""
     _, adapters = _adapters(run)
     trained = adapters if run.lora else run.shape.num_params
     n = run.shape.num_params

@@ -8,8 +8,8 @@ mini-batch loss whatever the micro-batch size (tested as an invariance).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 

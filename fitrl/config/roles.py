@@ -207,7 +207,9 @@ class ActorConfig:
     logprob_chunk_size: int = 1024
     """Response tokens per chunk when turning logits into log-probs: bounds the fp32 ``tokens x vocab`` temporary."""
     shuffle_mini_batches: bool = False
-    """Shuffle sequences before splitting into mini-batches."""
+    """Shuffle sequences before splitting into mini-batches (scatters a prompt's samples over the micro-batches: less for ``share_prompts`` to share)."""
+    share_prompts: bool = True
+    """Log-prob and update forwards (the policy's and the reference's) run a prompt shared by rows of a micro-batch (a group's samples) through the model once, its keys and values reused by every row (fitrl/ops/shared_prompt.py): the same log-probs and gradients to rounding, fewer tokens through the model (``bench/vs_trl.py``: 42 % of an update's tokens were prompt copies). Off, or not applied, for images, sliding-window attention and gradient checkpointing in the update."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -19,6 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from fitrl.core.padding import model_positions, trim_padding
+from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups, shared_prompt_forward
 
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
@@ -153,6 +154,8 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     model_kwargs: Optional[dict] = None,
+    share_prompts: bool = False,
+    prompt_groups: Optional[PromptGroups] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the last ``response_length`` tokens of each row under ``model``.
 
@@ -166,6 +169,10 @@ def response_logprobs(
     pre-backward hook, attached to the forward's output, gathers it again before backward.
     (Running ``model.model`` and then the head outside the forward fails on a root-sharded
     model: "got mixed torch.Tensor and DTensor".)
+
+    ``share_prompts``: rows with the same prompt run it through the model once
+    (:mod:`fitrl.ops.shared_prompt`), where the model allows it; ``prompt_groups`` gives the
+    groups instead of finding them by content (the memory plan's trace, whose tensors are fake).
     """
     for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
         if getattr(model.config, name, None) not in (None, 1.0):
@@ -177,18 +184,25 @@ def response_logprobs(
     labels = input_ids[:, -response_length:]  # (B, R')
     head = model.get_output_embeddings()  # tied or not, the module HF's forward calls
 
-    def chunked_head(hidden: torch.Tensor) -> torch.Tensor:  # (B, R+1, H) -> (B, R, 2)
-        logp, entropy = head_logprobs(hidden[:, :-1], labels, head.weight, head.bias,  # t predicts t+1
+    def chunked_head(hidden: torch.Tensor) -> torch.Tensor:  # (B, R, H), position t predicting t+1 -> (B, R, 2)
+        logp, entropy = head_logprobs(hidden, labels, head.weight, head.bias,
                                       temperature=temperature, chunk_size=chunk_size,
                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
         return torch.stack([logp, entropy if with_entropy else torch.zeros_like(logp)], dim=-1)
 
-    head.forward = chunked_head  # an instance attribute shadows nn.Linear.forward
-    try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=model_positions(position_ids),
-                    use_cache=False, logits_to_keep=response_length + 1, **(model_kwargs or {})).logits  # (B, R, 2)
-    finally:
-        del head.forward
+    if prompt_groups is None and share_prompts and can_share(model, position_ids, model_kwargs):
+        prompt_groups = find_prompt_groups(input_ids, attention_mask, input_ids.shape[1] - response_length)
+    if prompt_groups is not None and prompt_groups.shared:
+        out = shared_prompt_forward(model, head, chunked_head, input_ids, attention_mask, position_ids,
+                                    response_length, prompt_groups)  # (B, R, 2)
+    else:
+        head.forward = lambda hidden: chunked_head(hidden[:, :-1])  # an instance attribute shadows nn.Linear.forward
+        try:
+            out = model(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=model_positions(position_ids), use_cache=False,
+                        logits_to_keep=response_length + 1, **(model_kwargs or {})).logits  # (B, R, 2)
+        finally:
+            del head.forward
     out = torch.nn.functional.pad(out, (0, 0, 0, full_length - response_length))  # back to (B, R, 2)
     entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
     return out[..., 0], entropy if with_entropy else None

@@ -159,7 +159,7 @@ class Actor:
             self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
             micro["responses"].shape[1], temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
-            model_kwargs=self.inputs.extra(micro, micro["input_ids"].device),
+            model_kwargs=self.inputs.extra(micro, micro["input_ids"].device), share_prompts=self.cfg.share_prompts,
         )
 
     def denominators(self, mini: Batch) -> Denominators:

@@ -203,7 +203,8 @@ class ReferenceWorker:
                 lp, _ = response_logprobs(
                     self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
                     micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
-                    chunk_size=self.cfg.actor.logprob_chunk_size, model_kwargs=self.inputs.extra(micro, self.device))
+                    chunk_size=self.cfg.actor.logprob_chunk_size, model_kwargs=self.inputs.extra(micro, self.device),
+                    share_prompts=self.cfg.actor.share_prompts)
                 out.append(lp)
                 self.offload.micro_batch_done()
         return Batch({"ref_logprobs": torch.cat(out).cpu()})

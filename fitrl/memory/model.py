@@ -341,6 +341,23 @@ class Run:
             return max(1, min(seqs, -(-budget // max(1, self.seq_len))))
         return max(len(b) for b in micro_batches_by_tokens([self.seq_len] * seqs, budget))
 
+    def prompt_groups(self, seqs: int, update: bool) -> int:
+        """Distinct prompts in a micro-batch of ``seqs`` sequences whose forward runs each prompt
+        once (``actor.share_prompts``, fitrl/ops/shared_prompt.py); 0 where every row runs its own:
+        sharing off or nothing to share (n = 1), ranks that split a prompt's samples (sharded by
+        length, fitrl/data/balance.py), micro-batches by tokens (grouped by length), images,
+        sliding-window attention, a checkpointed or shuffled update. Consecutive micro-batches of
+        a group-ordered batch: ``ceil(seqs / n)`` prompts, one more where the two do not divide."""
+        a, n = self.cfg.actor, self.cfg.rollout.n
+        raw = self.shape.raw
+        sliding = (any(t != "full_attention" for t in raw.get("layer_types") or [])
+                   or bool(raw.get("use_sliding_window", raw.get("sliding_window"))))
+        if (not a.share_prompts or n < 2 or self.world > 1 or a.micro_batch_token_budget or self.shape.vision
+                or sliding or (update and (a.model.gradient_checkpointing or a.shuffle_mini_batches))):
+            return 0
+        groups = -(-seqs // n) + (0 if seqs % n == 0 or n % seqs == 0 else 1)
+        return groups if groups < seqs else 0
+
     def batch_bytes(self, seqs: int) -> int:
         """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are
         counted per prompt (:meth:`pixel_values_bytes`), not per sequence."""

@@ -11,6 +11,10 @@ form). From two layers on it is linear in the depth (saved activations and KV gr
 without autograd the peak is one layer's working set or the head, constant), so ``L`` layers
 cost ``t(2) + (L - 2) * (t(3) - t(2))`` (checked against a traced 5-layer model in the tests).
 
+With ``prompt_groups`` (``actor.share_prompts``) the traced rows come in runs that share a
+prompt, as a group-ordered micro-batch has them, and the forward runs each prompt once
+(:mod:`fitrl.ops.shared_prompt`).
+
 What the trace leaves out, on purpose: the policy loss and the per-token statistics (B, R)
 tensors (the update traces ``(logp * advantages).sum()``; those tensors are 1/V of the logits),
 and padding trimming (the traced batch has no padding columns; trimming is the identity).
@@ -51,6 +55,7 @@ class TraceSpec:
     lora_rank: int = 0          # LoRA adapters on (actor.lora.rank > 0)
     lora_targets: tuple = ()    # actor.lora.target_modules
     lora_dropout: float = 0.0   # actor.lora.dropout
+    prompt_groups: int = 0      # distinct prompts in the batch, each run once (actor.share_prompts); 0: none shared
 
 
 class _NoHook:
@@ -78,6 +83,19 @@ def _traced(spec: TraceSpec, layers: int) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import fitrl.ops.logprob as logprob_ops
+    from fitrl.ops.shared_prompt import PromptGroups
+
+    class _OneCall(torch.nn.Module):
+        """The traced step as one call of a root module around the model: ``MemTracker`` takes a
+        second call of a root module for a second iteration and refuses it, and the shared-prompt
+        forward calls the model twice (fitrl/ops/shared_prompt.py)."""
+
+        def __init__(self, model: torch.nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, run_step):
+            return run_step()
 
     cfg = dict(spec.text_config)
     cfg["num_hidden_layers"] = layers
@@ -93,6 +111,10 @@ def _traced(spec: TraceSpec, layers: int) -> int:
         ids = torch.zeros((B, T), dtype=torch.long)
         mask = torch.ones((B, T), dtype=torch.long)
         pos = torch.arange(T).expand(B, T)
+        groups = None
+        if 0 < spec.prompt_groups < B:  # runs of rows with one prompt, as a group-ordered batch has them
+            groups = PromptGroups.consecutive(B, -(-B // spec.prompt_groups))
+        step = _OneCall(model)
         tracker = MemTracker()
         if spec.phase == "update":
             if spec.checkpointing:  # as fitrl.models.loading does
@@ -116,10 +138,12 @@ def _traced(spec: TraceSpec, layers: int) -> int:
                     model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
             elif spec.phase == "logprob":
                 with torch.no_grad():
-                    logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True)
+                    step(lambda: logprob_ops.response_logprobs(
+                        model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True, prompt_groups=groups))
             else:
-                logp, entropy = logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk,
-                                                              with_entropy=True, entropy_grad=spec.entropy_grad)
+                logp, entropy = step(lambda: logprob_ops.response_logprobs(
+                    model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True,
+                    entropy_grad=spec.entropy_grad, prompt_groups=groups))
                 loss = (logp * adv).sum() + (entropy.sum() if spec.entropy_grad else 0.0)
                 loss.backward()
         peak = tracker.get_tracker_snapshot("peak")
@@ -148,10 +172,10 @@ def _inject_fake_adapters(model, spec: TraceSpec, dtype) -> None:
 
 def trace_spec(shape, *, phase: str, batch: int, seq_len: int, response_len: int, dtype: str = "float32",
                checkpointing: bool = False, chunk: int = 1024, entropy_grad: bool = False,
-               attn: str = "sdpa", lora=None) -> TraceSpec:
+               attn: str = "sdpa", lora=None, prompt_groups: int = 0) -> TraceSpec:
     """A :class:`TraceSpec` for a :class:`fitrl.memory.shapes.ModelShape`; ``lora``: the
     ``actor.lora`` config when the traced forward runs with adapters on."""
     cfg = shape.text_config(layers=1)
     adapters = (lora.rank, tuple(lora.target_modules), lora.dropout) if lora is not None and lora.enabled else (0, (), 0.0)
     return TraceSpec(tuple(sorted(cfg.items())), phase, batch, seq_len, response_len, dtype, checkpointing,
-                     max(1, chunk), entropy_grad, attn, *adapters)
+                     max(1, chunk), entropy_grad, attn, *adapters, prompt_groups)

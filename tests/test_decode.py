@@ -175,6 +175,26 @@ def test_finished_rows_leave_the_batch(sharp):
     assert torch.equal(every_step, every_third)  # finished rows that decode until a look change nothing
 
 
+def test_each_prompt_is_prefilled_once(sharp):
+    """n = 3 samples of 3 prompts: the prefill runs 3 rows, and the 9 greedy responses are
+    generate's, token for token (a group's rows start from one prompt's keys and values)."""
+    model, tok = sharp
+    ids = chat(tok, TEXTS[:3])
+    gen, loop = engines(model, tok, staggered_stops(model, tok, ids, 8))
+    s = SamplingConfig(temperature=0.0, max_tokens=8, n=3)
+    rows = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        b = loop.generate(Batch(fields={"prompt_ids": ids}), s)
+    finally:
+        hook.remove()
+    a = gen.generate(Batch(fields={"prompt_ids": ids}), s)
+    assert rows[0] == 3 and rows[1] > 3, rows
+    for k in ("input_ids", "attention_mask", "responses", "response_mask"):
+        assert torch.equal(a[k], b[k]), k
+    assert torch.allclose(a["rollout_logprobs"], b["rollout_logprobs"], atol=1e-5)
+
+
 def test_sampled_logprobs_equal_the_trainers_recompute(policy):
     model, tok = policy
     gen, loop = engines(model, tok, list(range(40, 72)))  # 32 stop ids: ~6% per step, lengths vary

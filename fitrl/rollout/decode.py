@@ -8,6 +8,8 @@ routes each step through its logits processors and stopping criteria, and draws 
   sequences end (with GRPO's spread of response lengths the tail of a micro-batch is a few long
   answers);
 * computes logits for the last position only (``logits_to_keep=1``, the prefill included);
+* prefills each distinct prompt once (a GRPO group's n samples share theirs) and copies its
+  keys and values to the rows that share it;
 * runs the sampling math of :func:`sample_step` directly, the one function that HF
   ``generate``'s :class:`~fitrl.rollout.hf.SampleAndRecord` calls too, so the two paths cannot
   drift, and draws by inverse CDF (:func:`draw`: 20x cheaper than ``torch.multinomial`` on CPU).
@@ -36,6 +38,7 @@ from transformers.cache_utils import StaticLayer
 from fitrl.config.schema import SamplingConfig
 from fitrl.core.errors import Diverged
 from fitrl.core.padding import first_eos_mask, position_ids_from_mask
+from fitrl.ops.shared_prompt import find_prompt_groups
 from fitrl.telemetry.guard import GUARD
 
 
@@ -156,9 +159,16 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (b,) ended, in the batch until the next look
     cache = StaticCache(config=model.config, max_cache_len=P + T)
     nonfinite = None
+    # a group's n samples share their prompt: each distinct prompt is prefilled once, and its
+    # keys and values are copied to the rows that share it (the same per-row values)
+    groups = find_prompt_groups(input_ids, attention_mask, P)
+    first = groups.rows if groups.shared else slice(None)
     # logits of the last position only: (b, V), never (b, P, V) for the prompt
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+    logits = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    if groups.shared:
+        _keep_rows(cache, groups.inverse)
+        logits = logits.index_select(0, groups.inverse)
     for t in range(T):
         # within a long micro-batch the KV cache grows token by token: a (time-limited, local)
         # guard reading here stops it before the OS does

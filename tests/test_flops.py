@@ -246,3 +246,33 @@ def test_step_perf_counts_the_vision_tower_over_each_sequences_images(tmp_path, 
     vision = shape.vision_flops([16, 8])
     # rollout and old log-prob: one forward each; the update: 3x the text, factor x the tower
     assert m["perf/step_flops"] == pytest.approx(2 * (text + vision) + 3 * text + factor * vision)
+
+
+def test_step_perf_counts_a_shared_prompt_once(tiny_model_dir):
+    """Micro-batches of 2 consecutive rows over two prompts with 3 samples each (rows 0-2, 3-5):
+    the shared-prompt forward runs prompts of rows 0, 2, 3, 4 and skips the copies in rows 1 and
+    5; the decode loop (micro-batch 4) prefills rows 0, 3, 4 and skips 1, 2, 5."""
+    from fitrl.trainer.perf import StepPerf
+
+    prompts, responses = [4, 4, 4, 2, 2, 2], [3, 1, 2, 2, 3, 1]
+    batch = _rollout_batch(prompts, responses)
+    batch.fields["uid"] = ["a", "a", "a", "b", "b", "b"]
+    shape = FlopsShape.from_config(TINY)
+    times = {"rollout": 0.5, "old_logprob": 0.25, "update": 1.0}
+
+    def run(share: str):
+        cfg = toy_config(tiny_model_dir, "unused", "trainer.peak_flops=1e9", "rollout.n=3",
+                         "actor.micro_batch_size=2", "actor.logprob_micro_batch_size=2", "rollout.micro_batch_size=4",
+                         "algorithm.fold_old_logprob=false", f"actor.share_prompts={share}")
+        return StepPerf(cfg).metrics(batch, {"rollout": [(prompts, responses)]}, times)
+
+    plain, shared = run("false"), run("true")
+    forward = sum(shape.forward_flops(p, r) for p, r in zip(prompts, responses))
+    skipped = shape.forward_flops(4, 0) + shape.forward_flops(2, 0)  # rows 1 and 5
+    prefill_skipped = 2 * shape.forward_flops(4, 0) + shape.forward_flops(2, 0)  # rows 1, 2 and 5
+    assert plain["perf/logprob_mfu"] == pytest.approx(forward / 0.25 / 1e9)
+    assert shared["perf/logprob_mfu"] == pytest.approx((forward - skipped) / 0.25 / 1e9)
+    assert shared["perf/update_mfu"] == pytest.approx(3 * (forward - skipped) / 1.0 / 1e9)
+    assert shared["perf/rollout_mfu"] == pytest.approx((forward - prefill_skipped) / 0.5 / 1e9)
+    assert plain["perf/rollout_mfu"] == shared["perf/rollout_mfu"]  # the loop's prefill shares either way
+    assert shared["perf/update_tokens_per_s"] == plain["perf/update_tokens_per_s"]  # the user's tokens

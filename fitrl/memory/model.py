@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
 from fitrl.data.balance import micro_batches_by_tokens
+from fitrl.ops.sharing import full_attention
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
 from fitrl.memory.shapes import ModelShape, VisualInput
@@ -349,11 +350,9 @@ class Run:
         sliding-window attention, a checkpointed or shuffled update. Consecutive micro-batches of
         a group-ordered batch: ``ceil(seqs / n)`` prompts, one more where the two do not divide."""
         a, n = self.cfg.actor, self.cfg.rollout.n
-        raw = self.shape.raw
-        sliding = (any(t != "full_attention" for t in raw.get("layer_types") or [])
-                   or bool(raw.get("use_sliding_window", raw.get("sliding_window"))))
         if (not a.share_prompts or n < 2 or self.world > 1 or a.micro_batch_token_budget or self.shape.vision
-                or sliding or (update and (a.model.gradient_checkpointing or a.shuffle_mini_batches))):
+                or not full_attention(self.shape.raw)
+                or (update and (a.model.gradient_checkpointing or a.shuffle_mini_batches))):
             return 0
         groups = -(-seqs // n) + (0 if seqs % n == 0 or n % seqs == 0 else 1)
         return groups if groups < seqs else 0

@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from fitrl.core.padding import model_positions
+from fitrl.ops.sharing import full_attention
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,9 @@ def can_share(model: torch.nn.Module, position_ids: torch.Tensor, model_kwargs: 
     if model.training and _checkpointed(model):
         return False
     config = model.config
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return all(t == "full_attention" for t in types)
-    return not getattr(config, "sliding_window", None)
+    return full_attention({k: getattr(config, k, None) for k in ("layer_types", "use_sliding_window",
+                                                                  "sliding_window")
+                           if getattr(config, k, None) is not None})
 
 
 def _checkpointed(model: torch.nn.Module) -> bool:

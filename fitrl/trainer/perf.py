@@ -13,6 +13,12 @@ policy's ``config.json`` (:mod:`fitrl.models.flops`), the device peak from
   of the rollout (ReMax's greedy baseline included), log-prob and update phases / (``time/step``
   x peak x devices). The critic's phases take time but their FLOPs are not counted. A
   vision-language model's tower is counted over each sequence's image patches.
+
+FLOPs are those the phases run: where a forward runs a prompt once for the rows of a micro-batch
+that share it (``actor.share_prompts`` in the log-prob and update passes, the HF engine's decode
+loop in its prefill: fitrl/ops/shared_prompt.py), the other copies are not counted
+(:func:`fitrl.ops.sharing.copies_saved` over the phase's micro-batches of consecutive rows).
+Tokens/s count every sequence's tokens (the work done for the user).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.models.flops import FlopsShape
+from fitrl.ops.sharing import copies_saved, full_attention
 from fitrl.telemetry.perf import device_peak_flops, mfu
 
 log = logging.getLogger("fitrl.trainer")
@@ -61,18 +68,38 @@ def compute_dtype(cfg: FitrlConfig) -> str:
     return cfg.actor.model.dtype
 
 
-def load_flops_shape(model_path: str) -> tuple[Optional[FlopsShape], str]:
+def load_flops_shape(model_path: str) -> tuple[Optional[FlopsShape], str, dict]:
+    """(shape, why there is none, the ``config.json``)."""
     try:
-        return FlopsShape.from_config(json.loads((Path(model_path) / "config.json").read_text())), ""
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+        return FlopsShape.from_config(raw), "", raw
     except (OSError, ValueError) as e:
-        return None, str(e)
+        return None, str(e), {}
+
+
+def shared_micro_sizes(cfg: FitrlConfig, raw: dict) -> dict[str, int]:
+    """Pass -> micro-batch size of the passes whose forward shares prompts (see the module
+    docstring); a pass missing runs every row's prompt. As ``Run.prompt_groups`` in the planner:
+    one process, micro-batches by count, full attention; not a checkpointed or shuffled update."""
+    a, r = cfg.actor, cfg.rollout
+    sizes = {}
+    if r.engine == "hf" and r.decode == "loop" and "vision_config" not in raw and full_attention(raw):
+        sizes["rollout"] = r.micro_batch_size
+    if not a.share_prompts or cfg.world_size > 1 or a.micro_batch_token_budget or not full_attention(raw):
+        return sizes
+    sizes.update(old_logprob=a.logprob_micro_batch_size, ref=cfg.ref.logprob_micro_batch_size)
+    if not (a.model.gradient_checkpointing or a.shuffle_mini_batches):
+        sizes["update"] = a.micro_batch_size
+    return sizes
 
 
 class StepPerf:
     """``perf/*`` metrics of a step from its batch, the sequences generated and the phase times."""
 
     def __init__(self, cfg: FitrlConfig):
-        self.shape, why = load_flops_shape(cfg.actor.model.path)
+        self.shape, why, raw = load_flops_shape(cfg.actor.model.path)
+        self.shared = shared_micro_sizes(cfg, raw)
+        self.n = cfg.rollout.n
         if self.shape is None:
             log.warning("perf/mfu not logged: no FLOPs formula for %s (%s)", cfg.actor.model.path, why)
         self.lora = cfg.actor.lora.enabled
@@ -122,10 +149,13 @@ class StepPerf:
             return m
 
         forward = self.shape.batch_forward_flops(prompt, response)
+        saved = self._saved_prompts(batch, prompt)  # pass -> forward FLOPs of the prompt copies not run
+        passes = [p for p, on in (("old_logprob", self.recompute_old_logprob), ("ref", "ref" in times)) if on]
         phase_flops = {
-            "rollout": sum(self.shape.batch_forward_flops(p, r) for p, r in rollout),
-            "logprob": logprob_passes * forward,
-            "update": (self.ppo_epochs * self.shape.batch_training_flops(prompt, response, lora=self.lora)
+            "rollout": sum(self.shape.batch_forward_flops(p, r) - self._saved_in_rollout(p) for p, r in rollout),
+            "logprob": sum(forward - saved.get(p, 0) for p in passes),
+            "update": (self.ppo_epochs * (self.shape.batch_training_flops(prompt, response, lora=self.lora)
+                                          - saved.get("update", 0))
                        if "update" in times else 0),
         }
         # a VL model's tower encodes every sequence's images in each pass (the rollout too: the n
@@ -138,7 +168,8 @@ class StepPerf:
             phase_flops["logprob"] += logprob_passes * vision
             if phase_flops["update"]:
                 phase_flops["update"] += self.ppo_epochs * vision * (1 if self.frozen_tower else 2 if self.lora else 3)
-        baseline = sum(self.shape.batch_forward_flops(p, r) for p, r in generated.get("baseline_rollout", []))
+        baseline = sum(self.shape.batch_forward_flops(p, r) - self._saved_in_rollout(p)
+                       for p, r in generated.get("baseline_rollout", []))
         total = sum(phase_flops.values()) + baseline
         m["perf/flops_per_token"] = forward / tokens
         m["perf/step_flops"] = float(total)
@@ -152,3 +183,31 @@ class StepPerf:
             if flops and phase_time[phase] > 0:
                 m[f"perf/{phase}_mfu"] = mfu(flops, phase_time[phase], peak, self.devices)
         return m
+
+    def _saved_prompts(self, batch: Batch, prompt: list[int]) -> dict[str, int]:
+        """Pass -> FLOPs of the prompt copies its shared-prompt forward did not run (a prompt's
+        tokens see only the prompt: its part of a sequence's FLOPs is the prompt's alone)."""
+        if "uid" not in batch or any(image_patches(batch)):
+            return {}
+        ids: dict = {}
+        inverse = [ids.setdefault(u, len(ids)) for u in batch["uid"]]
+        out = {}
+        for name, size in self.shared.items():
+            rows = copies_saved(inverse, size)
+            if name == "update":
+                out[name] = sum(self.shape.training_flops(prompt[r], 0, lora=self.lora) for r in rows)
+            elif name != "rollout":
+                out[name] = sum(self.shape.forward_flops(prompt[r], 0) for r in rows)
+        return out
+
+    def _saved_in_rollout(self, prompt: list[int]) -> int:
+        """A generate call's sequences come as runs of ``rollout.n`` samples of one prompt (taken
+        as one where their prompt lengths agree); the decode loop prefills each once per micro-batch."""
+        if "rollout" not in self.shared or self.n < 2:
+            return 0
+        inverse, group = [], -1
+        for i, p in enumerate(prompt):
+            if i % self.n == 0 or p != prompt[i - 1]:
+                group += 1
+            inverse.append(group)
+        return sum(self.shape.forward_flops(prompt[r], 0) for r in copies_saved(inverse, self.shared["rollout"]))

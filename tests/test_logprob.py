@@ -68,6 +68,20 @@ def test_head_logprobs_equal_full_logits(entropy_mode, temperature, chunk_size, 
     close(ent, ref_ent)
 
 
+@pytest.mark.parametrize("chunk_size,builds", [(64, 1), (5, 2 * 5)])  # 21 tokens: 1 chunk, or 5 recomputed
+def test_one_chunk_keeps_its_logits_for_backward(monkeypatch, chunk_size, builds):
+    """With one chunk the backward takes the forward's logits instead of another head matmul."""
+    import fitrl.ops.logprob as ops
+
+    calls = []
+    build = ops._chunk_logits
+    monkeypatch.setattr(ops, "_chunk_logits", lambda *a: calls.append(1) or build(*a))
+    hidden, weight = torch.randn(3, 7, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    lp, _ = head_logprobs(hidden, torch.randint(0, 50, (3, 7)), weight, chunk_size=chunk_size)
+    lp.sum().backward()
+    assert len(calls) == builds
+
+
 @pytest.mark.parametrize("frozen", ["hidden", "weight"])
 def test_head_logprobs_gradient_of_one_input(frozen):
     """A frozen lm_head (or frozen hidden states) gets no gradient; the other input's is unchanged."""

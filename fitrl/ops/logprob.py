@@ -51,29 +51,39 @@ def _chunk_logits(hidden, weight, bias, temperature):
 class _ChunkedHeadLogprobs(torch.autograd.Function):
     """logp and entropy of N tokens from hidden states, chunk by chunk, forward and backward.
 
-    Only the (N, H) hidden states and (N,) statistics are saved. Autograd through a chunk wrapped
-    in ``torch.utils.checkpoint`` saves as little, but its backward holds ~5 (chunk, V) fp32
-    tensors (logits, softmax, the gradients of softmax, logsumexp, gather and the entropy
-    product): 3.5 GiB at chunk 1,024, only 3.3x below naive. Here backward recomputes the
-    chunk's logits and forms dL/dlogits in place, with z = logits / temperature, p = softmax(z),
-    y the label:
+    Saved: the (N, H) hidden states and (N,) statistics, and when one chunk holds all N tokens
+    its (N, V) fp32 logits. Autograd through a chunk wrapped in ``torch.utils.checkpoint`` saves
+    as little, but its backward holds ~5 (chunk, V) fp32 tensors (logits, softmax, the gradients
+    of softmax, logsumexp, gather and the entropy product): 3.5 GiB at chunk 1,024, only 3.3x
+    below naive. Here backward recomputes each chunk's logits (or takes the kept ones) and forms
+    dL/dlogits in place, with z = logits / temperature, p = softmax(z), y the label:
         dlogp/dz = onehot(y) - p        dH/dz = -p * (log p + H)
         dL/dz = g_logp * onehot(y) - p * (g_logp + g_H * (log p + H))
-    two (chunk, V) fp32 tensors at most (1.2 GiB).
+    two (chunk, V) fp32 tensors at most (1.2 GiB). Keeping a single chunk does not raise that
+    peak: the head's backward is the first of the backward pass, so the kept logits and their
+    gradient are the two. It saves the recompute's matmul: a third of the head's work, which
+    dominates a small model with a large vocabulary (and bf16 on a CPU without bf16 units).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy, entropy_grad):
         logps, entropies, norms = [], [], []
+        # the logits for backward when one chunk holds all N (none without a graph: a log-prob
+        # pass keeps nothing). With more chunks a kept one would stay alive beside a recomputed
+        # one and its gradient (ctx holds it until backward returns): three chunks.
+        keep = hidden.shape[0] <= chunk_size and any(ctx.needs_input_grad[:3])
+        kept = hidden.new_empty(0, dtype=torch.float32)
         for i in range(0, max(hidden.shape[0], 1), chunk_size):  # one empty chunk when N = 0
             logits = _chunk_logits(hidden[i:i + chunk_size], weight, bias, temperature)
             logp, entropy, log_norm = _stats(logits, labels[i:i + chunk_size], with_entropy, False)
             logps.append(logp)
             entropies.append(entropy if with_entropy else logp.new_empty(0))
             norms.append(log_norm)
+            if keep:
+                kept = logits
             del logits  # before the next chunk's are built
         logp, entropy = torch.cat(logps), torch.cat(entropies)
-        ctx.save_for_backward(hidden, weight, bias, labels, torch.cat(norms), entropy)
+        ctx.save_for_backward(hidden, weight, bias, labels, torch.cat(norms), entropy, kept)
         ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, with_entropy and entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -82,7 +92,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, labels, log_norm, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, log_norm, entropy, kept = ctx.saved_tensors
         t, c = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -91,7 +101,10 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         for i in range(0, hidden.shape[0], c):
             h, gl = hidden[i:i + c], g_logp[i:i + c, None]
-            logp = _chunk_logits(h, weight, bias, t).sub_(log_norm[i:i + c, None])  # (n, V) log p
+            # the kept chunk is consumed in place (once_differentiable: there is one backward)
+            logits = kept if kept.numel() else _chunk_logits(h, weight, bias, t)
+            logp = logits.sub_(log_norm[i:i + c, None])  # (n, V) log p
+            del logits
             grad = logp.exp()  # (n, V) p
             if ctx.entropy_grad:  # p * (g_logp + g_H * (log p + H))
                 grad.mul_(logp.add_(entropy[i:i + c, None]).mul_(g_entropy[i:i + c, None]).add_(gl))

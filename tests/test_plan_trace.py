@@ -8,9 +8,10 @@ from fitrl.memory.trace import _traced, trace_spec, transient_bytes
 
 
 def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
-    """The fake trace's transient equals PyTorch's MemTracker on the real model and a real
-    left-padded batch (same code, same shapes; fake tensors only skip the arithmetic): within
-    0.1% (a few (B, T) index tensors differ)."""
+    """The fake trace's transient (fitrl.memory.live_bytes) equals PyTorch's MemTracker on the
+    real model and a real left-padded batch (same code, same shapes; fake tensors only skip the
+    arithmetic): within 0.1% and the batch's (B, T) int64 inputs, which MemTracker counts when a
+    module receives them and the trace leaves to the plan's "batch" entry."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from fitrl.config.schema import FSDPConfig, ModelConfig
@@ -35,7 +36,7 @@ def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     real = peak["Total"] - sum(v for k, v in peak.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
     spec = trace_spec(shape, phase="update", batch=B, seq_len=T, response_len=R, chunk=64)
-    assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-3 * real
+    assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-3 * real + 3 * B * T * 8
 
 
 @pytest.mark.slow

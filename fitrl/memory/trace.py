@@ -4,8 +4,8 @@ A model of the real width (hidden size, heads, MLP, vocabulary) but 1 and then 2
 is built from its config under ``FakeTensorMode`` (no memory is allocated, so the real batch
 and sequence length cost nothing: fake tensors are shapes) and fitrl's own log-prob code
 (:func:`fitrl.ops.logprob.response_logprobs`, with its chunked lm_head) runs forward, and for
-the update backward, inside PyTorch's ``MemTracker`` (``torch.distributed._tools``), which
-counts every tensor's storage as it is created and freed. The transient of a phase is the
+the update backward, inside :class:`fitrl.memory.live_bytes.StorageBytes`, which counts every
+tensor storage the step creates, from its creation until it is freed. The transient of a phase is the
 tracked peak minus the weights and gradients (which :mod:`fitrl.memory.states` gives in closed
 form). From two layers on it is linear in the depth (saved activations and KV grow per layer;
 without autograd the peak is one layer's working set or the head, constant), so ``L`` layers
@@ -58,14 +58,6 @@ class TraceSpec:
     prompt_groups: int = 0      # distinct prompts in the batch, each run once (actor.share_prompts); 0: none shared
 
 
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-_NO_HOOK = _NoHook()
-
-
 def transient_bytes(spec: TraceSpec, layers: int) -> int:
     """Peak bytes of the phase beyond weights and gradients, for a model of ``layers`` layers."""
     if layers <= 3:
@@ -76,26 +68,14 @@ def transient_bytes(spec: TraceSpec, layers: int) -> int:
 
 @lru_cache(maxsize=512)
 def _traced(spec: TraceSpec, layers: int) -> int:
-    # lazy: torch, MemTracker and transformers take seconds to import; `fitrl --help` must not wait for them
+    # lazy: torch and transformers take seconds to import; `fitrl --help` must not wait for them
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import fitrl.ops.logprob as logprob_ops
+    from fitrl.memory.live_bytes import StorageBytes
     from fitrl.ops.shared_prompt import PromptGroups
-
-    class _OneCall(torch.nn.Module):
-        """The traced step as one call of a root module around the model: ``MemTracker`` takes a
-        second call of a root module for a second iteration and refuses it, and the shared-prompt
-        forward calls the model twice (fitrl/ops/shared_prompt.py)."""
-
-        def __init__(self, model: torch.nn.Module):
-            super().__init__()
-            self.model = model
-
-        def forward(self, run_step):
-            return run_step()
 
     cfg = dict(spec.text_config)
     cfg["num_hidden_layers"] = layers
@@ -114,8 +94,6 @@ def _traced(spec: TraceSpec, layers: int) -> int:
         groups = None
         if 0 < spec.prompt_groups < B:  # runs of rows with one prompt, as a group-ordered batch has them
             groups = PromptGroups.consecutive(B, -(-B // spec.prompt_groups))
-        step = _OneCall(model)
-        tracker = MemTracker()
         if spec.phase == "update":
             if spec.checkpointing:  # as fitrl.models.loading does
                 with warnings.catch_warnings():
@@ -128,28 +106,26 @@ def _traced(spec: TraceSpec, layers: int) -> int:
             adv = torch.zeros((B, R))
         else:
             model.eval()
-        tracker.track_external(model)
-        for p in model.parameters():  # a frozen parameter (LoRA's base) cannot take MemTracker's
-            if not p.requires_grad:   # gradient hooks: mark it hooked, with nothing to remove
-                tracker._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
+        # weights, gradients and the inputs exist before: the tracker counts what the step creates
+        tracker = StorageBytes()
+        tracker.exclude([*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
+                         ids, mask, pos])
         with tracker:
             if spec.phase == "prefill":
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
             elif spec.phase == "logprob":
                 with torch.no_grad():
-                    step(lambda: logprob_ops.response_logprobs(
-                        model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True, prompt_groups=groups))
+                    logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True,
+                                                  prompt_groups=groups)
             else:
-                logp, entropy = step(lambda: logprob_ops.response_logprobs(
-                    model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True,
-                    entropy_grad=spec.entropy_grad, prompt_groups=groups))
+                logp, entropy = logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk,
+                                                              with_entropy=True, entropy_grad=spec.entropy_grad,
+                                                              prompt_groups=groups)
                 loss = (logp * adv).sum() + (entropy.sum() if spec.entropy_grad else 0.0)
                 loss.backward()
-        peak = tracker.get_tracker_snapshot("peak")
-    dev = next(iter(peak.values()))
-    states = sum(v for k, v in dev.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
-    return int(dev["Total"] - states)
+                del logp, entropy, loss
+    return tracker.peak
 
 
 def _inject_fake_adapters(model, spec: TraceSpec, dtype) -> None:

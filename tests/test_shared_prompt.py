@@ -9,7 +9,7 @@ import torch
 from fitrl.config.schema import ActorConfig, AlgorithmConfig
 from fitrl.core.padding import position_ids_from_mask
 from fitrl.ops.logprob import response_logprobs
-from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups
+from fitrl.ops.shared_prompt import can_share, find_prompt_groups
 from fitrl.roles.actor import Actor, WeightedMetrics
 from helpers import tiny_rollout
 
@@ -25,8 +25,6 @@ def test_groups_are_found_by_prompt_ids_and_padding_only():
     assert sorted(g.rows.tolist()) == [0, 2]  # the first row of each group
     assert g.shared
     assert not find_prompt_groups(ids[:3:2], mask[:3:2], prompt_len=3).shared
-    c = PromptGroups.consecutive(5, 2)
-    assert c.rows.tolist() == [0, 2, 4] and c.inverse.tolist() == [0, 0, 1, 1, 2]
 
 
 @pytest.fixture(scope="module", params=[("qwen2", "tiny"), ("llama", "small")], ids=lambda p: "-".join(p))

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Optional
 from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
 from fitrl.data.balance import micro_batches_by_tokens
-from fitrl.ops.sharing import full_attention
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
 from fitrl.memory.shapes import ModelShape, VisualInput
@@ -341,21 +340,6 @@ class Run:
         if self.lengths is None:
             return max(1, min(seqs, -(-budget // max(1, self.seq_len))))
         return max(len(b) for b in micro_batches_by_tokens([self.seq_len] * seqs, budget))
-
-    def prompt_groups(self, seqs: int, update: bool) -> int:
-        """Distinct prompts in a micro-batch of ``seqs`` sequences whose forward runs each prompt
-        once (``actor.share_prompts``, fitrl/ops/shared_prompt.py); 0 where every row runs its own:
-        sharing off or nothing to share (n = 1), ranks that split a prompt's samples (sharded by
-        length, fitrl/data/balance.py), micro-batches by tokens (grouped by length), images,
-        sliding-window attention, a checkpointed or shuffled update. Consecutive micro-batches of
-        a group-ordered batch: ``ceil(seqs / n)`` prompts, one more where the two do not divide."""
-        a, n = self.cfg.actor, self.cfg.rollout.n
-        if (not a.share_prompts or n < 2 or self.world > 1 or a.micro_batch_token_budget or self.shape.vision
-                or not full_attention(self.shape.raw)
-                or (update and (a.model.gradient_checkpointing or a.shuffle_mini_batches))):
-            return 0
-        groups = -(-seqs // n) + (0 if seqs % n == 0 or n % seqs == 0 else 1)
-        return groups if groups < seqs else 0
 
     def batch_bytes(self, seqs: int) -> int:
         """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are

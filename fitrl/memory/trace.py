@@ -11,9 +11,10 @@ form). From two layers on it is linear in the depth (saved activations and KV gr
 without autograd the peak is one layer's working set or the head, constant), so ``L`` layers
 cost ``t(2) + (L - 2) * (t(3) - t(2))`` (checked against a traced 5-layer model in the tests).
 
-With ``prompt_groups`` (``actor.share_prompts``) the traced rows come in runs that share a
-prompt, as a group-ordered micro-batch has them, and the forward runs each prompt once
-(:mod:`fitrl.ops.shared_prompt`).
+The traced rows have distinct prompts: the forward that runs a shared prompt once
+(``actor.share_prompts``, :mod:`fitrl.ops.shared_prompt`) holds fewer live bytes, but the
+heap's peak on CPU did not fall with it (bench/RESULTS.md, "Shared prompts"), and on GPUs it
+is unmeasured, so the plan stays the plain forward's, an upper bound.
 
 What the trace leaves out, on purpose: the policy loss and the per-token statistics (B, R)
 tensors (the update traces ``(logp * advantages).sum()``; those tensors are 1/V of the logits),
@@ -55,7 +56,6 @@ class TraceSpec:
     lora_rank: int = 0          # LoRA adapters on (actor.lora.rank > 0)
     lora_targets: tuple = ()    # actor.lora.target_modules
     lora_dropout: float = 0.0   # actor.lora.dropout
-    prompt_groups: int = 0      # distinct prompts in the batch, each run once (actor.share_prompts); 0: none shared
 
 
 def transient_bytes(spec: TraceSpec, layers: int) -> int:
@@ -75,7 +75,6 @@ def _traced(spec: TraceSpec, layers: int) -> int:
 
     import fitrl.ops.logprob as logprob_ops
     from fitrl.memory.live_bytes import StorageBytes
-    from fitrl.ops.shared_prompt import PromptGroups
 
     cfg = dict(spec.text_config)
     cfg["num_hidden_layers"] = layers
@@ -91,9 +90,6 @@ def _traced(spec: TraceSpec, layers: int) -> int:
         ids = torch.zeros((B, T), dtype=torch.long)
         mask = torch.ones((B, T), dtype=torch.long)
         pos = torch.arange(T).expand(B, T)
-        groups = None
-        if 0 < spec.prompt_groups < B:  # runs of rows with one prompt, as a group-ordered batch has them
-            groups = PromptGroups.consecutive(B, -(-B // spec.prompt_groups))
         if spec.phase == "update":
             if spec.checkpointing:  # as fitrl.models.loading does
                 with warnings.catch_warnings():
@@ -116,12 +112,10 @@ def _traced(spec: TraceSpec, layers: int) -> int:
                     model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
             elif spec.phase == "logprob":
                 with torch.no_grad():
-                    logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True,
-                                                  prompt_groups=groups)
+                    logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True)
             else:
                 logp, entropy = logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk,
-                                                              with_entropy=True, entropy_grad=spec.entropy_grad,
-                                                              prompt_groups=groups)
+                                                              with_entropy=True, entropy_grad=spec.entropy_grad)
                 loss = (logp * adv).sum() + (entropy.sum() if spec.entropy_grad else 0.0)
                 loss.backward()
                 del logp, entropy, loss
@@ -148,10 +142,10 @@ def _inject_fake_adapters(model, spec: TraceSpec, dtype) -> None:
 
 def trace_spec(shape, *, phase: str, batch: int, seq_len: int, response_len: int, dtype: str = "float32",
                checkpointing: bool = False, chunk: int = 1024, entropy_grad: bool = False,
-               attn: str = "sdpa", lora=None, prompt_groups: int = 0) -> TraceSpec:
+               attn: str = "sdpa", lora=None) -> TraceSpec:
     """A :class:`TraceSpec` for a :class:`fitrl.memory.shapes.ModelShape`; ``lora``: the
     ``actor.lora`` config when the traced forward runs with adapters on."""
     cfg = shape.text_config(layers=1)
     adapters = (lora.rank, tuple(lora.target_modules), lora.dropout) if lora is not None and lora.enabled else (0, (), 0.0)
     return TraceSpec(tuple(sorted(cfg.items())), phase, batch, seq_len, response_len, dtype, checkpointing,
-                     max(1, chunk), entropy_grad, attn, *adapters, prompt_groups)
+                     max(1, chunk), entropy_grad, attn, *adapters)

@@ -164,7 +164,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             tr = _trace(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
                         adapters=ph != "ref_logprob",
                         checkpointing=grad and cfg.actor.model.gradient_checkpointing,
-                        entropy_grad=grad and cfg.actor.entropy_coeff != 0, prompt_groups=run.prompt_groups(b, grad))
+                        entropy_grad=grad and cfg.actor.entropy_coeff != 0)
             ckpt = cfg.actor.model.gradient_checkpointing
             vit = _vision_activations(run, b, grad, ckpt)
             heap = not cuda and run.cfg.plan.host_malloc == "glibc"

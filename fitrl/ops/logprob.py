@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from fitrl.core.padding import model_positions, trim_padding
-from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups, shared_prompt_forward
+from fitrl.ops.shared_prompt import can_share, find_prompt_groups, shared_prompt_forward
 
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
@@ -168,7 +168,6 @@ def response_logprobs(
     entropy_grad: bool = False,
     model_kwargs: Optional[dict] = None,
     share_prompts: bool = False,
-    prompt_groups: Optional[PromptGroups] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the last ``response_length`` tokens of each row under ``model``.
 
@@ -184,8 +183,7 @@ def response_logprobs(
     model: "got mixed torch.Tensor and DTensor".)
 
     ``share_prompts``: rows with the same prompt run it through the model once
-    (:mod:`fitrl.ops.shared_prompt`), where the model allows it; ``prompt_groups`` gives the
-    groups instead of finding them by content (the memory plan's trace, whose tensors are fake).
+    (:mod:`fitrl.ops.shared_prompt`), where the model allows it.
     """
     for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
         if getattr(model.config, name, None) not in (None, 1.0):
@@ -203,11 +201,12 @@ def response_logprobs(
                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
         return torch.stack([logp, entropy if with_entropy else torch.zeros_like(logp)], dim=-1)
 
-    if prompt_groups is None and share_prompts and can_share(model, position_ids, model_kwargs):
-        prompt_groups = find_prompt_groups(input_ids, attention_mask, input_ids.shape[1] - response_length)
-    if prompt_groups is not None and prompt_groups.shared:
+    groups = None
+    if share_prompts and can_share(model, position_ids, model_kwargs):
+        groups = find_prompt_groups(input_ids, attention_mask, input_ids.shape[1] - response_length)
+    if groups is not None and groups.shared:
         out = shared_prompt_forward(model, head, chunked_head, input_ids, attention_mask, position_ids,
-                                    response_length, prompt_groups)  # (B, R, 2)
+                                    response_length, groups)  # (B, R, 2)
     else:
         head.forward = lambda hidden: chunked_head(hidden[:, :-1])  # an instance attribute shadows nn.Linear.forward
         try:

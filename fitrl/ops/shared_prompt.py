@@ -43,12 +43,6 @@ class PromptGroups:
         """Does any prompt occur twice (else the split forward only adds work)?"""
         return self.rows.numel() < self.inverse.numel()
 
-    @classmethod
-    def consecutive(cls, batch: int, per_group: int, device=None) -> "PromptGroups":
-        """Runs of ``per_group`` rows with one prompt each (the memory plan's traced micro-batch)."""
-        inverse = torch.arange(batch, device=device) // max(1, per_group)
-        return cls(torch.arange(0, batch, max(1, per_group), device=device), inverse)
-
 
 def find_prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> PromptGroups:
     """Rows with the same prompt (ids and padding of the first ``prompt_len`` columns) form a group."""

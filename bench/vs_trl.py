@@ -42,6 +42,11 @@ The same work on both sides:
 - neither runs a separate old-log-prob pass: fitrl's ``algorithm.fold_old_logprob`` (default) and
   TRL (on-policy: ``old_per_token_logps`` is the detached current log-prob) both take the ratio's
   denominator from the update's own forward;
+- the same arithmetic result, not the same operations: fitrl's defaults run a prompt shared by
+  rows of a micro-batch once (``actor.share_prompts``; its decode loop prefills each prompt once),
+  where TRL runs each of a prompt's 8 copies (docs/architecture.md, "Throughput"); the log-probs
+  and gradients agree to rounding (tests/test_shared_prompt.py). ``--fitrl-set
+  actor.share_prompts=false rollout.decode=generate`` runs fitrl without either;
 - AdamW, each side's default kernel (fitrl: torch's fused kernel, ``actor.optim.fused``; TRL
   ``optim="adamw_torch"``: torch's foreach one; the same update within rounding), lr 1e-3 constant, no warm-up (TRL's
   default linear decay is switched off), betas 0.9/0.999, eps 1e-8, no weight decay, gradient

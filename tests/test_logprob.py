@@ -204,12 +204,14 @@ def test_no_tensor_holds_more_than_a_chunk_of_logits(model):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("root_reshards", [False, True])
-def test_fsdp2_root_sharded_model(tiny_model_dir, tmp_path, root_reshards):
+@pytest.mark.parametrize("root_reshards,share", [(False, False), (True, False), (False, True)])
+def test_fsdp2_root_sharded_model(tiny_model_dir, tmp_path, root_reshards, share):
     """Under fully_shard (per layer + root, as fitrl.distributed.fsdp.shard does) the head's weight is
     a DTensor outside the forward; the chunked head runs inside it, so values and gradients equal
     the unsharded model's, also when the root reshards after forward (it does once generation
-    has called set_reshard_after_forward(True)). Tied embeddings: both uses are one parameter."""
+    has called set_reshard_after_forward(True)). Tied embeddings: both uses are one parameter.
+    ``share``: rows 0 and 2 have one prompt, which the shared-prompt forward runs once (two
+    forwards of the root before one backward, fitrl/ops/shared_prompt.py)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -219,9 +221,14 @@ def test_fsdp2_root_sharded_model(tiny_model_dir, tmp_path, root_reshards):
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     sharded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     input_ids, mask, pos, R = rollout_like_batch(plain.config.vocab_size)
+    if share:
+        P = input_ids.shape[1] - R
+        input_ids[2, :P], mask[2, :P] = input_ids[0, :P], mask[0, :P]
+        pos = position_ids_from_mask(mask)
     kw = dict(temperature=0.8, chunk_size=4, with_entropy=True, entropy_grad=True)
     ref_lp, ref_ent = response_logprobs(plain, input_ids, mask, pos, R, **kw)
     (ref_lp.sum() + ref_ent.sum()).backward()
+    kw["share_prompts"] = share
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         for layer in sharded.model.layers:

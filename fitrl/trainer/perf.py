@@ -79,8 +79,9 @@ def load_flops_shape(model_path: str) -> tuple[Optional[FlopsShape], str, dict]:
 
 def shared_micro_sizes(cfg: FitrlConfig, raw: dict) -> dict[str, int]:
     """Pass -> micro-batch size of the passes whose forward shares prompts (see the module
-    docstring); a pass missing runs every row's prompt. As ``Run.prompt_groups`` in the planner:
-    one process, micro-batches by count, full attention; not a checkpointed or shuffled update."""
+    docstring); a pass missing runs every row's prompt: under Ray's ranks (the shards scatter a
+    prompt's samples, fitrl/data/balance.py), with micro-batches by tokens (grouped by length),
+    sliding-window attention, and in a checkpointed or shuffled update."""
     a, r = cfg.actor, cfg.rollout
     sizes = {}
     if r.engine == "hf" and r.decode == "loop" and "vision_config" not in raw and full_attention(raw):
@@ -168,8 +169,8 @@ class StepPerf:
             phase_flops["logprob"] += logprob_passes * vision
             if phase_flops["update"]:
                 phase_flops["update"] += self.ppo_epochs * vision * (1 if self.frozen_tower else 2 if self.lora else 3)
-        baseline = sum(self.shape.batch_forward_flops(p, r) - self._saved_in_rollout(p)
-                       for p, r in generated.get("baseline_rollout", []))
+        # (ReMax's greedy baseline: one sequence per prompt, nothing shared)
+        baseline = sum(self.shape.batch_forward_flops(p, r) for p, r in generated.get("baseline_rollout", []))
         total = sum(phase_flops.values()) + baseline
         m["perf/flops_per_token"] = forward / tokens
         m["perf/step_flops"] = float(total)

@@ -84,6 +84,7 @@ def test_key_is_stable_and_leaves_out_only_what_is_not_read(tiny_model_dir, tmp_
     key = cache.plan_key(cfg, hw)
     assert cache.plan_key(config(tiny_model_dir, tmp_path), detect_hardware(cfg)) == key  # new objects
     assert cache.plan_key(config(tiny_model_dir, tmp_path, "trainer.progress_bar=true", run_dir="x"), hw) == key
+    assert cache.plan_key(config(tiny_model_dir, tmp_path, "trainer.seed=7", "trainer.num_threads=1"), hw) == key
     for override in ("actor.micro_batch_size=16", "trainer.max_steps=7", "plan.steps=3", "actor.optim.lr=1e-4"):
         assert cache.plan_key(config(tiny_model_dir, tmp_path, override), hw) != key, override
     assert cache.plan_key(cfg, hw, extra="other") != key

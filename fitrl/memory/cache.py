@@ -43,6 +43,7 @@ KEEP = 64   # plans kept (~20 KiB each); the oldest go first
 NOT_READ = frozenset({
     "trainer.run_dir", "trainer.output_dir", "trainer.experiment_name", "trainer.progress_bar",
     "trainer.loggers", "trainer.project_name", "trainer.wandb_mode", "trainer.mlflow_tracking_uri",
+    "trainer.seed", "trainer.num_threads",  # a run's random stream and CPU threads: no byte of memory
     "memory.plan",  # enforce / warn: what is done with the verdict, not the verdict
 })
 """Config keys left out of the key: the planner does not read them, and they change between

@@ -5,9 +5,9 @@ is built from its config under ``FakeTensorMode`` (no memory is allocated, so th
 and sequence length cost nothing: fake tensors are shapes) and fitrl's own log-prob code
 (:func:`fitrl.ops.logprob.response_logprobs`, with its chunked lm_head) runs forward, and for
 the update backward, inside :class:`fitrl.memory.live_bytes.StorageBytes`, which counts every
-tensor storage the step creates, from its creation until it is freed. The transient of a phase is the
-tracked peak minus the weights and gradients (which :mod:`fitrl.memory.states` gives in closed
-form). From two layers on it is linear in the depth (saved activations and KV grow per layer;
+tensor storage the step creates, from its creation until it is freed. The transient of a phase
+is that peak: the weights and gradients exist before (:mod:`fitrl.memory.states` gives them in
+closed form). From two layers on it is linear in the depth (saved activations and KV grow per layer;
 without autograd the peak is one layer's working set or the head, constant), so ``L`` layers
 cost ``t(2) + (L - 2) * (t(3) - t(2))`` (checked against a traced 5-layer model in the tests).
 
@@ -104,8 +104,8 @@ def _traced(spec: TraceSpec, layers: int) -> int:
             model.eval()
         # weights, gradients and the inputs exist before: the tracker counts what the step creates
         tracker = StorageBytes()
-        tracker.exclude([*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
-                         ids, mask, pos])
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        tracker.exclude([*model.parameters(), *model.buffers(), *grads, ids, mask, pos])
         with tracker:
             if spec.phase == "prefill":
                 with torch.no_grad():

@@ -62,10 +62,7 @@ def can_share(model: torch.nn.Module, position_ids: torch.Tensor, model_kwargs: 
         return False
     if model.training and _checkpointed(model):
         return False
-    config = model.config
-    return full_attention({k: getattr(config, k, None) for k in ("layer_types", "use_sliding_window",
-                                                                  "sliding_window")
-                           if getattr(config, k, None) is not None})
+    return full_attention(vars(model.config))  # the attributes config.json's keys became
 
 
 def _checkpointed(model: torch.nn.Module) -> bool:

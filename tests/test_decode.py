@@ -252,3 +252,23 @@ def test_config_picks_the_path_and_vision_language_models_fall_back(policy):
     assert loop_unsupported(vl) == "a vision-language model"
     with pytest.raises(ValueError, match="'loop' or 'generate'"):
         HFRollout(model, tok, decode="sample")
+
+
+def test_greedy_under_bf16_autocast_equals_hf_generate(sharp):
+    """Mixed precision in one process decodes with the loop too: its static cache takes the
+    dtypes of the first keys and values (bf16 values, fp32 keys after the fp32 rotary)."""
+    from fitrl.core.device import autocast
+
+    model, tok = sharp
+    ids = chat(tok, TEXTS)
+    gen, loop = engines(model, tok, staggered_stops(model, tok, ids, 12), micro_batch_size=4)
+    s = SamplingConfig(temperature=0.0, max_tokens=12)
+    with autocast(torch.device("cpu"), torch.bfloat16):
+        a = gen.generate(Batch(fields={"prompt_ids": ids}), s)
+        b = loop.generate(Batch(fields={"prompt_ids": ids}), s)
+    for k in ("responses", "response_mask", "finished"):
+        assert torch.equal(a[k], b[k]), k
+    # bf16 rounds the attention over the two caches (a static one with masked empty slots, a
+    # growing one) differently: log-probs of logits of size ~10 agree to bf16's few digits
+    diff = (a["rollout_logprobs"] - b["rollout_logprobs"]).abs()[a["response_mask"].bool()]
+    assert diff.max() < 0.1 and diff.mean() < 0.01, (diff.max(), diff.mean())

@@ -148,6 +148,16 @@ cast weights live in the autocast cache for one forward): 1.44 (configuration 16
 command with ``--only 16``). The casts' copies come and go between the activations and the heap
 keeps more of their holes. Two FSDP2 ranks with bf16 compute measured 1.82 (configuration 17),
 which :data:`CPU_FSDP_UNIT_BUFFERS` accounts for."""
+CPU_BF16_WIDENING_RSS_FACTOR = 2.4
+"""Measured: the RSS that bf16 products widened to fp32 (fitrl/core/bf16_matmul.py, autocast on a
+CPU without bf16 GEMM kernels) add to a phase / the largest product's fp32 operands and result
+(``_bf16_widening`` in fitrl/memory/trainer.py). The same configurations with and without the
+widening (2026-11-24, the 2-core machine): ``bench/plan_accuracy.py --only 16`` under
+``MALLOC_MMAP_THRESHOLD_`` 1.66 (update), 2.06 (log-probs), 2.4 (generation); ``bench/cpu_corpus.py
+--only 11`` (glibc) 1.8 (update). Set to the largest. One product's live fp32 copies measure
+below the term (+17 MiB of live bytes, +21-30 MiB of RSS on the small model's log-prob and
+update micro-batch); the rest is the fp32 GEMM's own per-thread buffers, which a bf16 run never
+allocated before and fp32 runs' factors already hold."""
 CPU_FSDP_UNIT_BUFFERS = 1.0
 """Measured (default glibc, trimmed): on a CPU rank of two or more FSDP2 ranks an update's RSS
 stays above its live tensors by about one unsharded copy of the parameters in the compute

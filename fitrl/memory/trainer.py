@@ -35,6 +35,20 @@ def _logits_part(run: Run, batch: int, grad: bool) -> int:
     return 2 * tokens * run.shape.vocab * 4 + (run.shape.vocab * run.shape.hidden * 4 if grad else 0)
 
 
+def _bf16_widening(run: Run, head_rows: int, tokens: int) -> int:
+    """Autocast on a CPU runs each bf16 product in the fp32 kernel (fitrl/core/bf16_matmul.py): one
+    product at a time holds its operands and its result in fp32 beside the bf16 tensors. The
+    largest is the head over ``head_rows`` rows or an MLP projection over ``tokens`` rows, times
+    the RSS measured per byte of it (an upper bound on CPUs with bf16 kernels, which widen nothing)."""
+    s = run.shape
+
+    def product(rows: int, k: int, n: int) -> int:
+        return 4 * (rows * k + k * n + rows * n)
+
+    largest = max(product(head_rows, s.hidden, s.vocab), product(tokens, s.hidden, s.intermediate))
+    return int(C.CPU_BF16_WIDENING_RSS_FACTOR * largest)
+
+
 def _vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool, mapped_only: bool = False) -> int:
     """The vision tower over a micro-batch's images (analytic, at the tower's width e and MLP width
     I). Every sequence brings its prompt's images (the forward concatenates each sample's pixel
@@ -194,6 +208,9 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                     u.add("host", "allocator (FSDP2 unit buffers)", max(0, _fsdp_unit_buffers(run, cb) - (tr - live)))
             elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
                 u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
+                if not cuda:
+                    u.add(dev, "bf16 widening", _bf16_widening(
+                        run, min(cfg.actor.logprob_chunk_size, b * run.response_len), b * run.seq_len))
         if trainer:  # the policy's rollout engine, loading and saving
             if ph in ("rollout", "validation") and eng.engine == "hf":
                 _hf_rollout(run, ph, u, dev)
@@ -222,6 +239,7 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
             notes.append(text)
 
 
+# ("bf16 widening" is not one: its term is already RSS, CPU_BF16_WIDENING_RSS_FACTOR)
 TRANSIENT = ("activations", "logits", "gathered weights", "autocast weights", "kv cache", "engine weight push")
 
 
@@ -299,13 +317,17 @@ def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
         u.add(dev, "gathered weights", (shape.num_params + _adapters(run)[1]) * cb)
     elif run.autocast:  # autocast's cached bf16 copy, for the whole generate call
         u.add(dev, "autocast weights", shape.num_params * cb)
+        if not run.cuda:  # the prefill's projections over b x P tokens, the head over b rows
+            u.add(dev, "bf16 widening", _bf16_widening(run, b, b * run.prompt_len))
     # rollout.decode=loop's StaticCache (fitrl/rollout/decode.py) is sized at the call's prompt width +
     # max_tokens before the first token: its response part is at the cap whatever the responses hold.
-    # generate (a vision-language model, autocast in one process, or rollout.decode=generate) grows its
-    # cache with the longest response of the call.
-    static = cfg.rollout.decode == "loop" and shape.vision is None and not run.autocast
+    # generate (a vision-language model, or rollout.decode=generate) grows its cache with the longest
+    # response of the call. Under autocast the keys leave the rotary in fp32, the values a bf16
+    # projection (fitrl/rollout/decode.py, _values_in_their_own_dtype): 4 + 2 bytes a pair.
+    static = cfg.rollout.decode == "loop" and shape.vision is None
     kv_tokens = run.prompt_len + (run.cap_response_len if static else run.response_len)
-    u.add(dev, "kv cache", b * kv_tokens * shape.kv_bytes_per_token(cb))
+    per_token = (shape.kv_bytes_per_token(4) + shape.kv_bytes_per_token(2)) // 2 if run.autocast else shape.kv_bytes_per_token(cb)
+    u.add(dev, "kv cache", b * kv_tokens * per_token)
     u.add(dev, "image buffers", _micro_images(run, b))  # a generate call's pixel values, one row per sequence
     if run.cuda:
         u.add("host", "image buffers", _micro_images(run, b))

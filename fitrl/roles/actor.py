@@ -17,7 +17,7 @@ from fitrl.algo.kl import KL_ESTIMATORS
 from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, aggregate
 from fitrl.algo.mismatch import mismatch_metrics, truncated_is_weights
 from fitrl.config.schema import ActorConfig, AlgorithmConfig, OptimConfig
-from fitrl.core.device import autocast
+from fitrl.core.device import autocast, low_precision_backward
 from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
@@ -223,7 +223,8 @@ class Actor:
         for ix in self.partition(mini, self.cfg.micro_batch_size):
             micro = mini.index(ix)
             loss, m, logp = self._micro_loss(micro, denom, temperature)
-            loss.backward()
+            with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):
+                loss.backward()
             if folded is not None:
                 folded[ix] = logp
             metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)

@@ -120,6 +120,21 @@ def loop_unsupported(model: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def _values_in_their_own_dtype(cache: StaticCache) -> StaticCache:
+    """``StaticLayer`` allocates its values in the keys' dtype. Under bf16 autocast they differ:
+    the keys leave the rotary embedding in fp32 (its cos and sin follow the fp32 residual stream),
+    the values leave a bf16 projection. Each layer's value buffer takes the values' dtype, as
+    ``generate``'s ``DynamicCache`` keeps them (the planner charges 4 + 2 bytes per element pair:
+    fitrl/memory/trainer.py, ``_hf_rollout``)."""
+    for layer in cache.layers:
+        def allocate(keys, values, layer=layer, allocate_like_keys=layer.lazy_initialization):
+            allocate_like_keys(keys, values)
+            if layer.values.dtype != values.dtype:
+                layer.values = torch.zeros_like(layer.values, dtype=values.dtype)
+        layer.lazy_initialization = allocate
+    return cache
+
+
 def _keep_rows(cache: StaticCache, rows: torch.Tensor) -> None:
     """Keep only ``rows`` of every layer's (b, heads, length, head_dim) keys and values. Layer by
     layer, so the copy held beside the cache at any time is one layer's."""
@@ -157,7 +172,7 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     positions = position_ids_from_mask(attention_mask)  # (B, P)
     next_pos = positions[:, -1:] + 1  # (b, 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (b,) ended, in the batch until the next look
-    cache = StaticCache(config=model.config, max_cache_len=P + T)
+    cache = _values_in_their_own_dtype(StaticCache(config=model.config, max_cache_len=P + T))
     nonfinite = None
     # a group's n samples share their prompt: each distinct prompt is prefilled once, and its
     # keys and values are copied to the rows that share it (the same per-row values)

@@ -133,9 +133,7 @@ class HFRollout(RolloutEngine):
 
     def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
                         extra: dict[str, torch.Tensor]):
-        # (under autocast the loop's StaticCache, allocated in the weights' dtype, would not take
-        # the bf16 keys and values: mixed precision in one process decodes with generate)
-        if self.decode == "loop" and not torch.is_autocast_enabled(ids.device.type):  # text only: no ``extra``
+        if self.decode == "loop":  # text only: no ``extra``
             return decode_loop(self.model, ids, mask, sampling, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                never_ids=self.inputs.never_generate)
         recorder = SampleAndRecord(sampling, self.eos_ids, self.inputs.never_generate)

@@ -90,3 +90,28 @@ def test_only_bf16_on_a_cpu_without_kernels_gets_the_mode(monkeypatch):
     monkeypatch.setattr(bf16_matmul, "cpu_has_bf16_matmul", lambda: False)
     assert isinstance(bf16_matmuls(CPU, torch.bfloat16), Bf16MatmulsInFp32)
     assert isinstance(cpu_has_bf16_matmul.__wrapped__(), bool)
+
+
+def test_the_cpu_peak_for_mfu_measures_bf16_as_fitrl_runs_it(monkeypatch, tmp_path):
+    from fitrl.telemetry import perf
+
+    seen = []
+
+    class Counting(Bf16MatmulsInFp32):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in bf16_matmul._MATMULS:
+                seen.append(args[0].dtype)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    monkeypatch.setattr(bf16_matmul, "Bf16MatmulsInFp32", Counting)
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16_matmul", lambda: False)
+    assert perf.measure_matmul_flops("bfloat16", 1, budget_s=1e-9) > 0
+    assert len(seen) >= 2 and set(seen) == {torch.bfloat16}  # every product went through the mode
+    seen.clear()
+    perf.measure_matmul_flops("float32", 1, budget_s=1e-9)
+    assert seen == []
+    # a peak cached before the widening is not read back for it: the key says which kernel
+    monkeypatch.setattr(perf, "cpu_has_bf16_matmul", lambda: False)
+    keys = []
+    perf.cpu_peak_flops(1, "bfloat16", path=tmp_path / "p.json", measure=lambda d, t: keys.append(d) or 1e9)
+    assert "in the fp32 kernel" in (tmp_path / "p.json").read_text()

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
+from fitrl.core.bf16_matmul import bf16_matmuls, cpu_has_bf16_matmul
 from fitrl.core.cache import cache_root
 
 log = logging.getLogger("fitrl.telemetry")
@@ -82,28 +83,35 @@ def tf32_enabled() -> bool:
 def measure_matmul_flops(dtype: str, threads: int, budget_s: float = 0.3) -> float:
     """Best FLOP/s of an n x n matmul at ``dtype`` on ``threads`` threads. n grows (256 ... 2048)
     until one product takes 10 ms, so a slow dtype (bf16 without AMX) stays within the budget;
-    then products are repeated for ``budget_s`` and the fastest counts (2 n^3 FLOPs each)."""
+    then products are repeated for ``budget_s`` and the fastest counts (2 n^3 FLOPs each). bf16
+    products run as fitrl runs them (:mod:`fitrl.core.bf16_matmul`: in the fp32 kernel on a CPU
+    without bf16 kernels)."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        gen = torch.Generator().manual_seed(0)
-        for n in (256, 512, 1024, 2048):
-            a = torch.randn(n, n, generator=gen).to(getattr(torch, dtype))
-            b = torch.randn(n, n, generator=gen).to(getattr(torch, dtype))
-            torch.mm(a, b)  # warm-up: first-call dispatch and allocation
-            start = time.perf_counter()
-            torch.mm(a, b)
-            if time.perf_counter() - start >= 0.01:
-                break
-        best, spent = float("inf"), 0.0
-        while spent < budget_s:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            took = time.perf_counter() - start
-            best, spent = min(best, took), spent + took
-        return 2 * n ** 3 / best
+        with bf16_matmuls(torch.device("cpu"), getattr(torch, dtype)):
+            return _best_square_product(dtype, budget_s)
     finally:
         torch.set_num_threads(before)
+
+
+def _best_square_product(dtype: str, budget_s: float) -> float:
+    gen = torch.Generator().manual_seed(0)
+    for n in (256, 512, 1024, 2048):
+        a = torch.randn(n, n, generator=gen).to(getattr(torch, dtype))
+        b = torch.randn(n, n, generator=gen).to(getattr(torch, dtype))
+        torch.mm(a, b)  # warm-up: first-call dispatch and allocation
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if time.perf_counter() - start >= 0.01:
+            break
+    best, spent = float("inf"), 0.0
+    while spent < budget_s:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+    return 2 * n ** 3 / best
 
 
 def cache_file() -> Path:
@@ -126,7 +134,8 @@ def cpu_peak_flops(threads: int, dtype: str, *, path: Optional[Path] = None,
     """FLOP/s of this CPU at ``threads`` threads and ``dtype``: from the cache, else measured
     once and written there (an unwritable cache only means measuring again next run)."""
     path = path or cache_file()
-    key = f"{cpu_model_name()} | threads={threads} | {dtype}"
+    widened = dtype == "bfloat16" and not cpu_has_bf16_matmul()  # (a bf16 entry measured before it was)
+    key = f"{cpu_model_name()} | threads={threads} | {dtype}{' in the fp32 kernel' if widened else ''}"
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -254,6 +254,10 @@ def main() -> None:
                              "random-initialised model's reward can rise within 100 steps")
     parser.add_argument("--work-dir", default=str(ROOT / ".cache" / "bench-vs-trl"))
     parser.add_argument("--json", help="also write every run's raw record here")
+    parser.add_argument("--sides", nargs="+", default=["fitrl", "trl"], choices=["fitrl", "trl"],
+                        help="the sides to run; the other side's runs are read from --reuse")
+    parser.add_argument("--reuse", metavar="JSON", help="an earlier --json holding the runs of the sides not "
+                        "in --sides (one side re-measured against a slow side measured once)")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
@@ -288,6 +292,7 @@ def main() -> None:
         print(f"matmul peak at {threads} thread(s): " + ", ".join(
             f"{k} {v['gflops']:.1f} GFLOP/s (n={v['n']})" for k, v in res.items() if k in ("fp32", "bf16", "bf16_fitrl")))
 
+    reused = {r["run"]: r for r in json.loads(Path(args.reuse).read_text())["runs"]} if args.reuse else {}
     record = []
     for label in args.shapes:
         for precision in args.precision:
@@ -305,13 +310,18 @@ def main() -> None:
                                     "run_dir": str(work / "runs" / name),
                                     "log": str(work / "runs" / f"{name}.log"),
                                     "result": str(work / "runs" / f"{name}.json")}
-                            r = run_child(spec, env)
+                            if side in args.sides:
+                                r = run_child(spec, env)
+                            elif name in reused:
+                                r = reused[name]
+                            else:
+                                continue
                             record.append({"run": name, **{k: v for k, v in r.items() if k != "traceback"}})
                             if "error" not in r:
                                 r = summarise(r, args.warmup)
                             runs[side].append(r)
                             status = r.get("error") or f"{r['s_per_step']:.3f} s/step, wall {r['wall_s']:.1f} s"
-                            print(f"  {name}: {status}", flush=True)
+                            print(f"  {name}: {status}{'' if side in args.sides else ' (reused)'}", flush=True)
                         i += 1
                 print_cell(f"{label} ({models[label][1]['params'] / 1e6:.2f}M params), {precision}, {threads} thread(s)",
                            runs, peaks[threads], precision)

@@ -138,3 +138,44 @@ def test_a_cached_plan_that_does_not_fit_stops_the_same_way(tmp_path, plans, mon
     assert len(plans) == 1  # the recommendations' re-plans call plan_config in fitrl.memory.recommend
     assert outcomes[0] == outcomes[1]
     assert "cheapest change that fits: actor.model.gradient_checkpointing=true" in outcomes[1][0]
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts real traces, with this process's in-memory trace caches emptied."""
+    from fitrl.memory import trace
+
+    trace._stored.cache_clear()
+    trace._traced.cache_clear()
+    calls = []
+    traced = trace._traced.__wrapped__
+
+    def counted(spec, layers):
+        calls.append((spec, layers))
+        return traced(spec, layers)
+    monkeypatch.setattr(trace, "_traced", counted)
+    yield calls
+    trace._stored.cache_clear()
+
+
+def test_a_config_edited_where_no_trace_reads_plans_from_the_stored_traces(tiny_model_dir, tmp_path, plans,
+                                                                           traces, cache_dir):
+    from fitrl.memory import trace
+
+    first, _ = run(config(tiny_model_dir, tmp_path))
+    assert len(plans) == 1 and traces, "the cold plan traced nothing"
+    stored = len(list(cache.trace_dir().glob("*.pkl")))
+    assert stored == len(set(traces))
+    traces.clear()
+    trace._stored.cache_clear()  # as a new process
+    second, _ = run(config(tiny_model_dir, tmp_path, "actor.optim.lr=3e-4", "trainer.max_steps=7"))
+    assert len(plans) == 2, "a changed learning rate must miss the plan cache"
+    assert traces == [], "traced again"
+    assert json.dumps(plan_record(second)["phases"]) == json.dumps(plan_record(first)["phases"])
+    # a damaged trace file is a miss, traced again and rewritten
+    victim = sorted(cache.trace_dir().glob("*.pkl"))[0]
+    victim.write_bytes(b"not a pickle")
+    trace._stored.cache_clear()
+    third, _ = run(config(tiny_model_dir, tmp_path, "actor.optim.lr=1e-4"))
+    assert len(traces) == 1 and json.dumps(plan_record(third)["phases"]) == json.dumps(plan_record(first)["phases"])
+    assert len(list(cache.trace_dir().glob("*.pkl"))) == stored

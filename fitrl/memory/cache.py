@@ -18,6 +18,10 @@ key and passes in ``extra``: a changed dataset changes the number, and so the ke
 returns what was stored under the same key; an unreadable, truncated or foreign file is a miss,
 never an error. Files live in ``$FITRL_CACHE_DIR/plans`` (default ``$XDG_CACHE_HOME/fitrl/plans``,
 else ``~/.cache/fitrl/plans``), the newest :data:`KEEP` kept.
+
+Below the plans, each traced micro-step's peak is kept too (``traces/``, :func:`trace_key`): the
+traces are most of a cold plan's time (0.2-0.5 s each, 8 for a run planned at its caps and at
+expected lengths), and a config edited where no trace reads plans from them in milliseconds.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2  # bump when what is stored changes shape (2: plans hold the plan at expected lengths)
 KEEP = 64   # plans kept (~20 KiB each); the oldest go first
+TRACE_KEEP = 1024  # traced peaks kept (one integer each)
 NOT_READ = frozenset({
     "trainer.run_dir", "trainer.output_dir", "trainer.experiment_name", "trainer.progress_bar",
     "trainer.loggers", "trainer.project_name", "trainer.wandb_mode", "trainer.mlflow_tracking_uri",
@@ -71,9 +76,24 @@ def plan_key(cfg, hardware, extra: Any = None) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=repr).encode()).hexdigest()
 
 
-def load(key: str) -> Optional[Any]:
+def trace_dir() -> Path:
+    return cache_root() / "traces"
+
+
+def trace_key(spec, layers: int) -> str:
+    """The digest of one traced micro-step (:func:`fitrl.memory.trace.transient_bytes`): its
+    :class:`~fitrl.memory.trace.TraceSpec`, depth and the code. A config that changes what no
+    trace reads (a learning rate, a reward, the step count) misses :func:`plan_key` but finds its
+    traces here, so its plan is the closed-form arithmetic only."""
+    from dataclasses import asdict
+
+    record = {"format": FORMAT, "spec": asdict(spec), "layers": layers, "code": _code()}
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def load(key: str, directory: Optional[Path] = None) -> Optional[Any]:
     """What :func:`store` stored under ``key``, or None (absent, unreadable, another key's)."""
-    path = cache_dir() / f"{key}.pkl"
+    path = (directory or cache_dir()) / f"{key}.pkl"
     try:
         with open(path, "rb") as f:
             stored = pickle.load(f)
@@ -86,10 +106,10 @@ def load(key: str) -> Optional[Any]:
     return None
 
 
-def store(key: str, value: Any) -> None:
+def store(key: str, value: Any, directory: Optional[Path] = None, keep: int = KEEP) -> None:
     """Writes ``value`` under ``key`` (atomically: readers see the old file or the new one);
     a cache that cannot be written is skipped."""
-    directory = cache_dir()
+    directory = directory or cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pkl")
@@ -100,14 +120,14 @@ def store(key: str, value: Any) -> None:
         except BaseException:
             os.unlink(tmp)
             raise
-        _prune(directory)
+        _prune(directory, keep)
     except Exception as e:
         log.debug("plan cache not written to %s: %s: %s", directory, type(e).__name__, e)
 
 
-def _prune(directory: Path) -> None:
+def _prune(directory: Path, keep: int) -> None:
     files = sorted(directory.glob("*.pkl"), key=lambda p: p.stat().st_mtime)
-    for old in files[:-KEEP]:
+    for old in files[:-keep]:
         old.unlink(missing_ok=True)
 
 

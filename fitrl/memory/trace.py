@@ -61,9 +61,23 @@ class TraceSpec:
 def transient_bytes(spec: TraceSpec, layers: int) -> int:
     """Peak bytes of the phase beyond weights and gradients, for a model of ``layers`` layers."""
     if layers <= 3:
-        return _traced(spec, layers)
-    two = _traced(spec, 2)
-    return two + (layers - 2) * (_traced(spec, 3) - two)
+        return _stored(spec, layers)
+    two = _stored(spec, 2)
+    return two + (layers - 2) * (_stored(spec, 3) - two)
+
+
+@lru_cache(maxsize=512)
+def _stored(spec: TraceSpec, layers: int) -> int:
+    """:func:`_traced`, read from fitrl's cache directory when the same code traced it before
+    (:func:`fitrl.memory.cache.trace_key`)."""
+    from fitrl.memory import cache
+
+    key = cache.trace_key(spec, layers)
+    peak = cache.load(key, cache.trace_dir())
+    if not isinstance(peak, int):
+        peak = _traced(spec, layers)
+        cache.store(key, peak, cache.trace_dir(), keep=cache.TRACE_KEEP)
+    return peak
 
 
 @lru_cache(maxsize=512)

@@ -54,8 +54,8 @@ The same work on both sides:
   clipping at norm 1.0; fp32 weights; ``--precision bf16``: TRL ``bf16=True`` (autocast),
   fitrl ``actor.fsdp.mixed_precision=true`` (autocast in the single-process backend; on a CPU
   without bf16 GEMM kernels its bf16 products run in the fp32 kernel on the bf16 operands and
-  are rounded once, fitrl/core/bf16_matmul.py, where TRL's run in torch's bf16 kernel); no gradient checkpointing (TRL's
-  default is on: switched off), sdpa attention;
+  are rounded once, fitrl/core/bf16_matmul.py, where TRL's run in torch's bf16 kernel); no
+  gradient checkpointing (TRL's default is on: switched off), sdpa attention;
 - no validation, no checkpoint (fitrl ``checkpoint.save_final=false``; TRL
   ``save_strategy="no"``), no generation samples logged, no progress bar, metrics every step
   (fitrl metrics.jsonl + its console line, to a log file; TRL ``logging_steps=1``, ``report_to``

@@ -36,4 +36,4 @@ def autocast(device: torch.device, dtype: Optional[torch.dtype]):
 def low_precision_backward(device: torch.device, dtype: Optional[torch.dtype]):
     """What a backward of a forward run under ``autocast(device, dtype)`` needs around it: the
     bf16 matmul kernels of fitrl/core/bf16_matmul.py on a CPU without its own, else nothing."""
-    return bf16_matmuls(device, dtype) if dtype is not None else contextlib.nullcontext()
+    return bf16_matmuls(device, dtype)

@@ -326,7 +326,8 @@ def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
     # projection (fitrl/rollout/decode.py, _values_in_their_own_dtype): 4 + 2 bytes a pair.
     static = cfg.rollout.decode == "loop" and shape.vision is None
     kv_tokens = run.prompt_len + (run.cap_response_len if static else run.response_len)
-    per_token = (shape.kv_bytes_per_token(4) + shape.kv_bytes_per_token(2)) // 2 if run.autocast else shape.kv_bytes_per_token(cb)
+    per_token = ((shape.kv_bytes_per_token(4) + shape.kv_bytes_per_token(2)) // 2 if run.autocast
+                 else shape.kv_bytes_per_token(cb))
     u.add(dev, "kv cache", b * kv_tokens * per_token)
     u.add(dev, "image buffers", _micro_images(run, b))  # a generate call's pixel values, one row per sequence
     if run.cuda:

@@ -179,3 +179,18 @@ def test_a_config_edited_where_no_trace_reads_plans_from_the_stored_traces(tiny_
     third, _ = run(config(tiny_model_dir, tmp_path, "actor.optim.lr=1e-4"))
     assert len(traces) == 1 and json.dumps(plan_record(third)["phases"]) == json.dumps(plan_record(first)["phases"])
     assert len(list(cache.trace_dir().glob("*.pkl"))) == stored
+
+
+def test_a_cold_plan_traces_only_the_phases_the_run_has(tiny_model_dir, tmp_path, traces):
+    """Start-up: a phase the run does not have (no reference without KL, no separate old-log-prob
+    pass when the update folds it, no validation without validation files) costs no trace."""
+    folded, _ = run(config(tiny_model_dir, tmp_path, "algorithm.use_kl_loss=false", "data.val_files=[]",
+                           "actor.mini_batch_size=8", "actor.ppo_epochs=1",
+                           "checkpoint.save_freq=0", "checkpoint.save_final=false"))
+    assert folded.phases == ["load", "rollout", "update"]
+    assert {s.phase for s, _ in traces} == {"prefill", "update"}
+    assert {p.kind: sorted(p.phases) for p in folded.processes}["trainer"] == ["load", "rollout", "update"]
+    traces.clear()
+    full, _ = run(config(tiny_model_dir, tmp_path, "algorithm.use_kl_loss=true", "algorithm.fold_old_logprob=false"))
+    assert {"ref_logprob", "old_logprob", "validation"} <= set(full.phases)
+    assert "logprob" in {s.phase for s, _ in traces}

@@ -128,6 +128,17 @@ class Problem:
     at: str = "caps"   # the lengths of the plan it is in: "caps" | "expected"
 
 
+def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
+    """The phases a run has (no reference phase without KL, no weight sync for HF generate ...)."""
+    ck = getattr(cfg, "checkpoint", None)
+    skip = {"ref_logprob": not spec.reference,
+            "old_logprob": cfg.old_logprob_source != "pass",
+            "weight_sync": cfg.rollout.engine != "vllm",
+            "validation": not cfg.data.val_files,
+            "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
+    return [ph for ph in PHASES if not skip.get(ph, False)]
+
+
 @dataclass
 class Plan:
     """A run's memory per process and phase, at the caps, with the plan at expected lengths in
@@ -184,15 +195,7 @@ class Plan:
 
     @property
     def phases(self) -> list[str]:
-        """The phases this run has (no reference phase without KL, no weight sync for HF generate ...)."""
-        cfg = self.cfg
-        ck = getattr(cfg, "checkpoint", None)
-        skip = {"ref_logprob": not self.spec.reference,
-                "old_logprob": cfg.old_logprob_source != "pass",
-                "weight_sync": cfg.rollout.engine != "vllm",
-                "validation": not cfg.data.val_files,
-                "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
-        return [ph for ph in PHASES if not skip.get(ph, False)]
+        return active_phases(self.cfg, self.spec)
 
     def peaks(self) -> dict[str, tuple[int, int]]:
         return {ph: (sum(self.device(ph).values()), sum(self.node_host(ph).values())) for ph in self.phases}
@@ -263,6 +266,10 @@ class Run:
     @property
     def cuda(self) -> bool:
         return self.hw.device == "cuda"
+
+    @property
+    def phases(self) -> list[str]:
+        return active_phases(self.cfg, self.spec)
 
     @property
     def lora(self):

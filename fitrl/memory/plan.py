@@ -88,6 +88,8 @@ def _decoding_before_generate(run: Run, processes: list) -> None:
         return
     trainer, driver = (next(p for p in processes if p.kind == kind) for kind in ("trainer", "driver"))
     for ph in ("rollout", "validation"):
+        if ph not in trainer.phases:
+            continue
         engine = trainer.phases[ph].host
         generating = sum(engine.get(k, 0) for k in (*TRANSIENT, "allocator (retained)", "image buffers"))
         driver.phases[ph].host["image buffers"] -= min(decoding, generating)

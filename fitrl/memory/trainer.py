@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fitrl.memory import calibration as C
-from fitrl.memory.model import PHASES, ProcessPlan, Run, Usage, process_roles, resident, role_states
+from fitrl.memory.model import ProcessPlan, Run, Usage, process_roles, resident, role_states
 from fitrl.memory.services import vllm_cpu_engine, vllm_push_bytes
 from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, lora_layer_params, root_bytes
@@ -129,7 +129,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
     eng = run.cfg.rollout
     phases = {}
     unretained = 0  # the update's transient bytes glibc cannot keep (mapped tensors)
-    for ph in PHASES:
+    for ph in run.phases:  # only the phases this run has: an absent one's traces would be wasted start-up
         u = Usage()
         # a Ray role actor of its own (reference, critic) costs a process runtime like a trainer rank's
         u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.fsdp)

@@ -4,6 +4,8 @@
     .venv-bench/bin/python bench/vs_trl.py --shapes 0.64M --precision fp32 --threads 2 --steps 6 --repeats 1
     .venv-bench/bin/python bench/vs_trl.py --shapes 0.64M 31.7M --precision fp32 bf16 --threads 1 2 \\
         --steps 40 --repeats 3 --seeds 1 2 --json /tmp/vs_trl.json
+    .venv-bench/bin/python bench/vs_trl.py --shapes 0.64M --precision fp32 --threads 1 --steps 6 --repeats 3 \
+        --cold-plan                                    # every fitrl run a config's first launch (plan traced)
 
 Every run is a fresh process (so process wall, start-up and peak RSS belong to that run alone);
 fitrl and TRL runs alternate, the side that goes first swapping at every repeat. Per cell (shape x
@@ -80,6 +82,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -157,6 +160,20 @@ def run_child(spec: dict, env: dict) -> dict:
     result = json.loads(path.read_text()) if path.is_file() else {"error": f"exit status {rc}, no result"}
     result.update(rc=rc, wall_s=wall, peak_rss_gib=peak[0] / 2 ** 30, t0=t0)
     return result
+
+
+def cold_cache(work: Path, name: str, env: dict) -> dict:
+    """``env`` with a fitrl cache directory of the run's own, empty but for the measured matmul peak
+    (fitrl/core/cache.py): the plan and its traces are made anew, as at a config's first launch."""
+    from fitrl.core.cache import cache_root
+
+    cache = work / "runs" / f"{name}.cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    peak = cache_root() / "peak_flops.json"
+    if peak.is_file():
+        shutil.copy(peak, cache / peak.name)
+    return dict(env, FITRL_CACHE_DIR=str(cache))
 
 
 def summarise(run: dict, warmup: int) -> dict:
@@ -256,6 +273,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write every run's raw record here")
     parser.add_argument("--sides", nargs="+", default=["fitrl", "trl"], choices=["fitrl", "trl"],
                         help="the sides to run; the other side's runs are read from --reuse")
+    parser.add_argument("--cold-plan", action="store_true",
+                        help="every fitrl run starts with empty plan and trace caches (a config's first launch: "
+                             "its pre-flight plan traces its micro-steps); this machine's cached matmul peak is kept")
     parser.add_argument("--reuse", metavar="JSON", help="an earlier --json holding the runs of the sides not "
                         "in --sides (one side re-measured against a slow side measured once)")
     args = parser.parse_args()
@@ -311,7 +331,8 @@ def main() -> None:
                                     "log": str(work / "runs" / f"{name}.log"),
                                     "result": str(work / "runs" / f"{name}.json")}
                             if side in args.sides:
-                                r = run_child(spec, env)
+                                r = run_child(spec, cold_cache(work, name, env) if side == "fitrl" and args.cold_plan
+                                              else env)
                             elif name in reused:
                                 r = reused[name]
                             else:

@@ -90,7 +90,8 @@ class Case:
              f"actor.logprob_micro_batch_size={self.micro}", f"actor.model.gradient_checkpointing={self.ckpt}",
              f"actor.logprob_chunk_size={self.chunk}", "rollout.ignore_eos=true", f"rollout.micro_batch_size={64}",
              "trainer.device=cpu", f"trainer.num_threads={2 // self.ranks}", "reward.num_workers=0",
-             "trainer.val_before_train=false"]
+             "trainer.val_before_train=false",
+             "algorithm.fold_old_logprob=false"]  # the old-log-prob pass is one of the measured phases
         if self.ranks > 1:
             o += ["trainer.backend=ray", f"trainer.devices_per_node={self.ranks}"]
         if self.kl:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fitrl.memory.shapes import ModelShape
-from fitrl.memory.trace import _traced, trace_spec, transient_bytes
+from fitrl.memory.trace import PLAIN_KV_DECODERS, _traced, kv_layer_bytes, trace_spec, transient_bytes
 
 
 def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
@@ -47,6 +47,21 @@ def test_depth_extrapolation_matches_a_traced_deeper_model():
     for phase, ckpt in (("update", False), ("update", True), ("logprob", False), ("prefill", False)):
         spec = trace_spec(shape, phase=phase, batch=4, seq_len=256, response_len=128, checkpointing=ckpt)
         assert transient_bytes(spec, 5) == _traced(spec, 5), (phase, ckpt)
+
+
+@pytest.mark.parametrize("model_type", sorted(PLAIN_KV_DECODERS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_plain_decoders_prefill_grows_by_one_layers_kv(model_type, dtype):
+    """What lets a deep model's prefill skip the 3-layer trace: from two traced layers to three the
+    prefill grows by exactly one layer's K/V cache (GQA, a head dim of its own, tied or not)."""
+    shape = ModelShape.from_dict(dict(model_type=model_type, hidden_size=192, num_hidden_layers=6, num_attention_heads=6,
+                                      num_key_value_heads=2, head_dim=48, intermediate_size=320, vocab_size=3000,
+                                      tie_word_embeddings=model_type == "llama"))
+    for batch, prompt in ((1, 7), (6, 300)):
+        spec = trace_spec(shape, phase="prefill", batch=batch, seq_len=prompt, response_len=0, dtype=dtype)
+        assert _traced(spec, 3) - _traced(spec, 2) == kv_layer_bytes(spec) == 2 * 2 * 48 * batch * prompt * (
+            4 if dtype == "float32" else 2)
+        assert transient_bytes(spec, 6) == _traced(spec, 2) + 4 * kv_layer_bytes(spec)
 
 
 def test_chunking_bounds_the_logits():

@@ -9,7 +9,9 @@ tensor storage the step creates, from its creation until it is freed. The transi
 is that peak: the weights and gradients exist before (:mod:`fitrl.memory.states` gives them in
 closed form). From two layers on it is linear in the depth (saved activations and KV grow per layer;
 without autograd the peak is one layer's working set or the head, constant), so ``L`` layers
-cost ``t(2) + (L - 2) * (t(3) - t(2))`` (checked against a traced 5-layer model in the tests).
+cost ``t(2) + (L - 2) * (t(3) - t(2))`` (checked against a traced 5-layer model in the tests); a
+prefill of a plain decoder (:data:`PLAIN_KV_DECODERS`) grows by one layer's K/V, which is known, so
+it is traced at two layers only.
 
 The traced rows have distinct prompts: the forward that runs a shared prompt once
 (``actor.share_prompts``, :mod:`fitrl.ops.shared_prompt`) holds fewer live bytes, but the
@@ -58,12 +60,31 @@ class TraceSpec:
     lora_dropout: float = 0.0   # actor.lora.dropout
 
 
+PLAIN_KV_DECODERS = frozenset({"qwen2", "llama", "qwen3"})
+"""Decoders whose prefill keeps one plain K/V pair per layer and nothing else that grows with
+depth: their traced prefill grows by exactly one layer's cache from two layers to three (checked
+per type in tests/test_plan_trace.py), so a deep model's prefill needs only the 2-layer trace."""
+
+
 def transient_bytes(spec: TraceSpec, layers: int) -> int:
     """Peak bytes of the phase beyond weights and gradients, for a model of ``layers`` layers."""
     if layers <= 3:
         return _stored(spec, layers)
     two = _stored(spec, 2)
-    return two + (layers - 2) * (_stored(spec, 3) - two)
+    per_layer = kv_layer_bytes(spec) if _plain_prefill(spec) else _stored(spec, 3) - two
+    return two + (layers - 2) * per_layer
+
+
+def kv_layer_bytes(spec: TraceSpec) -> int:
+    """One decoder layer's K and V over the spec's batch and sequence, in its dtype."""
+    cfg = dict(spec.text_config)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_key_value_heads"] * head_dim * spec.batch * spec.seq_len * DTYPES[spec.dtype]
+
+
+def _plain_prefill(spec: TraceSpec) -> bool:
+    # (a first launch's start-up: one trace fewer per generating phase)
+    return spec.phase == "prefill" and dict(spec.text_config).get("model_type") in PLAIN_KV_DECODERS
 
 
 @lru_cache(maxsize=512)

@@ -57,8 +57,10 @@ def test_a_plain_decoders_prefill_grows_by_one_layers_kv(model_type, dtype):
     shape = ModelShape.from_dict(dict(model_type=model_type, hidden_size=192, num_hidden_layers=6, num_attention_heads=6,
                                       num_key_value_heads=2, head_dim=48, intermediate_size=320, vocab_size=3000,
                                       tie_word_embeddings=model_type == "llama"))
-    for batch, prompt in ((1, 7), (6, 300)):
-        spec = trace_spec(shape, phase="prefill", batch=batch, seq_len=prompt, response_len=0, dtype=dtype)
+    from fitrl.config.roles import LoRAConfig
+
+    for batch, prompt, lora in ((1, 7, None), (6, 300, None), (6, 300, LoRAConfig(rank=8, dropout=0.1))):
+        spec = trace_spec(shape, phase="prefill", batch=batch, seq_len=prompt, response_len=0, dtype=dtype, lora=lora)
         assert _traced(spec, 3) - _traced(spec, 2) == kv_layer_bytes(spec) == 2 * 2 * 48 * batch * prompt * (
             4 if dtype == "float32" else 2)
         assert transient_bytes(spec, 6) == _traced(spec, 2) + 4 * kv_layer_bytes(spec)

@@ -20,8 +20,8 @@ never an error. Files live in ``$FITRL_CACHE_DIR/plans`` (default ``$XDG_CACHE_H
 else ``~/.cache/fitrl/plans``), the newest :data:`KEEP` kept.
 
 Below the plans, each traced micro-step's peak is kept too (``traces/``, :func:`trace_key`): the
-traces are most of a cold plan's time (0.2-0.5 s each, 8 for a run planned at its caps and at
-expected lengths), and a config edited where no trace reads plans from them in milliseconds.
+traces are most of a cold plan's time (0.1-0.4 s each, a few per phase the run has), and a
+config edited where no trace reads plans from them in milliseconds.
 """
 
 from __future__ import annotations

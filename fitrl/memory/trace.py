@@ -76,10 +76,10 @@ def transient_bytes(spec: TraceSpec, layers: int) -> int:
 
 
 def kv_layer_bytes(spec: TraceSpec) -> int:
-    """One decoder layer's K and V over the spec's batch and sequence, in its dtype."""
+    """One decoder layer's K and V over the spec's batch and sequence, in its dtype (the spec's
+    config always names its head dim: :meth:`fitrl.memory.shapes.ModelShape.text_config`)."""
     cfg = dict(spec.text_config)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_key_value_heads"] * head_dim * spec.batch * spec.seq_len * DTYPES[spec.dtype]
+    return 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * spec.batch * spec.seq_len * DTYPES[spec.dtype]
 
 
 def _plain_prefill(spec: TraceSpec) -> bool:

@@ -131,7 +131,13 @@ def test_cpu_plan_follows_trim(tmp_path, tiny_model_dir, ckpt):
     held = lambda u: sum(u.host.values()) - traced(u)  # noqa: E731
 
     bwd = C.CPU_TRIMMED_RECOMPUTE_RSS_FACTOR if ckpt else C.CPU_TRIMMED_BACKWARD_RSS_FACTOR
-    assert held(trimmed["update"]) == held(bare["update"])
+    # the trimmed update also holds the heap residue: a fixed part and a share of the smaller of
+    # its traced transients and its fp32 gradients (one process: every parameter trains)
+    grads = bare["update"].host["grads"]
+    residue = int(C.CPU_UPDATE_HEAP_FIXED + C.CPU_UPDATE_HEAP_PINNED * min(traced(bare["update"]), grads))
+    assert trimmed["update"].host["allocator (heap residue)"] == pytest.approx(residue, abs=2)
+    assert held(trimmed["update"]) == held(bare["update"]) + trimmed["update"].host["allocator (heap residue)"]
+    assert "allocator (heap residue)" not in untrimmed["update"].host
     assert traced(trimmed["update"]) == pytest.approx(bwd * traced(bare["update"]), abs=2)
     for ph in ("rollout", "old_logprob"):
         factor = C.CPU_TRIMMED_ROLLOUT_RSS_FACTOR if ph == "rollout" else C.CPU_TRIMMED_PHASE_RSS_FACTOR
@@ -157,12 +163,13 @@ def test_cpu_plan_bf16_compute_factor(tmp_path, tiny_model_dir):
     traced = lambda u: u.host.get("activations", 0) + u.host.get("logits", 0)  # noqa: E731
     assert traced(bare) > 0
     assert traced(trimmed) == pytest.approx(C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR * traced(bare), abs=2)
-    assert C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR > C.CPU_TRIMMED_BACKWARD_RSS_FACTOR
+    assert C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR != C.CPU_TRIMMED_BACKWARD_RSS_FACTOR  # which factor is read
 
 
 def test_cpu_plan_fsdp_unit_buffers(tmp_path, tiny_model_dir):
-    """On CPU FSDP2 ranks the update's heap excess is the larger of the activations' factor and
-    one unsharded copy of the parameters and gradients (fp32 here: 8 bytes per parameter)."""
+    """On CPU FSDP2 ranks the update's heap excess is the larger of the activations' factor with
+    the heap residue and one unsharded copy of the parameters and gradients (fp32 here: 8 bytes
+    per parameter, times the measured unit-buffer factor)."""
     from fitrl.memory import Hardware, plan_config
 
     def plan(*extra):
@@ -173,8 +180,11 @@ def test_cpu_plan_fsdp_unit_buffers(tmp_path, tiny_model_dir):
     glibc, bare = plan(), plan("plan.host_malloc=mmap")
     g, b = (p.process("trainer").phases["update"].host for p in (glibc, bare))
     traced = b.get("activations", 0) + b.get("logits", 0)
-    units = 8 * glibc.shape.num_params
+    units = int(C.CPU_FSDP_UNIT_BUFFERS * 8 * glibc.shape.num_params)
+    residue = g["allocator (heap residue)"]  # this rank's half of the gradients, or the transients
+    assert residue == pytest.approx(C.CPU_UPDATE_HEAP_FIXED + C.CPU_UPDATE_HEAP_PINNED * min(
+        traced, 4 * glibc.shape.num_params // 2), abs=2)
     excess = sum(g.values()) - sum(b.values())
-    assert excess == pytest.approx(max((C.CPU_TRIMMED_BACKWARD_RSS_FACTOR - 1) * traced, units), abs=4)
-    assert g.get("allocator (FSDP2 unit buffers)", 0) == pytest.approx(
-        max(0, units - (C.CPU_TRIMMED_BACKWARD_RSS_FACTOR - 1) * traced), abs=4)
+    activations = (C.CPU_TRIMMED_BACKWARD_RSS_FACTOR - 1) * traced + residue
+    assert excess == pytest.approx(max(activations, units), abs=4)
+    assert g.get("allocator (FSDP2 unit buffers)", 0) == pytest.approx(max(0, units - activations), abs=4)

@@ -132,22 +132,44 @@ batch) / the update's transients, measured with the gradients freed: 0.60-0.93, 
 (0.62 when the gradients were still held and counted apart); a second run gave 0.46-1.00, mean
 0.70. That spread, and up to 0.14 between two runs of one configuration, bounds the accuracy of
 a CPU run's phases after an update under the default allocator (about ±20%)."""
-CPU_TRIMMED_BACKWARD_RSS_FACTOR = 1.27
+CPU_UPDATE_HEAP_FIXED = int(0.025 * GIB)
+"""Measured (default glibc, heap trimmed: ``memory.trim_heap``): what an update's RSS rises above
+its held memory and transients' factor on the tiny models, whose gradients are a few MiB: 0.02-
+0.03 GiB (``bench/plan_accuracy.py --malloc glibc --factors --only 0 18``, configurations 0 and 18,
+and ``bench/cpu_corpus.py`` configuration 10, 2026-11-24). Part of
+:func:`fitrl.memory.trainer._update_heap_residue`."""
+CPU_UPDATE_HEAP_PINNED = 0.7
+"""Measured: the rest of that residue, as a share of the smaller of the update's traced transients
+and the rank's fp32 gradients. The gradients are allocated during the first micro-batch's backward
+between activation blocks that are freed right after, and trimming returns only whole free pages.
+At the update's start the heap already holds 0.03-0.075 GiB above runtime and states on the
+18-32M-parameter models (gradients 0.07-0.12 GiB), ~0 on the tiny ones (a /tmp script over
+``bench/plan_accuracy.measure``, calibration 0 1 3 10 14 18 and corpus 0 1 3 10 13, 2026-11-24).
+The medium model (0.65 GiB of gradients) sets the share: its update rises 0.42-0.45 GiB over
+held + 1.11 x transients (configurations 10 and 11: 0.39-0.42, shares 0.60-0.64). Its held-out
+check, ``bench/cpu_corpus.py`` configuration 3 (KL), rose 0.09 GiB over held + 1.1 x transients,
+which the factor alone had left under-predicted by 3-5 %."""
+CPU_TRIMMED_BACKWARD_RSS_FACTOR = 1.11
 """Measured (default glibc, heap trimmed at every phase's end and after every micro-batch:
 ``memory.trim_heap``, fitrl/roles/workers.py): peak RSS of an update above what it holds
-(runtime, weights, AdamW states, gradients, batch) / its traced activations and logits, fp32
-compute. ``.venv/bin/python bench/plan_accuracy.py --malloc glibc --factors --only 1 3 4 14 18 8``
-(2026-11-24, the 2-core machine, quiet): 1.18 (configuration 1, small), 1.19 (3, small, R384,
-chunked log-probs), 1.14 (4, the same unchunked), 1.11 (14, the deep 16k-vocabulary model), 1.10
-(18, llama tiny), 1.27 (8, small on two FSDP2 ranks). Set to the largest. Trimmed only at phase
-ends the same update took 1.1-1.9x, changing from run to run (configuration 1: 1.28 in one run,
-1.49 in another; bench/RESULTS.md, "Host memory on CPU"): the heap grew over the micro-batches."""
-CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR = 1.5
+(runtime, weights, AdamW states, gradients, batch) and the heap residue
+(:func:`fitrl.memory.trainer._update_heap_residue`) / its traced activations and logits, fp32
+compute. ``.venv/bin/python bench/plan_accuracy.py --malloc glibc --factors`` (2026-11-24, the
+2-core machine, quiet; the command prints the factor with the residue in it, 1.10-1.27, from
+which the residue is taken off here): 0.92 (configuration 1, small), 1.04 (3, R384, chunked),
+1.05 (4, unchunked), 1.07 (6, 32 sequences), 1.04 (10, medium), 1.02 (11, medium with a
+reference), 1.03 (18, llama tiny), 1.11 (14, the deep 16k-vocabulary model). Set to the largest.
+Before the residue was a term of its own this factor was 1.27 and held it: tiny transients then
+came out under (configuration 18, -1.5 %), the medium model's update -6 %, and held-out KL
+configuration 3 -3 to -5 %. Trimmed only at phase ends the same update took 1.1-1.9x, changing
+from run to run (bench/RESULTS.md, "Host memory on CPU"): the heap grew over the micro-batches."""
+CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR = 1.0
 """Measured: the same ratio with bf16 compute over fp32 weights in one process (autocast, whose
-cast weights live in the autocast cache for one forward): 1.44 (configuration 16, small; same
-command with ``--only 16``). The casts' copies come and go between the activations and the heap
-keeps more of their holes. Two FSDP2 ranks with bf16 compute measured 1.82 (configuration 17),
-which :data:`CPU_FSDP_UNIT_BUFFERS` accounts for."""
+cast weights are held apart as ``autocast weights`` for one forward): 0.82 (configuration 16,
+small; same command with ``--only 16``; 1.40 with the residue in it), 0.86 in an earlier run
+(1.44). Below the fp32 factor, for reasons not measured apart; set to 1.0, the traced
+transients themselves. Two FSDP2 ranks
+with bf16 compute (configuration 17) are :data:`CPU_FSDP_UNIT_BUFFERS`' case."""
 CPU_BF16_WIDENING_RSS_FACTOR = 2.4
 """Measured: the RSS that bf16 products widened to fp32 (fitrl/core/bf16_matmul.py, autocast on a
 CPU without bf16 GEMM kernels) add to a phase / the largest product's fp32 operands and result
@@ -158,7 +180,7 @@ widening (2026-11-24, the 2-core machine): ``bench/plan_accuracy.py --only 16`` 
 below the term (+17 MiB of live bytes, +21-30 MiB of RSS on the small model's log-prob and
 update micro-batch); the rest is the fp32 GEMM's own per-thread buffers, which a bf16 run never
 allocated before and fp32 runs' factors already hold."""
-CPU_FSDP_UNIT_BUFFERS = 1.0
+CPU_FSDP_UNIT_BUFFERS = 1.06
 """Measured (default glibc, trimmed): on a CPU rank of two or more FSDP2 ranks an update's RSS
 stays above its live tensors by about one unsharded copy of the parameters in the compute
 dtype plus one of the gradients in fp32, however small its activations: the all-gather outputs
@@ -169,15 +191,18 @@ against 0.24 GiB of parameters and gradients, with one or two micro-batches and 
 checkpointing (a /tmp script over ``bench/plan_accuracy.py``'s ``measure`` and ``predict``,
 2026-11-24); 0.105 GiB for the deep model (18M) on two bf16 ranks (configuration 17 of
 ``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12).
-The planner counts the larger of this and the activations' own excess
-(:func:`fitrl.memory.trainer._fsdp_unit_buffers`)."""
-CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 3.2
-"""Measured: the same ratio with gradient checkpointing, whose recomputation allocates and frees
-every layer's activations again inside backward: 2.57 and 2.26 (configuration 2, small, two
-runs), 1.78 (15, llama deep, chunk 512), 3.18 (5, small, R384, chunk 128), 2.70 (9, small on two
-FSDP2 ranks); same command with ``--only 2 15 5 9``. Set to cover the largest (3.8 before the
-heap was trimmed between micro-batches). Checkpointed transients are small (0.05-0.2 GiB here),
-so the ratio moves with a few tens of MiB of heap."""
+The planner counts the larger of this and the activations' own excess with the heap residue
+(:func:`fitrl.memory.trainer._fsdp_unit_buffers`). 1.06: configuration 17 (two bf16 ranks)
+measured 0.122 GiB above its held memory and transients on 2026-11-24, against 0.115 of
+parameters and gradients."""
+CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 2.25
+"""Measured: the same ratio (residue off) with gradient checkpointing, whose recomputation
+allocates and frees every layer's activations again inside backward: 2.25 (configuration 2,
+small), 1.79 (5, small, R384, chunk 128), 1.17 (15, llama deep, chunk 512), 2.15 (9, small on two
+FSDP2 ranks, above its unit buffers); same command with ``--only 2 5 9 15`` (2026-11-24; with the
+residue in them 3.15, 2.56, 1.90, 2.48). Set to the largest (3.2 while it held the residue).
+Checkpointed transients are small (0.1-0.2 GiB here), so the ratio moves with a few tens of MiB
+of heap."""
 CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR = 1.65
 """Measured: the same ratio with LoRA adapters (PEFT) on every linear layer: 1.65 (configuration
 12, medium, KL from the policy with adapters off), 1.64 (13, small, R384, chunked); same command

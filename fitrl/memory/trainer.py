@@ -193,6 +193,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                 if grad:
                     unretained = _cpu_transient(run, _vision_activations(run, b, grad, ckpt, mapped_only=True), grad,
                                                 ckpt)
+            if heap and grad and run.cfg.memory.trim_heap:
+                u.add("host", "allocator (heap residue)", _update_heap_residue(run, live))
             logits = min(tr, _logits_part(run, b, grad and not run.lora))  # LoRA: no lm_head gradient
             _logits_note(run, ph, b, notes)
             u.add(dev, "logits", logits * slack)
@@ -204,8 +206,9 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                 root_adapters = total - per_layer * run.shape.layers
                 u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
                       + (root_adapters + 2 * per_layer) * cb)
-                if heap and grad:
-                    u.add("host", "allocator (FSDP2 unit buffers)", max(0, _fsdp_unit_buffers(run, cb) - (tr - live)))
+                if heap and grad:  # the unit buffers' blocks and the residue share the heap's holes
+                    u.add("host", "allocator (FSDP2 unit buffers)",
+                          max(0, _fsdp_unit_buffers(run, cb) - (tr - live) - _update_heap_residue(run, live)))
             elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
                 u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
                 if not cuda:
@@ -289,6 +292,19 @@ def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora:
     if checkpointing:
         return int(traced * recompute)
     return int(traced * (lora_bwd if lora else bwd))
+
+
+def _update_heap_residue(run: Run, traced: int) -> int:
+    """What a trimmed glibc heap adds to an update besides its transients' factor: a fixed part,
+    and a share of the activations' holes that the gradients pin. The gradients (fp32, this rank's
+    share of the trained parameters) are allocated in the first micro-batch's backward between
+    blocks of activations that are freed right after; ``malloc_trim`` returns only whole free
+    pages, so up to the smaller of the two stays resident
+    (:data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_FIXED`,
+    :data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_PINNED`)."""
+    _, adapters = _adapters(run)
+    grads = (adapters if run.lora else run.shape.num_params) * 4 // (run.world if run.fsdp else 1)
+    return int(C.CPU_UPDATE_HEAP_FIXED + C.CPU_UPDATE_HEAP_PINNED * min(traced, grads))
 
 
 def _fsdp_unit_buffers(run: Run, cb: int) -> int:

@@ -145,10 +145,13 @@ between activation blocks that are freed right after, and trimming returns only 
 At the update's start the heap already holds 0.03-0.075 GiB above runtime and states on the
 18-32M-parameter models (gradients 0.07-0.12 GiB), ~0 on the tiny ones (a /tmp script over
 ``bench/plan_accuracy.measure``, calibration 0 1 3 10 14 18 and corpus 0 1 3 10 13, 2026-11-24).
-The medium model (0.65 GiB of gradients) sets the share: its update rises 0.42-0.45 GiB over
-held + 1.11 x transients (configurations 10 and 11: 0.39-0.42, shares 0.60-0.64). Its held-out
-check, ``bench/cpu_corpus.py`` configuration 3 (KL), rose 0.09 GiB over held + 1.1 x transients,
-which the factor alone had left under-predicted by 3-5 %."""
+The medium model (0.65 GiB of gradients) sets the share: its update rises 0.39-0.42 GiB over
+held + 1.11 x transients (configurations 10 and 11: shares 0.60-0.64). The gradients' part is
+real there: with every gradient allocated before the first forward (an experiment on a copy of
+fitrl/roles/actor.py, not adopted) configuration 10's update peaked at 4.28 GiB against 4.43,
+while the small models moved within their run-to-run noise (1, 3: +0.01, +0.05; corpus 3:
+-0.02 to -0.04). The held-out ``bench/cpu_corpus.py`` configuration 3 (KL) rose 0.09 GiB over
+held + 1.1 x transients, which the factor alone had left under-predicted by 3-5 %."""
 CPU_TRIMMED_BACKWARD_RSS_FACTOR = 1.11
 """Measured (default glibc, heap trimmed at every phase's end and after every micro-batch:
 ``memory.trim_heap``, fitrl/roles/workers.py): peak RSS of an update above what it holds
@@ -191,16 +194,19 @@ against 0.24 GiB of parameters and gradients, with one or two micro-batches and 
 checkpointing (a /tmp script over ``bench/plan_accuracy.py``'s ``measure`` and ``predict``,
 2026-11-24); 0.105 GiB for the deep model (18M) on two bf16 ranks (configuration 17 of
 ``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12).
-The planner counts the larger of this and the activations' own excess with the heap residue
-(:func:`fitrl.memory.trainer._fsdp_unit_buffers`). 1.06: configuration 17 (two bf16 ranks)
-measured 0.122 GiB above its held memory and transients on 2026-11-24, against 0.115 of
-parameters and gradients."""
-CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 2.25
+The planner counts the larger of this and the activations' own excess
+(:func:`fitrl.memory.trainer._fsdp_unit_buffers`), and the heap residue on top: FSDP2 ranks start
+their update 0.04-0.05 GiB above runtime and states too (configurations 8, 9 and 17, and
+``bench/cpu_corpus.py`` 5; the /tmp script of :data:`CPU_UPDATE_HEAP_PINNED`, 2026-11-24). 1.06:
+configuration 17 (two bf16 ranks) measured 0.122 GiB above its held memory and transients,
+against 0.115 of parameters and gradients."""
+CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 2.35
 """Measured: the same ratio (residue off) with gradient checkpointing, whose recomputation
 allocates and frees every layer's activations again inside backward: 2.25 (configuration 2,
-small), 1.79 (5, small, R384, chunk 128), 1.17 (15, llama deep, chunk 512), 2.15 (9, small on two
-FSDP2 ranks, above its unit buffers); same command with ``--only 2 5 9 15`` (2026-11-24; with the
-residue in them 3.15, 2.56, 1.90, 2.48). Set to the largest (3.2 while it held the residue).
+small), 1.79 (5, small, R384, chunk 128), 1.17 (15, llama deep, chunk 512), 2.15 and 2.34 (9,
+small on two FSDP2 ranks, two runs: 1.156 and 1.195 GiB); same command with ``--only 2 5 9 15``
+(2026-11-24; with the residue in them 3.15, 2.56, 1.90, 2.48). Set to the largest (3.2 while it
+held the residue).
 Checkpointed transients are small (0.1-0.2 GiB here), so the ratio moves with a few tens of MiB
 of heap."""
 CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR = 1.65

@@ -206,9 +206,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                 root_adapters = total - per_layer * run.shape.layers
                 u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
                       + (root_adapters + 2 * per_layer) * cb)
-                if heap and grad:  # the unit buffers' blocks and the residue share the heap's holes
-                    u.add("host", "allocator (FSDP2 unit buffers)",
-                          max(0, _fsdp_unit_buffers(run, cb) - (tr - live) - _update_heap_residue(run, live)))
+                if heap and grad:  # (the heap residue is there before the first unit gathers: on top)
+                    u.add("host", "allocator (FSDP2 unit buffers)", max(0, _fsdp_unit_buffers(run, cb) - (tr - live)))
             elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
                 u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
                 if not cuda:
@@ -296,10 +295,10 @@ def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora:
 
 def _update_heap_residue(run: Run, traced: int) -> int:
     """What a trimmed glibc heap adds to an update besides its transients' factor: a fixed part,
-    and a share of the activations' holes that the gradients pin. The gradients (fp32, this rank's
-    share of the trained parameters) are allocated in the first micro-batch's backward between
-    blocks of activations that are freed right after; ``malloc_trim`` returns only whole free
-    pages, so up to the smaller of the two stays resident
+    and a share of the smaller of its traced transients and its gradients (fp32, this rank's
+    share of the trained parameters). The gradients are allocated in the first micro-batch's
+    backward between blocks of activations that are freed right after, and ``malloc_trim``
+    returns only whole free pages; under FSDP2 it comes on top of the unit buffers
     (:data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_FIXED`,
     :data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_PINNED`)."""
     _, adapters = _adapters(run)

@@ -89,7 +89,9 @@ def test_in_process_backend_keeps_every_role_in_one_process():
     assert [p.kind for p in plan.processes] == ["trainer", "driver", "node"]
     trainer = plan.process("trainer").phases
     assert plan.device("update")["cuda context"] == C.CUDA_CONTEXT
-    assert {"ref params", "critic params", "critic grads"} <= set(trainer["update"].gpu)
+    assert {"ref params", "critic params", "critic optimizer", "grads"} <= set(trainer["update"].gpu)
+    # one role updates at a time: the critic's update frees its gradients before the policy's starts
+    assert "critic grads" not in trainer["update"].gpu
     assert "activations" in trainer["ref_logprob"].gpu
 
 

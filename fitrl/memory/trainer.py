@@ -103,7 +103,8 @@ def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
     traced transients of a log-prob pass or an update are the process's that runs it: the
     reference's in ``ref_logprob`` (the policy's with LoRA), the policy's in ``old_logprob`` and
     ``update``. The critic's value and update passes have no traced transients (nor in one
-    process): only its states, gradients in ``update`` included."""
+    process): only its states, its gradients in ``update`` where it is the process's largest
+    trained role (one role updates at a time)."""
     roles = role_states(run)
     held = process_roles(run)
     ref_kind = "ref" if "ref" in held else "trainer"  # who computes the reference log-probs
@@ -129,6 +130,9 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
     eng = run.cfg.rollout
     phases = {}
     unretained = 0  # the update's transient bytes glibc cannot keep (mapped tensors)
+    # one role updates at a time: the critic's update (fitrl/trainer/loop.py, before the policy's)
+    # frees its gradients when it ends, so a process holding both has one role's gradients at once
+    updating = max((r for r in roles if roles[r][0].grads), key=lambda r: roles[r][0].grads, default=None)
     for ph in run.phases:  # only the phases this run has: an absent one's traces would be wasted start-up
         u = Usage()
         # a Ray role actor of its own (reference, critic) costs a process runtime like a trainer rank's
@@ -142,6 +146,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             pinned_grads = 0
             if ph == "load":  # no gradients or optimizer states yet
                 st = States(st.params)
+            elif ph == "update" and role != updating:
+                st = States(st.params, optimizer=st.optimizer)
             elif ph != "update":  # Actor/Critic.update free their gradients after the last step
                 if st.grads and cuda and run.fsdp and fsdp.cpu_offload:
                     # ... but FSDP2 CPUOffloadPolicy's gradients were pinned host tensors, and the

@@ -171,8 +171,8 @@ CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR = 1.0
 cast weights are held apart as ``autocast weights`` for one forward): 0.82 (configuration 16,
 small; same command with ``--only 16``; 1.40 with the residue in it), 0.86 in an earlier run
 (1.44). Below the fp32 factor, for reasons not measured apart; set to 1.0, the traced
-transients themselves. Two FSDP2 ranks
-with bf16 compute (configuration 17) are :data:`CPU_FSDP_UNIT_BUFFERS`' case."""
+transients themselves. Two FSDP2 ranks with bf16 compute (configuration 17) are
+:data:`CPU_FSDP_UNIT_BUFFERS`' case."""
 CPU_BF16_WIDENING_RSS_FACTOR = 2.4
 """Measured: the RSS that bf16 products widened to fp32 (fitrl/core/bf16_matmul.py, autocast on a
 CPU without bf16 GEMM kernels) add to a phase / the largest product's fp32 operands and result
@@ -206,9 +206,8 @@ allocates and frees every layer's activations again inside backward: 2.25 (confi
 small), 1.79 (5, small, R384, chunk 128), 1.17 (15, llama deep, chunk 512), 2.15 and 2.34 (9,
 small on two FSDP2 ranks, two runs: 1.156 and 1.195 GiB); same command with ``--only 2 5 9 15``
 (2026-11-24; with the residue in them 3.15, 2.56, 1.90, 2.48). Set to the largest (3.2 while it
-held the residue).
-Checkpointed transients are small (0.1-0.2 GiB here), so the ratio moves with a few tens of MiB
-of heap."""
+held the residue). Checkpointed transients are small (0.1-0.2 GiB here), so the ratio moves with
+a few tens of MiB of heap."""
 CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR = 1.65
 """Measured: the same ratio with LoRA adapters (PEFT) on every linear layer: 1.65 (configuration
 12, medium, KL from the policy with adapters off), 1.64 (13, small, R384, chunked); same command

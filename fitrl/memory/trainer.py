@@ -307,9 +307,13 @@ def _update_heap_residue(run: Run, traced: int) -> int:
     returns only whole free pages; under FSDP2 it comes on top of the unit buffers
     (:data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_FIXED`,
     :data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_PINNED`)."""
-    _, adapters = _adapters(run)
-    grads = (adapters if run.lora else run.shape.num_params) * 4 // (run.world if run.fsdp else 1)
+    grads = _trained_params(run) * 4 // (run.world if run.fsdp else 1)
     return int(C.CPU_UPDATE_HEAP_FIXED + C.CPU_UPDATE_HEAP_PINNED * min(traced, grads))
+
+
+def _trained_params(run: Run) -> int:
+    """Parameters that get gradients: the adapters with LoRA, else every parameter."""
+    return _adapters(run)[1] if run.lora else run.shape.num_params
 
 
 def _fsdp_unit_buffers(run: Run, cb: int) -> int:
@@ -319,8 +323,7 @@ def _fsdp_unit_buffers(run: Run, cb: int) -> int:
     layer-sized blocks that the heap keeps in place as it goes through the units
     (:data:`~fitrl.memory.calibration.CPU_FSDP_UNIT_BUFFERS`). The activations' own excess can
     reuse those holes: the planner counts the larger of the two."""
-    _, adapters = _adapters(run)
-    trained = adapters if run.lora else run.shape.num_params
+    trained = _trained_params(run)
     n = run.shape.num_params
     cast = n // run.world * cb if run.compute_dtype != "float32" else 0  # bf16 all-gather inputs (shards)
     return int(C.CPU_FSDP_UNIT_BUFFERS * (n * cb + trained * 4 + cast))

@@ -272,3 +272,30 @@ def test_greedy_under_bf16_autocast_equals_hf_generate(sharp):
     # growing one) differently: log-probs of logits of size ~10 agree to bf16's few digits
     diff = (a["rollout_logprobs"] - b["rollout_logprobs"]).abs()[a["response_mask"].bool()]
     assert diff.max() < 0.1 and diff.mean() < 0.01, (diff.max(), diff.mean())
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_kv_cache_is_freed_when_the_loop_returns(sharp, mixed):
+    """The static cache goes with its last reference, not at Python's next full collection: its
+    layers form no reference cycle (they did: one whole cache per rollout outlived the loop into
+    the update). The cyclic collector is off here, so a cycle would leave the layers behind."""
+    import gc
+
+    from transformers.cache_utils import StaticLayer
+
+    from fitrl.core.device import autocast
+
+    model, tok = sharp
+    ids = chat(tok, TEXTS)
+    pid, pmask = left_pad(ids, tok.pad_token_id, max(map(len, ids)))
+    gc.collect()
+    gc.disable()
+    try:
+        with autocast(torch.device("cpu"), torch.bfloat16 if mixed else None):
+            responses, _ = decode_loop(model, pid, pmask, SamplingConfig(temperature=0.0, max_tokens=6),
+                                       eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+        alive = [o for o in gc.get_objects() if isinstance(o, StaticLayer)]
+    finally:
+        gc.enable()
+    assert responses.shape[0] == len(ids)
+    assert not alive, f"{len(alive)} KV cache layers outlived the loop"

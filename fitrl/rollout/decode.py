@@ -120,18 +120,31 @@ def loop_unsupported(model: torch.nn.Module) -> Optional[str]:
     return None
 
 
+class _OwnDtypeLayer(StaticLayer):
+    """A ``StaticLayer`` whose value buffer takes the values' dtype. ``StaticLayer`` allocates
+    its values in the keys' dtype; under bf16 autocast they differ: the keys leave the rotary
+    embedding in fp32 (its cos and sin follow the fp32 residual stream), the values leave a bf16
+    projection. Each value buffer takes the values' own dtype, as ``generate``'s ``DynamicCache``
+    keeps them (the planner charges 4 + 2 bytes per element pair: fitrl/memory/trainer.py,
+    ``_hf_rollout``).
+
+    A subclass, not a function stored on each layer: a closure over its own layer is a
+    reference cycle, which left every rollout's whole KV cache alive until Python's next full
+    collection (the cyclic collector's oldest generation runs rarely in a process holding torch):
+    one more cache per step, into the update (tests/test_decode.py)."""
+
+    def lazy_initialization(self, key_states, value_states, *args, **kwargs):
+        super().lazy_initialization(key_states, value_states, *args, **kwargs)
+        if self.values.dtype != value_states.dtype:
+            self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
+
+
 def _values_in_their_own_dtype(cache: StaticCache) -> StaticCache:
-    """``StaticLayer`` allocates its values in the keys' dtype. Under bf16 autocast they differ:
-    the keys leave the rotary embedding in fp32 (its cos and sin follow the fp32 residual stream),
-    the values leave a bf16 projection. Each layer's value buffer takes the values' dtype, as
-    ``generate``'s ``DynamicCache`` keeps them (the planner charges 4 + 2 bytes per element pair:
-    fitrl/memory/trainer.py, ``_hf_rollout``)."""
+    """Every full-attention layer of ``cache`` keeps its values in their own dtype
+    (:class:`_OwnDtypeLayer`); the layers allocate nothing until the first update."""
     for layer in cache.layers:
-        def allocate(keys, values, layer=layer, allocate_like_keys=layer.lazy_initialization):
-            allocate_like_keys(keys, values)
-            if layer.values.dtype != values.dtype:
-                layer.values = torch.zeros_like(layer.values, dtype=values.dtype)
-        layer.lazy_initialization = allocate
+        if type(layer) is StaticLayer:
+            layer.__class__ = _OwnDtypeLayer
     return cache
 
 

@@ -151,7 +151,11 @@ real there: with every gradient allocated before the first forward (an experimen
 fitrl/roles/actor.py, not adopted) configuration 10's update peaked at 4.28 GiB against 4.43,
 while the small models moved within their run-to-run noise (1, 3: +0.01, +0.05; corpus 3:
 -0.02 to -0.04). The held-out ``bench/cpu_corpus.py`` configuration 3 (KL) rose 0.09 GiB over
-held + 1.1 x transients, which the factor alone had left under-predicted by 3-5 %."""
+held + 1.1 x transients, which the factor alone had left under-predicted by 3-5 %. Part of that
+start-of-update excess was, in runs that decoded with the loop, dead KV caches (a reference cycle,
+fixed in fitrl/rollout/decode.py). Re-measured after the fix, every calibration update peak and
+every held-out fit-deciding peak is still predicted at or above its measurement (bench/RESULTS.md,
+"Every rollout's KV cache outlived its decode loop"), so the share was kept."""
 CPU_TRIMMED_BACKWARD_RSS_FACTOR = 1.11
 """Measured (default glibc, heap trimmed at every phase's end and after every micro-batch:
 ``memory.trim_heap``, fitrl/roles/workers.py): peak RSS of an update above what it holds

@@ -1,9 +1,11 @@
-"""Activations and logits traced under FakeTensorMode (fitrl.memory.trace)."""
+"""Activations and logits traced on the meta device, against FakeTensorMode (fitrl.memory.trace)."""
 
 import pytest
 import torch
 
+from fitrl.config.roles import LoRAConfig
 from fitrl.memory.shapes import ModelShape
+from fitrl.memory import trace
 from fitrl.memory.trace import PLAIN_KV_DECODERS, _traced, kv_layer_bytes, trace_spec, transient_bytes
 
 
@@ -76,3 +78,50 @@ def test_chunking_bounds_the_logits():
                                          chunk=1024), 2)
     assert one >= 2 * 16000 * 32768 * 4
     assert chunked < one / 5
+
+
+_EQUAL_CASES = [  # (model type, phase, dtype, attention, options): every path the planner traces
+    ("qwen2", "update", "float32", "sdpa", {}),
+    ("qwen2", "update", "bfloat16", "sdpa", dict(checkpointing=True)),
+    ("qwen2", "update", "float32", "sdpa", dict(entropy_grad=True, chunk=7)),
+    ("qwen2", "update", "bfloat16", "sdpa", dict(lora=LoRAConfig(rank=4, dropout=0.1, target_modules=["q_proj", "v_proj"]))),
+    ("qwen2", "update", "float16", "eager", {}),
+    ("llama", "update", "bfloat16", "flash_attention_2", {}),
+    ("qwen3", "update", "float32", "sdpa", dict(checkpointing=True)),
+    ("qwen2", "logprob", "bfloat16", "sdpa", {}),
+    ("qwen3", "logprob", "float32", "eager", {}),
+    ("llama", "prefill", "float32", "sdpa", {}),
+    ("qwen2", "prefill", "bfloat16", "sdpa", dict(lora=LoRAConfig(rank=4))),
+]
+
+
+@pytest.mark.parametrize("model_type,phase,dtype,attn,options", _EQUAL_CASES)
+def test_the_meta_trace_counts_the_fake_traces_bytes(model_type, phase, dtype, attn, options):
+    """The meta trace (the planner's, 3-5x faster) takes a CPU tensor's paths (the 4-D mask built,
+    sdpa's fused CPU kernel after a boolean mask turned additive) and so counts exactly the bytes
+    of FakeTensorMode on a fake CPU, at two and three layers (bench/RESULTS.md: 124 further cases)."""
+    shape = ModelShape.from_dict(dict(model_type=model_type, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=256, vocab_size=1000,
+                                      tie_word_embeddings=model_type == "llama"))
+    if phase == "prefill":
+        spec = trace_spec(shape, phase=phase, batch=5, seq_len=13, response_len=0, dtype=dtype, attn=attn, **options)
+    else:
+        spec = trace_spec(shape, phase=phase, batch=5, seq_len=21, response_len=9, dtype=dtype, attn=attn, **options)
+    for layers in (2, 3):
+        assert trace._trace(spec, layers, "meta") == trace._trace(spec, layers, "fake"), layers
+
+
+def test_a_model_that_reads_a_value_is_traced_fake(monkeypatch):
+    """A forward that reads a tensor's value cannot run on meta (fake tensors let transformers see
+    that they cannot be read): the trace falls back to fake tensors, and the bytes are theirs."""
+    import contextlib
+
+    shape = ModelShape.from_dict(dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=128, vocab_size=500))
+    spec = trace_spec(shape, phase="logprob", batch=3, seq_len=11, response_len=4)
+    fake = trace._trace(spec, 2, "fake")
+    monkeypatch.setattr(trace, "_as_on_cpu", contextlib.nullcontext)  # transformers then reads the meta mask
+    with pytest.raises(RuntimeError, match="meta"):
+        trace._trace(spec, 2, "meta")
+    _traced.cache_clear()
+    assert _traced(spec, 2) == fake

@@ -5,7 +5,7 @@ phase, device and host memory by component, and the verdict; :func:`fitrl.memory
 ranks changes by speed cost with their predicted effect. The planner reads the resolved config,
 its ``plan:`` section included (:mod:`fitrl.config.plan`). Model states and KV cache are closed
 forms (:mod:`.states`, :mod:`.shapes`); activations and logits come from tracing the real
-log-prob code under FakeTensorMode (:mod:`.trace`); every other constant is in
+log-prob code on the meta device (:mod:`.trace`); every other constant is in
 :mod:`.calibration`. See docs/architecture.md, "Memory model". Importing this package does not
 import torch (``fitrl --help`` imports it through :mod:`.cli`).
 """

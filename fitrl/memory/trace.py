@@ -1,8 +1,8 @@
-"""Activations and logits by tracing the real step code under ``FakeTensorMode``.
+"""Activations and logits by tracing the real step code on the ``meta`` device.
 
-A model of the real width (hidden size, heads, MLP, vocabulary) but 1 and then 2 decoder layers
-is built from its config under ``FakeTensorMode`` (no memory is allocated, so the real batch
-and sequence length cost nothing: fake tensors are shapes) and fitrl's own log-prob code
+A model of the real width (hidden size, heads, MLP, vocabulary) but 2 and then 3 decoder layers
+is built from its config on the ``meta`` device (no memory is allocated, so the real batch
+and sequence length cost nothing: meta tensors are shapes) and fitrl's own log-prob code
 (:func:`fitrl.ops.logprob.response_logprobs`, with its chunked lm_head) runs forward, and for
 the update backward, inside :class:`fitrl.memory.live_bytes.StorageBytes`, which counts every
 tensor storage the step creates, from its creation until it is freed. The transient of a phase
@@ -12,6 +12,11 @@ without autograd the peak is one layer's working set or the head, constant), so 
 cost ``t(2) + (L - 2) * (t(3) - t(2))`` (checked against a traced 5-layer model in the tests); a
 prefill of a plain decoder (:data:`PLAIN_KV_DECODERS`) grows by one layer's K/V, which is known, so
 it is traced at two layers only.
+
+Meta tensors are made to take a CPU tensor's memory paths (:func:`_as_on_cpu`), so the bytes
+equal a trace under ``FakeTensorMode`` on a fake CPU, the reference the tests compare against
+and the fallback when a model's code reads a tensor's value; the meta trace is 3-5x faster (a
+first launch's start-up: bench/RESULTS.md, "The plan's traces on the meta device").
 
 The traced rows have distinct prompts: the forward that runs a shared prompt once
 (``actor.share_prompts``, :mod:`fitrl.ops.shared_prompt`) holds fewer live bytes, but the
@@ -33,6 +38,7 @@ dropout copies when ``lora_dropout > 0``) and what the frozen base no longer sav
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from unittest import mock
@@ -102,10 +108,23 @@ def _stored(spec: TraceSpec, layers: int) -> int:
 
 
 @lru_cache(maxsize=512)
-def _traced(spec: TraceSpec, layers: int) -> int:
+def _traced(spec: TraceSpec, layers: int, on: str = "meta") -> int:
+    """The traced peak. ``on="meta"``: tensors on the ``meta`` device (C++ shape kernels, 3-4x
+    faster than fake dispatch: a first launch's start-up, bench/RESULTS.md); made to take the paths
+    a CPU tensor takes (:func:`_as_on_cpu`), its bytes equal ``on="fake"``'s (FakeTensorMode on a
+    fake CPU), which stays the reference the tests compare against and the fallback for a model
+    whose code reads a tensor's values."""
+    if on == "meta":
+        try:
+            return _trace(spec, layers, "meta")
+        except (RuntimeError, NotImplementedError):  # a value read (``.item()``) a meta tensor cannot give
+            return _trace(spec, layers, "fake")
+    return _trace(spec, layers, on)
+
+
+def _trace(spec: TraceSpec, layers: int, on: str) -> int:
     # lazy: torch and transformers take seconds to import; `fitrl --help` must not wait for them
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import fitrl.ops.logprob as logprob_ops
@@ -117,7 +136,7 @@ def _traced(spec: TraceSpec, layers: int) -> int:
     dtype = getattr(torch, spec.dtype)
     attn = "sdpa" if spec.attn == "flash_attention_2" else spec.attn  # no flash kernels on CPU
     identity = lambda ids, mask, pos, r: (ids, mask, pos, r)  # noqa: E731  (no padding columns to trim)
-    with FakeTensorMode(allow_non_fake_inputs=True), mock.patch.object(logprob_ops, "trim_padding", identity):
+    with _tensors_on(on), mock.patch.object(logprob_ops, "trim_padding", identity):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
         if spec.lora_rank:
             _inject_fake_adapters(model, spec, dtype)
@@ -157,11 +176,81 @@ def _traced(spec: TraceSpec, layers: int) -> int:
     return tracker.peak
 
 
+@contextmanager
+def _tensors_on(on: str):
+    """Every tensor made inside on ``meta``, or fake on a fake CPU (``on="fake"``)."""
+    import torch
+
+    if on == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+        return
+    with torch.device("meta"), _as_on_cpu():
+        yield
+
+
+@contextmanager
+def _as_on_cpu():
+    """Meta tensors down the paths CPU tensors take, where the two differ in memory:
+
+    - transformers skips building the 4-D attention mask when it reads the padding mask as all
+      ones; a real rollout batch is left-padded (the mask exists), and fake tensors, which cannot
+      be read, build it too: a meta tensor counts as unreadable here as well.
+    - ``scaled_dot_product_attention`` picks its kernel by device, and meta has only the math
+      path, which keeps the (B, heads, T, T) scores for backward; the CPU picks the fused flash
+      kernel (asked here of small CPU tensors of the same kind: dtype, heads, head dims, mask),
+      after turning a boolean mask into an additive one of the query's dtype, as done here."""
+    import torch
+    import torch.nn.functional as F
+    import transformers.masking_utils as masking_utils
+
+    readable = masking_utils.is_tracing
+    sdpa = F.scaled_dot_product_attention
+
+    def is_tracing(tensor=None) -> bool:
+        return readable(tensor) or (isinstance(tensor, torch.Tensor) and tensor.is_meta)
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.is_meta and _cpu_picks_flash(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa does before its kernels
+                attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=query.dtype),
+                                        torch.scalar_tensor(float("-inf"), dtype=query.dtype))
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+    with mock.patch.object(masking_utils, "is_tracing", is_tracing), \
+            mock.patch.object(F, "scaled_dot_product_attention", attention):
+        yield
+
+
+def _cpu_picks_flash(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
+    import torch
+    from torch.nn.attention import SDPBackend
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def small(t):  # one row, one position: what the choice reads is kept (dtype, rank, heads, head dim, grad)
+        if t is None:
+            return None
+        shape = [*(1 for _ in t.shape[:-3]), t.shape[-3], 1, t.shape[-1]] if t.dim() >= 3 else [1] * t.dim()
+        return torch.zeros(shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
+
+    with _disable_current_modes():  # these few bytes are not the step's: the storage counter must not see them
+        mask = None if attn_mask is None else torch.zeros([1] * attn_mask.dim(), dtype=attn_mask.dtype, device="cpu")
+        choice = torch._fused_sdp_choice(small(query), small(key), small(value), mask, dropout_p, is_causal,
+                                         enable_gqa=enable_gqa)
+    return choice == int(SDPBackend.FLASH_ATTENTION)
+
+
 def _inject_fake_adapters(model, spec: TraceSpec, dtype) -> None:
-    """The policy's LoRA adapters on a FakeTensorMode model. PEFT moves each new module to its base
-    layer's device and dtype with ``Module.to``, which cannot swap fake parameters (torch 2.13
-    swaps, and fake tensors carry weakrefs): those moves are skipped (every fake tensor is on the
-    one fake CPU) and the adapters are cast to the model's dtype here instead, as new parameters."""
+    """The policy's LoRA adapters on a meta or FakeTensorMode model. PEFT moves each new module to
+    its base layer's device and dtype with ``Module.to``, which cannot swap fake parameters (torch
+    2.13 swaps, and fake tensors carry weakrefs): those moves are skipped (every traced tensor is on
+    the one device already) and the adapters are cast to the model's dtype here instead, as new
+    parameters."""
     import torch
 
     from fitrl.models.params import LoRA  # imports torch

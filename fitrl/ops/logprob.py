@@ -140,7 +140,7 @@ def head_logprobs(
     and entropy (...) fp32 or None, as ``token_logprobs(F.linear(hidden, weight, bias), labels)``
     but with at most ``chunk_size x V`` logits alive, in forward and in backward."""
     shape = labels.shape
-    kind = hidden.device.type
+    kind = "cpu" if hidden.device.type == "meta" else hidden.device.type  # meta: the planner's trace, no autocast
     if torch.is_autocast_enabled(kind):
         # Under autocast the head's matmul runs in its dtype. The backward below recomputes the
         # chunks' logits outside any autocast context, so the cast happens here, once, as a

@@ -37,6 +37,7 @@ dropout copies when ``lora_dropout > 0``) and what the frozen base no longer sav
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -136,24 +137,26 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
     dtype = getattr(torch, spec.dtype)
     attn = "sdpa" if spec.attn == "flash_attention_2" else spec.attn  # no flash kernels on CPU
     identity = lambda ids, mask, pos, r: (ids, mask, pos, r)  # noqa: E731  (no padding columns to trim)
-    with _tensors_on(on), mock.patch.object(logprob_ops, "trim_padding", identity):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-        if spec.lora_rank:
-            _inject_fake_adapters(model, spec, dtype)
-        B, T, R = spec.batch, spec.seq_len, spec.response_len
-        ids = torch.zeros((B, T), dtype=torch.long)
-        mask = torch.ones((B, T), dtype=torch.long)
-        pos = torch.arange(T).expand(B, T)
+    with _tensors_on(on) as made_on, mock.patch.object(logprob_ops, "trim_padding", identity):
+        with made_on():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+            if spec.lora_rank:
+                _inject_fake_adapters(model, spec, dtype)
+            B, T, R = spec.batch, spec.seq_len, spec.response_len
+            ids = torch.zeros((B, T), dtype=torch.long)
+            mask = torch.ones((B, T), dtype=torch.long)
+            pos = torch.arange(T).expand(B, T)
+            adv = torch.zeros((B, R))
+            if spec.phase == "update":
+                for p in model.parameters():  # from the second micro-batch on, every gradient exists
+                    if p.requires_grad:           # (LoRA: the adapters' only)
+                        p.grad = torch.zeros_like(p)
         if spec.phase == "update":
             if spec.checkpointing:  # as fitrl.models.loading does
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
-            for p in model.parameters():  # from the second micro-batch on, every gradient exists
-                if p.requires_grad:           # (LoRA: the adapters' only)
-                    p.grad = torch.zeros_like(p)
-            adv = torch.zeros((B, R))
         else:
             model.eval()
         # weights, gradients and the inputs exist before: the tracker counts what the step creates
@@ -178,17 +181,20 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
 
 @contextmanager
 def _tensors_on(on: str):
-    """Every tensor made inside on ``meta``, or fake on a fake CPU (``on="fake"``)."""
+    """Yields the context the model and its inputs are made in: the ``meta`` device, or a fake CPU
+    (``on="fake"``: FakeTensorMode, on throughout). The step itself runs outside ``torch.device``,
+    whose Python function mode would intercept its every call: its tensors are meta because its
+    inputs are (transformers and fitrl make new tensors on their inputs' device)."""
     import torch
 
     if on == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode(allow_non_fake_inputs=True):
-            yield
+            yield contextlib.nullcontext
         return
-    with torch.device("meta"), _as_on_cpu():
-        yield
+    with _as_on_cpu():
+        yield lambda: torch.device("meta")
 
 
 @contextmanager
@@ -215,8 +221,8 @@ def _as_on_cpu():
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.is_meta and _cpu_picks_flash(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
             if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdpa does before its kernels
-                attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=query.dtype),
-                                        torch.scalar_tensor(float("-inf"), dtype=query.dtype))
+                attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=query.dtype, device="meta"),
+                                        torch.scalar_tensor(float("-inf"), dtype=query.dtype, device="meta"))
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

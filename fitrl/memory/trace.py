@@ -110,11 +110,11 @@ def _stored(spec: TraceSpec, layers: int) -> int:
 
 @lru_cache(maxsize=512)
 def _traced(spec: TraceSpec, layers: int, on: str = "meta") -> int:
-    """The traced peak. ``on="meta"``: tensors on the ``meta`` device (C++ shape kernels, 3-4x
-    faster than fake dispatch: a first launch's start-up, bench/RESULTS.md); made to take the paths
-    a CPU tensor takes (:func:`_as_on_cpu`), its bytes equal ``on="fake"``'s (FakeTensorMode on a
-    fake CPU), which stays the reference the tests compare against and the fallback for a model
-    whose code reads a tensor's values."""
+    """The traced peak. ``on="meta"``: tensors on the ``meta`` device (3-5x faster than fake
+    dispatch, which wraps the same shape kernels in Python: a first launch's start-up,
+    bench/RESULTS.md), made to take the paths a CPU tensor takes (:func:`_as_on_cpu`), so its
+    bytes equal ``on="fake"``'s (FakeTensorMode on a fake CPU), which stays the reference the
+    tests compare against and the fallback for a model whose code reads a tensor's values."""
     if on == "meta":
         try:
             return _trace(spec, layers, "meta")

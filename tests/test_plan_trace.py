@@ -97,9 +97,9 @@ _EQUAL_CASES = [  # (model type, phase, dtype, attention, options): every path t
 
 @pytest.mark.parametrize("model_type,phase,dtype,attn,options", _EQUAL_CASES)
 def test_the_meta_trace_counts_the_fake_traces_bytes(model_type, phase, dtype, attn, options):
-    """The meta trace (the planner's, 3-5x faster) takes a CPU tensor's paths (the 4-D mask built,
+    """The meta trace (the planner's, 2-3x faster) takes a CPU tensor's paths (the 4-D mask built,
     sdpa's fused CPU kernel after a boolean mask turned additive) and so counts exactly the bytes
-    of FakeTensorMode on a fake CPU, at two and three layers (bench/RESULTS.md: 124 further cases)."""
+    of FakeTensorMode on a fake CPU, at two and three layers (bench/trace_speed.py: 144 more specs)."""
     shape = ModelShape.from_dict(dict(model_type=model_type, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=256, vocab_size=1000,
                                       tie_word_embeddings=model_type == "llama"))

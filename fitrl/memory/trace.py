@@ -15,7 +15,7 @@ it is traced at two layers only.
 
 Meta tensors are made to take a CPU tensor's memory paths (:func:`_as_on_cpu`), so the bytes
 equal a trace under ``FakeTensorMode`` on a fake CPU, the reference the tests compare against
-and the fallback when a model's code reads a tensor's value; the meta trace is 3-5x faster (a
+and the fallback when a model's code reads a tensor's value; the meta trace is 2-3x faster (a
 first launch's start-up: bench/RESULTS.md, "The plan's traces on the meta device").
 
 The traced rows have distinct prompts: the forward that runs a shared prompt once
@@ -110,7 +110,7 @@ def _stored(spec: TraceSpec, layers: int) -> int:
 
 @lru_cache(maxsize=512)
 def _traced(spec: TraceSpec, layers: int, on: str = "meta") -> int:
-    """The traced peak. ``on="meta"``: tensors on the ``meta`` device (3-5x faster than fake
+    """The traced peak. ``on="meta"``: tensors on the ``meta`` device (2-3x faster than fake
     dispatch, which wraps the same shape kernels in Python: a first launch's start-up,
     bench/RESULTS.md), made to take the paths a CPU tensor takes (:func:`_as_on_cpu`), so its
     bytes equal ``on="fake"``'s (FakeTensorMode on a fake CPU), which stays the reference the

@@ -8,10 +8,11 @@ failure inside it other than a configuration error is reported in one line and t
 The config's ``rollout.*`` keys, ``plan.emulate`` and the rest are read as ``fitrl plan`` reads them;
 ``plan.hardware`` is not (it describes other machines, for ``fitrl plan``).
 
-Cost: 1-4 s on a 2-core CPU for ``examples/arith.yaml`` (measured 1.8 s with the tiny model, 3.3 s
-with ``small``, in a process that has made ``fitrl train``'s own imports: nearly all of it tracing the
-micro-steps, counting the storages they create; on the meta device since session 17, 3-5x
-faster than under ``FakeTensorMode``); recommendations are searched
+Cost on a 2-core CPU, ``examples/arith.yaml`` with the 31.7M ``small`` model and an empty cache, in
+a process that has made ``fitrl train``'s own imports: 1.7-2.6 s (2.4 s under ``FakeTensorMode``),
+of which about 0.9 s imports the model's transformers modules, which loading it does anyway, and
+0.8-1.0 s traces the micro-steps on the meta device (1.6-2.7 s under ``FakeTensorMode``;
+``bench/trace_speed.py``: 2.6x); recommendations are searched
 only when the run does not fit (each re-plans the run). The outcome is cached on disk
 (:mod:`fitrl.memory.cache`, keyed by the config, the models' ``config.json``, the detected
 hardware and the code): a repeat of a config costs the key and a read, 14-18 ms.

@@ -1,7 +1,7 @@
 """A disk cache of memory plans: a repeat of a config is planned once.
 
-Planning traces the model's micro-steps (:mod:`.trace`): for the 31.7M model of
-``examples/arith.yaml``'s shape, 0.8-1.0 s on the meta device (1.6-2.7 s under ``FakeTensorMode``)
+Planning traces the model's micro-steps (:mod:`.trace`): for ``examples/arith.yaml`` with the
+31.7M model, 0.8-1.0 s on the meta device (1.6-2.7 s under ``FakeTensorMode``)
 at every ``fitrl train`` start-up on a 2-core CPU, for a verdict that only changes when its inputs
 do. :func:`plan_key` hashes everything a plan reads:
 

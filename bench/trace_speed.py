@@ -10,9 +10,9 @@ and prints every spec whose bytes differ (none is the claim) and the seconds per
 
 Shapes: Qwen2.5-7B's (hidden 3584, 28 heads over 4 KV heads, MLP 18944, vocabulary 152064),
 the 31.7M model of ``bench/vs_trl.py`` (hidden 512, 8 heads over 4 KV heads, vocabulary 8192)
-and small llama and qwen3 shapes; phases update (plain, gradient checkpointing, entropy in the loss with small
-chunks, LoRA with dropout), log-probs and prefill; fp32, bf16 and fp16; sdpa and eager
-attention. Nothing is allocated: the micro-batches are the sizes a real run plans.
+and small llama and qwen3 shapes; phases update (plain, gradient checkpointing, entropy in the
+loss with small chunks, LoRA with dropout), log-probs and prefill; fp32, bf16 and fp16; sdpa and
+eager attention. Nothing is allocated: the micro-batches are the sizes a real run plans.
 
     .venv/bin/python bench/trace_speed.py            # the whole matrix (about a minute)
     .venv/bin/python bench/trace_speed.py --quick    # the 7B and 31.7M update and prefill only

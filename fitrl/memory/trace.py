@@ -239,8 +239,6 @@ def _cpu_picks_flash(query, key, value, attn_mask, dropout_p, is_causal, enable_
     from torch.utils._python_dispatch import _disable_current_modes
 
     def small(t):  # one row, one position: what the choice reads is kept (dtype, rank, heads, head dim, grad)
-        if t is None:
-            return None
         shape = [*(1 for _ in t.shape[:-3]), t.shape[-3], 1, t.shape[-1]] if t.dim() >= 3 else [1] * t.dim()
         return torch.zeros(shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
 

@@ -24,6 +24,7 @@ Nothing here changes the planner: the table is the baseline it is measured again
     .venv/bin/python bench/field_corpus.py --only easyr1     # ids containing "easyr1"
     .venv/bin/python bench/field_corpus.py --phases          # also each case's per-phase peaks
     .venv/bin/python bench/field_corpus.py --json out.json   # the rows, for a later comparison
+    .venv/bin/python bench/field_corpus.py --markdown        # also README.md's tables, as markdown
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from fitrl.config.schema import AlgorithmConfig  # noqa: E402
 from fitrl.config.loader import config_from_dict  # noqa: E402
 from fitrl.config.plan import parse_bytes  # noqa: E402
 from fitrl.memory import Hardware, ModelShape, plan_config  # noqa: E402
+from fitrl.memory.calibration import GPU_MARGIN  # noqa: E402
 from fitrl.memory.cli import check_hardware  # noqa: E402
 from fitrl.memory.model import Plan  # noqa: E402
 from fitrl.memory.services import engine_layout  # noqa: E402
@@ -243,6 +245,45 @@ def evaluate(case: dict[str, Any], models: dict, tmp: Path) -> CaseRow:
     return row
 
 
+# ----------------------------------------------------------------------------- search edges
+
+def search_edges(cases: list[dict[str, Any]], rows: list[CaseRow]) -> list[dict[str, Any]]:
+    """What a search record says of a run that is its largest size (``outcome.search``: the batch
+    sizes a contributor tried, which ran, which failed). The next size up failed, so if it failed
+    for GPU memory (each such case's assumption) the run that worked needed more than the device
+    less one size step's increment. The increment per knob unit is the plan's own: the device
+    peak of the search's OOM case minus the run's, over their size difference, the larger of the
+    caps' and the expected lengths' (the real lengths lie between: the lower floor). A run whose
+    floor is over the GPU margin is refused by any plan accurate to within the difference,
+    whatever its lengths: the margin, not the model, decides it."""
+    by_id = {r.id: r for r in rows}
+    out = []
+    for c in cases:
+        s, r = c["outcome"].get("search"), by_id.get(c["id"])
+        if not s or c["outcome"]["result"] != "runs" or r is None or not r.peaks:
+            continue
+        partner = next((by_id[o["id"]] for o in cases if o["outcome"]["result"] == "oom" and o["id"] in by_id
+                        and (o["outcome"].get("search") or {}).get("failed") == s["failed"]), None)
+        if partner is None or not partner.peaks:
+            continue
+        other = next(o for o in cases if o["id"] == partner.id)["outcome"]["search"]["size"]
+
+        def gpu(peaks: dict) -> float:
+            return max(g for g, _ in peaks.values())
+
+        rises = [gpu(partner.peaks) - gpu(r.peaks)]
+        if r.expected_peaks and partner.expected_peaks:
+            rises.append(gpu(partner.expected_peaks) - gpu(r.expected_peaks))
+        per_unit = max(rises) / (other - s["size"])
+        first_failed = min(f for f in s["failed"] if f > s["size"])
+        device = parse_bytes(c["fitrl_config"]["plan"]["hardware"]["gpu_memory"], "plan.hardware.gpu_memory") / GIB
+        floor = device - per_unit * (first_failed - s["size"])
+        out.append({"id": c["id"], "size": s["size"], "first_failed": first_failed, "per_unit": per_unit,
+                    "device": device, "floor": floor, "over_margin": floor > GPU_MARGIN * device,
+                    "under_to_pass": max(0.0, 1 - GPU_MARGIN * device / floor)})
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 
 def source_label(url: str) -> str:
@@ -253,7 +294,8 @@ def source_label(url: str) -> str:
     return f"{parts[0]}/{parts[1]} doc" if len(parts) >= 2 else url
 
 
-def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, Any]:
+def print_report(rows: list[CaseRow], show_phases: bool = False,
+                 edges: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
@@ -283,6 +325,16 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
             f.add_row(r.id, fig.name, fig.where, fig.kind, f"{fig.reported:,.1f}", pred, err, ok)
     console.print(f)
 
+    if edges:
+        e = Table(title="runs at a search's edge: the next size failed (GPU GiB)", title_justify="left")
+        for col in ("case", "ran at", "first failed", "per unit (plan)", "needed more than", "of the device",
+                    "margin", "a fit needs a plan this low"):
+            e.add_column(col, justify="left" if col == "case" else "right")
+        for x in edges:
+            e.add_row(x["id"], str(x["size"]), str(x["first_failed"]), f"{x['per_unit']:.2f}", f"{x['floor']:.1f}",
+                      f"{x['floor'] / x['device']:.1%}", f"{GPU_MARGIN:.0%}", f"-{x['under_to_pass']:.1%}")
+        console.print(e)
+
     if show_phases:
         for r in rows:
             if r.peaks:
@@ -306,6 +358,7 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
         "oom_cases_with_resource": sum(r.resource_match is not None for r in planned),
         "figures": len(figs),
         "figures_within": sum(fig.within for fig in figs),
+        "edge_runs_over_margin": sum(x["over_margin"] for x in edges or []),
     }
     n = max(1, totals["planned"])
     console.print(
@@ -316,7 +369,35 @@ def print_report(rows: list[CaseRow], show_phases: bool = False) -> dict[str, An
         f"OOM cases whose reported resource the plan names: {totals['oom_cases_resource_matched']} of "
         f"{totals['oom_cases_with_resource']}; figures within tolerance: {totals['figures_within']} of "
         f"{totals['figures']} (hold: every one within ±15%)", highlight=False)
+    if totals["edge_runs_over_margin"]:
+        k = totals["edge_runs_over_margin"]
+        low = min(x["under_to_pass"] for x in edges if x["over_margin"])
+        console.print(
+            f"{k} runs at a search's edge needed more than the GPU margin ({GPU_MARGIN:.0%}) of their device: a plan "
+            f"passes them only by predicting at least {low:.1%} below what they needed; a plan closer than that is "
+            f"right on at most {totals['planned'] - k} of {totals['planned']} ({(totals['planned'] - k) / n:.0%})",
+            highlight=False)
     return totals
+
+
+def markdown(rows: list[CaseRow], edges: list[dict[str, Any]]) -> str:
+    """The verdict table and the search edges as README.md's markdown ("Baseline")."""
+    def gpu(peaks: dict) -> str:
+        return f"{max(g for g, _ in peaks.values()):.1f}" if peaks else ""
+
+    out = ["| case | reported | expected lengths | GPU caps | GPU expected | predicted | |",
+           "|---|---|---|---:|---:|---|---|"]
+    for r in rows:
+        reported = r.reported if r.reported == "runs" else f"OOM ({r.resource or '?'})"
+        mark = "?" if r.right is None else ("right" if r.right else "**wrong**")
+        out.append(f"| `{r.id}` | {reported} | {r.lengths or 'caps'} | {gpu(r.peaks)} | {gpu(r.expected_peaks)} "
+                   f"| {r.predicted} | {mark} |")
+    if edges:
+        out += ["", "| run at a search's edge | ran at | first failed | GiB per unit | needed more than | "
+                    "of the device | a fit needs a plan this low |", "|---|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| `{x['id']}` | {x['size']} | {x['first_failed']} | {x['per_unit']:.2f} | {x['floor']:.1f} "
+                f"| {x['floor'] / x['device']:.1%} | -{x['under_to_pass']:.1%} |" for x in edges]
+    return "\n".join(out)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -324,6 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--only", nargs="*", help="plan only the cases whose id contains one of these strings")
     p.add_argument("--phases", action="store_true", help="print each case's per-phase GPU and host peaks")
     p.add_argument("--json", help="write the rows and totals to this file")
+    p.add_argument("--markdown", action="store_true", help="also print the tables as README.md's markdown")
     args = p.parse_args(argv)
     models, cases = load_models(), load_cases(args.only)
     rows = []
@@ -332,9 +414,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             row = evaluate(case, models, Path(tmp))
             print(f"planned {row.id} in {row.seconds:.1f}s: {row.predicted}", file=sys.stderr)
             rows.append(row)
-    totals = print_report(rows, args.phases)
+    edges = search_edges(cases, rows)
+    totals = print_report(rows, args.phases, edges)
+    if args.markdown:
+        print(markdown(rows, edges))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "totals": totals}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "edges": edges, "totals": totals},
+                                              indent=1))
     return 0
 
 

@@ -32,7 +32,7 @@ in-process run's processes are one). Phases: the plan's ``rollout`` is telemetry
 (the driver decodes and processes the step's pictures and holds their pixel values), ``rollout``
 (generate) and ``reward``, their largest peak; ``old_logprob`` and ``update`` are the same in
 both. Also the driver's part alone: the step's pixel values and one prompt being decoded and
-processed (:meth:`fitrl.memory.model.Run.pixel_values_bytes` and ``image_processing_bytes``)
+processed (:meth:`fitrl.memory.run.Run.pixel_values_bytes` and ``image_processing_bytes``)
 against telemetry's ``data`` phase of step 1 (no update has run: nothing retained yet).
 """
 
@@ -146,7 +146,7 @@ def prompt_lengths(args, model: Path, data: Path, max_pixels: int) -> list[int]:
 def predict(args, model: Path, data: Path, max_pixels: int) -> dict:
     """The plan per phase: node 0's host (the in-process run's one process) and the driver's image buffers."""
     from fitrl.config import load_config
-    from fitrl.memory.model import Run
+    from fitrl.memory.run import Run
     from fitrl.memory.plan import plan_config
     from fitrl.trainer.preflight import detect_hardware
 

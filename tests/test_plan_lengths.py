@@ -12,7 +12,7 @@ from fitrl.config import ConfigError, load_config
 from fitrl.memory import Hardware, plan_config
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import SAMPLE_ROWS, Lengths, expected_lengths
-from fitrl.memory.model import Run
+from fitrl.memory.run import Run
 from helpers import EXAMPLE as ARITH
 
 

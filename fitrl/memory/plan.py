@@ -11,7 +11,8 @@ from typing import Optional
 from fitrl.config import FitrlConfig
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths, expected_lengths
-from fitrl.memory.model import Hardware, Plan, Run
+from fitrl.memory.model import Hardware, Plan
+from fitrl.memory.run import Run
 from fitrl.memory.services import driver_and_node_plans, vllm_plan
 from fitrl.memory.shapes import ModelShape
 from fitrl.memory.trainer import TRANSIENT, rank_plans

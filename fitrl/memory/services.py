@@ -6,7 +6,8 @@ from __future__ import annotations
 from fitrl.config import ConfigError
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
-from fitrl.memory.model import PHASES, Hardware, ProcessPlan, Run, Usage
+from fitrl.memory.model import PHASES, Hardware, ProcessPlan, Usage
+from fitrl.memory.run import Run
 from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
 

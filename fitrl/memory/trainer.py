@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 from fitrl.memory import calibration as C
-from fitrl.memory.model import ProcessPlan, Run, Usage, process_roles, resident, role_states
+from fitrl.memory.model import ProcessPlan, Usage
+from fitrl.memory.run import Run, process_roles, resident, role_states
 from fitrl.memory.services import vllm_cpu_engine, vllm_push_bytes
 from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, lora_layer_params, root_bytes
@@ -97,7 +98,7 @@ def _micro_images(run: Run, seqs: int) -> int:
 
 
 def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
-    """The per-device processes (:func:`~fitrl.memory.model.process_roles`): the trainer rank, and
+    """The per-device processes (:func:`~fitrl.memory.run.process_roles`): the trainer rank, and
     under Ray the reference's and the critic's ranks beside it. Each holds its own roles' states
     in every phase (where the offload settings put them) and its own runtime and CUDA context; the
     traced transients of a log-prob pass or an update are the process's that runs it: the

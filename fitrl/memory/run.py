@@ -1,0 +1,228 @@
+"""A run's numbers as the planner derives them once from the config and hardware (:class:`Run`),
+its roles' states per rank (:func:`role_states`), which process holds which role
+(:func:`process_roles`) and what is on the device in each phase (:func:`resident`). The phase
+modules (:mod:`.trainer`, :mod:`.services`) read these to build :class:`~.model.ProcessPlan`
+objects (docs/architecture.md, "Memory model")."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from fitrl.config import FitrlConfig
+from fitrl.data.balance import micro_batches_by_tokens
+from fitrl.memory import calibration as C
+from fitrl.memory.lengths import Lengths
+from fitrl.memory.model import ACTOR_PHASES, Hardware, active_phases
+from fitrl.memory.shapes import ModelShape, VisualInput
+from fitrl.memory.states import States, frozen_states, lora_states, trained_states
+
+if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
+    from fitrl.algo import AlgorithmSpec
+
+
+@dataclass
+class Run:
+    """Numbers derived once from the config and hardware. ``lengths``: plan every sequence at
+    these lengths (the expected ones) instead of the caps; what is allocated at the caps whatever
+    the sequences hold (HF generate's KV cache) reads :attr:`cap_response_len`."""
+    cfg: FitrlConfig
+    hw: Hardware
+    shape: ModelShape
+    ref_shape: Optional[ModelShape]
+    spec: AlgorithmSpec
+    lengths: Optional[Lengths] = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.hw.device == "cuda"
+
+    @property
+    def phases(self) -> list[str]:
+        return active_phases(self.cfg, self.spec)
+
+    @property
+    def lora(self):
+        """``actor.lora`` when LoRA is on (adapters train, the base is frozen), else None."""
+        lora = self.cfg.actor.lora
+        return lora if lora.enabled else None
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        return tuple(self.lora.target_modules) if self.lora else ()
+
+    @property
+    def fsdp(self) -> bool:
+        return self.cfg.trainer.backend == "ray"
+
+    @property
+    def world(self) -> int:
+        return self.hw.nodes * self.hw.gpus_per_node if self.fsdp else 1
+
+    def shard_world(self, strategy: str) -> int:
+        return self.hw.gpus_per_node if strategy == "hybrid" and self.hw.nodes > 1 else self.world
+
+    @property
+    def compute_dtype(self) -> str:
+        a = self.cfg.actor
+        return "bfloat16" if a.fsdp.mixed_precision else a.model.dtype  # by FSDP2, or by autocast
+
+    @property
+    def autocast(self) -> bool:
+        """Mixed precision in one process: each forward holds autocast's bf16 copy of the weights."""
+        return not self.fsdp and self.cfg.actor.fsdp.mixed_precision
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens a prompt is planned at: the cap, or the expected length."""
+        return self.lengths.prompt if self.lengths else self.cfg.data.max_prompt_length
+
+    @property
+    def response_len(self) -> int:
+        """Tokens a response is planned at: the cap, or the expected length."""
+        return self.lengths.response if self.lengths else self.cfg.rollout.max_response_length
+
+    @property
+    def cap_response_len(self) -> int:
+        """``rollout.max_response_length``, for what is sized by it before any token is generated."""
+        return self.cfg.rollout.max_response_length
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def seqs_per_rank(self) -> int:
+        return max(1, self.cfg.data.rollout_batch_size * self.cfg.rollout.n // self.world)
+
+    @property
+    def mini_seqs_per_rank(self) -> int:
+        """Sequences of one optimizer step on a rank (``Actor.update``'s ``sequences_per_mini_batch``)."""
+        return max(1, min(self.seqs_per_rank, self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world))
+
+    def micro(self, size: int, update: bool = False) -> int:
+        """Sequences in one forward: the count; or, with a token budget, what the actor's split
+        (``Actor.partition``, fitrl/data/balance.py) puts in its largest micro-batch. The actor keeps
+        every micro-batch's padded size (sequences x its longest) within the budget, as few
+        micro-batches as that allows, balanced. At the caps the plan takes the worst any lengths up
+        to them can make: the budget's worth, ``ceil(budget / seq_len)`` sequences of
+        :attr:`seq_len` (short sequences come more to a micro-batch, never more padded tokens). At
+        expected lengths it takes the split of equal sequences of that length (the typical step).
+        Either way at most the sequences split together: a mini-batch in the update, the rank's
+        whole batch for log-probs."""
+        budget = self.cfg.actor.micro_batch_token_budget
+        if not budget:
+            return min(size, self.seqs_per_rank)
+        seqs = self.mini_seqs_per_rank if update else self.seqs_per_rank
+        if self.lengths is None:
+            return max(1, min(seqs, -(-budget // max(1, self.seq_len))))
+        return max(len(b) for b in micro_batches_by_tokens([self.seq_len] * seqs, budget))
+
+    def batch_bytes(self, seqs: int) -> int:
+        """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are
+        counted per prompt (:meth:`pixel_values_bytes`), not per sequence."""
+        return seqs * (self.seq_len * C.BATCH_BYTES_PER_TOKEN + self.response_len * C.BATCH_BYTES_PER_RESPONSE_TOKEN)
+
+    # ------------------------------------------------------------------ images (docs/architecture.md, "Memory model")
+    @property
+    def images_per_prompt(self) -> int:
+        """Images one prompt may carry, the worst case ``data.limit_images``, for a
+        vision-language model (its config.json has a vision tower); 0 for a text model."""
+        return self.cfg.data.limit_images if self.shape.vision is not None else 0
+
+    @functools.cached_property
+    def visual(self) -> Optional[VisualInput]:
+        """The largest image the processor makes within ``data.max_pixels`` (the worst case of
+        every image slot; None without images). Videos are not planned: nothing says whether the
+        data has any, and a slot planned as ``data.max_frames`` frames would overstate every
+        image-only run whose ``data.max_pixels`` is small."""
+        v, d = self.shape.vision, self.cfg.data
+        if v is None or not self.images_per_prompt:
+            return None
+        return v.largest_image(d.max_pixels, d.min_pixels)
+
+    def pixel_values_bytes(self, prompts: int) -> int:
+        """The fp32 ``pixel_values`` of ``prompts`` prompts, each with ``images_per_prompt`` of the
+        largest input: per image (patches, 3 * 2 * p * p) fp32, ``patches * 3 * 2 * p * p * 4``
+        bytes (a still image is repeated over the temporal patch of 2)."""
+        return prompts * self.images_per_prompt * self.visual.pixel_values_bytes if self.visual else 0
+
+    def image_processing_bytes(self) -> int:
+        """What making one prompt's pixel values holds besides them
+        (``PromptDataset.multi_modal_inputs``, one prompt at a time): its images decoded (PIL's
+        RGBX and the processor's uint8 copy, 7 B per source pixel; sources counted at the
+        ``data.max_pixels`` budget) and the processor's working copies
+        (:data:`~fitrl.memory.calibration.IMAGE_PROCESSING_BYTES_PER_PIXEL` per resized pixel)."""
+        visual = self.visual
+        if visual is None:
+            return 0
+        resized = visual.height * visual.width
+        return self.images_per_prompt * (self.cfg.data.max_pixels * C.IMAGE_DECODED_BYTES_PER_PIXEL
+                                         + resized * C.IMAGE_PROCESSING_BYTES_PER_PIXEL)
+
+    def prompts_received(self, phase: str) -> int:
+        """Prompts whose images one trainer rank receives in ``phase``'s call under Ray (0 in-process,
+        where nothing is pickled). Each rank unpickles its shard of the batch into tensors of its own;
+        pickling keeps one copy of a prompt's images however many of its samples the shard holds
+        (they point at one dict). ``generate`` gets 1/world of the step's prompts; the log-prob and
+        update calls get ``seqs_per_rank`` sequences ordered by length
+        (fitrl/data/balance.py, ``equal_count_shards``), which scatters a prompt's n samples over the
+        ranks: up to one prompt per sequence, at most every prompt of the step."""
+        if not self.fsdp:
+            return 0
+        d = self.cfg.data
+        if phase == "rollout":
+            return -(-d.rollout_batch_size // self.world)
+        if phase == "validation":
+            return -(-d.val_batch_size // self.world)
+        if phase in ("old_logprob", "ref_logprob", "update"):
+            return min(self.seqs_per_rank, d.rollout_batch_size)
+        return 0
+
+
+def role_states(run: Run) -> dict[str, tuple[States, object]]:
+    """Per-rank states of each role the algorithm builds, with its fsdp config."""
+    cfg, pin = run.cfg, run.cuda
+    roles: dict[str, tuple[States, object]] = {}
+    a = cfg.actor.fsdp
+    n = run.shard_world(a.strategy)
+    pinned = pin and a.cpu_offload and run.fsdp
+    if run.lora:  # the frozen base and the adapters; the adapters alone have gradients and AdamW states
+        roles["actor"] = (lora_states(run.shape, run.lora.rank, run.lora_targets, n, cfg.actor.model.dtype, pinned), a)
+    else:
+        roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pinned,
+                                         frozen_vision=cfg.actor.model.freeze_vision_tower), a)
+    if run.spec.reference and not run.lora:  # with LoRA the reference is the policy with its adapters off
+        r = cfg.ref.fsdp
+        dtype = (cfg.ref.model or cfg.actor.model).dtype
+        roles["ref"] = (frozen_states(run.ref_shape or run.shape, run.shard_world(r.strategy), dtype,
+                                      pinned=pin and r.cpu_offload and run.fsdp), r)
+    if run.spec.critic:
+        c = cfg.critic.fsdp
+        roles["critic"] = (trained_states(run.shape, run.shard_world(c.strategy), "float32",
+                                          pinned=pin and c.cpu_offload and run.fsdp), c)
+    return roles
+
+
+def process_roles(run: Run) -> dict[str, tuple[str, ...]]:
+    """The roles (keys of :func:`role_states`) each per-device process kind holds. In one process
+    (``trainer.backend=inprocess``) the trainer holds every role. Under Ray each role is a
+    ``RayWorkerGroup`` of its own (fitrl/trainer/run.py, ``make_group``): the reference's and the
+    critic's ranks are Ray actors colocated rank by rank on the policy's bundles (same node, same
+    device), each a process with its own runtime (and CUDA context); with LoRA the reference is
+    the policy with its adapters off, no process of its own (:func:`role_states` has no "ref")."""
+    roles = tuple(role_states(run))
+    if not run.fsdp:
+        return {"trainer": roles}
+    return {"trainer": ("actor",), **{r: (r,) for r in ("ref", "critic") if r in roles}}
+
+
+def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
+    """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
+    if not run.cuda or (fsdp.cpu_offload and run.fsdp):
+        return False, False
+    actor = ACTOR_PHASES | ({"ref_logprob"} if run.lora else set())  # LoRA: the policy computes the reference
+    active = {"actor": actor, "ref": {"ref_logprob"}, "critic": {"old_logprob", "update"}}[role]
+    on = phase in active or not fsdp.offload_params
+    return on, phase == "update" or not fsdp.offload_optimizer

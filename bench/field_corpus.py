@@ -280,7 +280,9 @@ def search_edges(cases: list[dict[str, Any]], rows: list[CaseRow]) -> list[dict[
         floor = device - per_unit * (first_failed - s["size"])
         out.append({"id": c["id"], "size": s["size"], "first_failed": first_failed, "per_unit": per_unit,
                     "device": device, "floor": floor, "over_margin": floor > GPU_MARGIN * device,
-                    "under_to_pass": max(0.0, 1 - GPU_MARGIN * device / floor)})
+                    "under_to_pass": max(0.0, 1 - GPU_MARGIN * device / floor),
+                    # how many times the plan's step the real one must be for the floor to reach the margin
+                    "step_slack": (1 - GPU_MARGIN) * device / (per_unit * (first_failed - s["size"]))})
     return out
 
 
@@ -328,11 +330,12 @@ def print_report(rows: list[CaseRow], show_phases: bool = False,
     if edges:
         e = Table(title="runs at a search's edge: the next size failed (GPU GiB)", title_justify="left")
         for col in ("case", "ran at", "first failed", "per unit (plan)", "needed more than", "of the device",
-                    "margin", "a fit needs a plan this low"):
+                    "margin", "a fit needs a plan this low", "holds unless the real step is"):
             e.add_column(col, justify="left" if col == "case" else "right")
         for x in edges:
             e.add_row(x["id"], str(x["size"]), str(x["first_failed"]), f"{x['per_unit']:.2f}", f"{x['floor']:.1f}",
-                      f"{x['floor'] / x['device']:.1%}", f"{GPU_MARGIN:.0%}", f"-{x['under_to_pass']:.1%}")
+                      f"{x['floor'] / x['device']:.1%}", f"{GPU_MARGIN:.0%}", f"-{x['under_to_pass']:.1%}",
+                      f">= {x['step_slack']:.1f}x the plan's")
         console.print(e)
 
     if show_phases:
@@ -394,9 +397,11 @@ def markdown(rows: list[CaseRow], edges: list[dict[str, Any]]) -> str:
                    f"| {r.predicted} | {mark} |")
     if edges:
         out += ["", "| run at a search's edge | ran at | first failed | GiB per unit | needed more than | "
-                    "of the device | a fit needs a plan this low |", "|---|---:|---:|---:|---:|---:|---:|"]
+                    "of the device | a fit needs a plan this low | holds unless the real step is |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| `{x['id']}` | {x['size']} | {x['first_failed']} | {x['per_unit']:.2f} | {x['floor']:.1f} "
-                f"| {x['floor'] / x['device']:.1%} | -{x['under_to_pass']:.1%} |" for x in edges]
+                f"| {x['floor'] / x['device']:.1%} | -{x['under_to_pass']:.1%} | >= {x['step_slack']:.1f}x the plan's |"
+                for x in edges]
     return "\n".join(out)
 
 

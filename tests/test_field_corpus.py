@@ -73,6 +73,7 @@ def test_search_edge_floor_by_hand():
     assert edge["floor"] == pytest.approx(78.0)
     assert edge["over_margin"]
     assert edge["under_to_pass"] == pytest.approx(1 - 72.0 / 78.0)
+    assert edge["step_slack"] == pytest.approx(8.0 / 2.0)  # a real step of 8 GiB would put the floor at 72
 
 
 def test_a_search_edge_needs_its_oom_partner_and_a_run():

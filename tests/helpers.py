@@ -1,6 +1,8 @@
 """Helpers shared by integration tests (pytest puts tests/ on sys.path)."""
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from fitrl.config import load_config
@@ -41,3 +43,13 @@ def tiny_rollout(model_dir):
                                        tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
     torch.manual_seed(0)
     return model, HFRollout(model, tok).generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=2, max_tokens=6))
+
+
+def load_bench(name: str):
+    """``bench/<name>.py`` as a module (bench/ is scripts, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module

@@ -2,25 +2,12 @@
 bound (``search_edges``) is the arithmetic its docstring states, on hand-made rows. Planning the
 cases themselves is the bench's job (minutes); nothing here plans a full-size model."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_bench
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("field_corpus", ROOT / "bench" / "field_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-fc = _bench()
+fc = load_bench("field_corpus")
 CASES = fc.load_cases()
 
 

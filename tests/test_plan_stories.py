@@ -5,12 +5,11 @@ the mechanism (resource, phase, step, the fix fits), not figures, and the README
 Where the plan differs from a report the README says why, and the test of that aspect is a strict
 xfail naming it: it fails the day the planner agrees, so the README and this file are updated."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import load_bench
 
 from fitrl.config import load_config
 from fitrl.memory import Hardware, plan_config
@@ -22,15 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STORY_MODELS = ROOT / "examples" / "failure_stories" / "models"
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("failure_stories", ROOT / "bench" / "failure_stories.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-fs = _bench()
+fs = load_bench("failure_stories")
 STORY = {s.key: s for s in fs.STORIES}
 
 

@@ -5,6 +5,7 @@
 from pathlib import Path
 
 import pytest
+from helpers import load_bench
 
 from fitrl.config import ConfigError, load_config
 from fitrl.memory import Hardware, plan_config
@@ -152,14 +153,7 @@ def test_cpu_engine_is_counted_in_the_policy_process_in_every_phase(tiny_model_d
 
 
 def _bench():
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("vllm_cpu_memory", ROOT / "bench" / "vllm_cpu_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves its annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("vllm_cpu_memory")
 
 
 # Peak RSS (GiB) of the second step's phases (rollout, old_logprob, update), recorded by

@@ -2,7 +2,7 @@
 #   make demo   -- build the venv, make a tiny local model, run GRPO on the toy task
 #   make demo-vl -- the same with a tiny vision-language model on pictures of shapes (CPU, minutes)
 #   make test   -- build the venv, run the test suite (what CI runs)
-#   make test-fast -- the fast tier: unit and single-process tests, one to two minutes
+#   make test-fast -- the fast tier: unit and single-process tests, two to three minutes
 #   make test-vllm -- the vLLM engine's tier alone, in its own environment (.venv-vllm)
 PYTHON ?= python3
 VENV ?= .venv

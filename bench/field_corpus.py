@@ -247,6 +247,11 @@ def evaluate(case: dict[str, Any], models: dict, tmp: Path) -> CaseRow:
 
 # ----------------------------------------------------------------------------- search edges
 
+def gpu_peak(peaks: dict[str, tuple[float, float]]) -> float:
+    """The largest per-device GiB over a row's phases (``CaseRow.peaks`` or ``expected_peaks``)."""
+    return max(g for g, _ in peaks.values())
+
+
 def search_edges(cases: list[dict[str, Any]], rows: list[CaseRow]) -> list[dict[str, Any]]:
     """What a search record says of a run that is its largest size (``outcome.search``: the batch
     sizes a contributor tried, which ran, which failed). The next size up failed, so if it failed
@@ -267,13 +272,9 @@ def search_edges(cases: list[dict[str, Any]], rows: list[CaseRow]) -> list[dict[
         if partner is None or not partner.peaks:
             continue
         other = next(o for o in cases if o["id"] == partner.id)["outcome"]["search"]["size"]
-
-        def gpu(peaks: dict) -> float:
-            return max(g for g, _ in peaks.values())
-
-        rises = [gpu(partner.peaks) - gpu(r.peaks)]
+        rises = [gpu_peak(partner.peaks) - gpu_peak(r.peaks)]
         if r.expected_peaks and partner.expected_peaks:
-            rises.append(gpu(partner.expected_peaks) - gpu(r.expected_peaks))
+            rises.append(gpu_peak(partner.expected_peaks) - gpu_peak(r.expected_peaks))
         per_unit = max(rises) / (other - s["size"])
         first_failed = min(f for f in s["failed"] if f > s["size"])
         device = parse_bytes(c["fitrl_config"]["plan"]["hardware"]["gpu_memory"], "plan.hardware.gpu_memory") / GIB
@@ -386,7 +387,7 @@ def print_report(rows: list[CaseRow], show_phases: bool = False,
 def markdown(rows: list[CaseRow], edges: list[dict[str, Any]]) -> str:
     """The verdict table and the search edges as README.md's markdown ("Baseline")."""
     def gpu(peaks: dict) -> str:
-        return f"{max(g for g, _ in peaks.values()):.1f}" if peaks else ""
+        return f"{gpu_peak(peaks):.1f}" if peaks else ""
 
     out = ["| case | reported | expected lengths | GPU caps | GPU expected | predicted | |",
            "|---|---|---|---:|---:|---|---|"]

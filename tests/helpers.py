@@ -53,3 +53,46 @@ def load_bench(name: str):
     sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def adam_step_tolerance(before: dict, after: dict, *, lr: float, eps: float, grad_norm: float, terms: int,
+                        unit_roundoff: float = FP32_UNIT_ROUNDOFF) -> dict:
+    """Per-element bounds on how far two computations' weights may differ after one AdamW step
+    (no weight decay) from the same ``before`` weights, when their gradients differ only by the
+    rounding of summing the same ``terms`` products in another order (other ranks, other
+    micro-batches). ``after``: one computation's weights after the step, which says each
+    element's gradient size.
+
+    Adam's first step is ``-lr * g / (|g| + eps)`` (its bias corrections make ``m = g`` and
+    ``v = g**2``), so an element's step ``s = |dw| / lr`` gives ``|g| = eps * s / (1 - s)``, and
+    the step moves by ``lr * eps * dg / (|g| + eps)**2`` per ``dg`` of gradient: tiny where
+    ``|g| >> eps``, up to the whole ``2 lr`` where the gradient is at its rounding noise (a sign
+    may flip). ``dg`` is a sum's worst-case rounding: ``terms * u`` times the gradient's scale
+    (its global norm); the weights' own rounding (``u |w|`` each side) adds to it."""
+    import torch
+
+    dg = terms * unit_roundoff * grad_norm
+    bounds = {}
+    for name, w0 in before.items():
+        w0 = w0.double()
+        s = ((after[name].double() - w0).abs() / lr).clamp(max=1.0)
+        g = eps * s / (1 - s).clamp(min=1e-12)
+        near = (g - dg).clamp(min=0.0)  # the smallest gradient the rounding allows: the steepest slope
+        moved = (lr * eps * dg / (near + eps) ** 2).clamp(max=2 * lr)
+        bounds[name] = moved + 2 * unit_roundoff * (w0.abs() + lr) + torch.finfo(torch.float32).tiny
+    return bounds
+
+
+def assert_same_adam_step(state: dict, ref: dict, before: dict, *, label: str = "", **step) -> None:
+    """``state`` is ``ref`` within :func:`adam_step_tolerance` (``step``: its keywords) everywhere."""
+    assert set(state) == set(ref)
+    bounds = adam_step_tolerance(before, ref, **step)
+    worst, where = 0.0, ""
+    for name, b in bounds.items():
+        ratio = ((state[name].double() - ref[name].double()).abs() / b).max().item()
+        if ratio > worst:
+            worst, where = ratio, name
+    assert worst <= 1.0, f"{label}: {where} differs by {worst:.2f}x its rounding bound"

@@ -14,7 +14,7 @@ from fitrl.core.errors import ConfigError
 from fitrl.data.batch import Batch
 from fitrl.roles.workers import PolicyWorker
 from fitrl.workers.group import RoleHandle
-from helpers import read_metrics, toy_config
+from helpers import assert_same_adam_step, read_metrics, toy_config
 
 LORA = ["actor.lora.rank=8", "actor.lora.alpha=16"]
 BATCH = ["data.rollout_batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
@@ -106,6 +106,7 @@ def test_two_fsdp_ranks_match_one_process(ray_cluster, tiny_model_dir, tmp_path)
     from fitrl.workers.ray_group import RayWorkerGroup
 
     local = PolicyWorker(toy_config(tiny_model_dir, tmp_path / "one", *BATCH, *LORA), rank=0, world_size=1)
+    before = local.state_dict()
     batch, ref_metrics = one_update(local)
     ref_state = local.state_dict()
     cfg = toy_config(tiny_model_dir, tmp_path / "two", *BATCH, *LORA, "trainer.backend=ray",
@@ -115,6 +116,9 @@ def test_two_fsdp_ranks_match_one_process(ray_cluster, tiny_model_dir, tmp_path)
         state = RoleHandle(group).state_dict()
     # the adapters' gradient (its global norm) and the weights after one step are the same
     assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-5)
-    assert set(state) == set(ref_state)
-    lora_keys = [k for k in ref_state if ".lora_" in k]
-    assert lora_keys and max((state[k] - ref_state[k]).abs().max().item() for k in ref_state) <= 1e-6
+    assert any(".lora_" in k for k in ref_state)
+    # within what rounding allows for one AdamW step (tests/helpers.py, adam_step_tolerance): the two
+    # ranks sum the batch's tokens in another order; Adam turns that into up to a whole step where a
+    # gradient nearly cancels, and into almost nothing elsewhere
+    assert_same_adam_step(state, ref_state, before, lr=1e-3, eps=1e-8, grad_norm=ref_metrics["actor/grad_norm"],
+                          terms=batch["input_ids"].numel(), label="two ranks")

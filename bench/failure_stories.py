@@ -30,7 +30,7 @@ for _path in (ROOT, ROOT / "bench"):  # run as a script from anywhere, or loaded
         sys.path.insert(0, str(_path))
 
 from fitrl.config import load_config  # noqa: E402
-from fitrl.memory import Hardware, plan_config  # noqa: E402
+from fitrl.planner import Hardware, plan_config  # noqa: E402
 from fitrl.memory.model import Plan  # noqa: E402
 from story_model import (ASPECTS, Change, Failure, Figure, Outcome, Story,  # noqa: E402
                          checkpoint_copies, gib, peak, per_gpu_at, _peak_text)

@@ -49,11 +49,11 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from fitrl.config.schema import AlgorithmConfig  # noqa: E402
 from fitrl.config.loader import config_from_dict  # noqa: E402
 from fitrl.config.plan import parse_bytes  # noqa: E402
-from fitrl.memory import Hardware, ModelShape, plan_config  # noqa: E402
+from fitrl.planner import Hardware, ModelShape, plan_config  # noqa: E402
 from fitrl.memory.calibration import GPU_MARGIN  # noqa: E402
-from fitrl.memory.cli import check_hardware  # noqa: E402
+from fitrl.planner.cli import check_hardware  # noqa: E402
 from fitrl.memory.model import Plan  # noqa: E402
-from fitrl.memory.services import engine_layout  # noqa: E402
+from fitrl.rollout.vllm_plan import engines_per_node  # noqa: E402
 from fitrl.models.check import read_model_config  # noqa: E402
 
 CORPUS = ROOT / "bench" / "field_corpus"
@@ -168,7 +168,7 @@ def write_model(models: dict, name: str, root: Path) -> Path:
 # ----------------------------------------------------------------------------- planning
 
 def plan_case(case: dict[str, Any], model_dir: Path) -> Plan:
-    """What ``fitrl plan`` does (fitrl/memory/cli.py, ``cmd_plan`` and ``run_plan``) without printing."""
+    """What ``fitrl plan`` does (fitrl/planner/cli.py, ``cmd_plan`` and ``run_plan``) without printing."""
     cfg = case_config(case, model_dir)
     hardware = Hardware.for_config(cfg)
     check_hardware(hardware, gpu_source="plan.hardware.gpu_memory", host_source="plan.hardware.host_memory")
@@ -205,7 +205,7 @@ def predicted_figure(plan: Plan, fig: dict[str, Any]) -> Optional[float]:
                                  if p.kind == "trainer" or k not in ("runtime", "cuda context"))
             engine = next((p for p in plan.processes if p.kind == "engine"), None)
             if engine is not None and resource == "host":
-                _, workers = engine_layout(plan.cfg.rollout.tensor_parallel_size, plan.hardware)
+                _, workers = engines_per_node(plan.cfg.rollout.tensor_parallel_size, plan.hardware)
                 total += sum(engine.phases[ph].host.values()) / workers
             return total
         raise SystemExit(f"unknown figure scope {scope!r} (device, node, worker)")

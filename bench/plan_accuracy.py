@@ -243,7 +243,8 @@ def _measure(case: Case, model_dir: str, port: int, ctx) -> dict:
 
 def predict(case: Case, model_dir: str, malloc: str) -> dict:
     from fitrl.config import load_config
-    from fitrl.memory import Hardware, calibration, plan_config
+    from fitrl.memory import calibration
+    from fitrl.planner import Hardware, plan_config
 
     cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [*case.overrides(model_dir), f"plan.host_malloc={malloc}"])
     plan = plan_config(cfg, Hardware.cpu(ranks_per_node=case.ranks))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -28,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from fitrl.config import load_config  # noqa: E402
-from fitrl.memory import Hardware, plan_config  # noqa: E402
+from fitrl.planner import Hardware, plan_config  # noqa: E402
 from fitrl.memory.model import Plan  # noqa: E402
-from fitrl.memory.recommend import candidates, recommend  # noqa: E402
+from fitrl.planner.recommend import candidates, recommend  # noqa: E402
 
 CPU_HOST = 24 * 2 ** 30  # the examples' CPU plans are made for this much RAM, whatever the machine has
 
@@ -152,9 +153,14 @@ SECTIONS = {"field corpus": field_corpus, "failure stories": failure_stories, "c
 
 
 def snapshot(sections: list[str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        return {name: (SECTIONS[name](Path(tmp)) if name != "failure stories" else failure_stories())
-                for name in sections}
+    # one fixed directory for the tiny models: a recommendation names the model's path
+    tmp = Path(tempfile.gettempdir()) / "fitrl-plan-snapshot"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        return {name: (SECTIONS[name](tmp) if name != "failure stories" else failure_stories()) for name in sections}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def differences(a: Any, b: Any, path: str = "") -> list[str]:

@@ -26,7 +26,7 @@ of the run's one process within the phase (``VmHWM`` after ``clear_refs``; in-pr
 is rank 0 and holds the trainer and the rollout engine too), the largest over steps 2.. (the
 plan's steady state: AdamW states exist and glibc holds what the previous update left).
 Predicted: the plan of the same config for this machine (:func:`fitrl.trainer.preflight.detect_hardware`
-and :func:`fitrl.memory.plan.plan_config`, as ``fitrl train``'s preflight makes it; the run's
+and :func:`fitrl.planner.plan.plan_config`, as ``fitrl train``'s preflight makes it; the run's
 ``RUN/plan.json`` is checked to hold the same figures): node 0's host memory per phase (an
 in-process run's processes are one). Phases: the plan's ``rollout`` is telemetry's ``data``
 (the driver decodes and processes the step's pictures and holds their pixel values), ``rollout``
@@ -147,7 +147,7 @@ def predict(args, model: Path, data: Path, max_pixels: int) -> dict:
     """The plan per phase: node 0's host (the in-process run's one process) and the driver's image buffers."""
     from fitrl.config import load_config
     from fitrl.memory.run import Run
-    from fitrl.memory.plan import plan_config
+    from fitrl.planner.plan import plan_config
     from fitrl.trainer.preflight import detect_hardware
 
     cfg = load_config(None, overrides(args, model, data, max_pixels, "unused"))

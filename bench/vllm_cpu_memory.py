@@ -196,7 +196,7 @@ def measure(case: Case, model_dir: str) -> dict:
 def predict(case: Case, model_dir: str):
     """The plan of the same config on this machine, as ``fitrl train``'s pre-flight makes it."""
     from fitrl.config import load_config
-    from fitrl.memory import Hardware, plan_config
+    from fitrl.planner import Hardware, plan_config
 
     cfg = load_config(str(ROOT / "examples" / "arith.yaml"), case.overrides(model_dir))
     return plan_config(cfg, Hardware.cpu())

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fitrl.checkpoint.export import add_export_command
     from fitrl.checkpoint.verify import add_checkpoint_command
-    from fitrl.memory.cli import add_plan_command
+    from fitrl.planner.cli import add_plan_command
     from fitrl.report.command import add_report_command
 
     add_export_command(sub)

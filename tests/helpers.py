@@ -56,6 +56,8 @@ def load_bench(name: str):
 
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
+ADAM_STEP_OPS = 8
+"""Rounded float operations between a gradient and its weight's update in one AdamW step."""
 
 
 def adam_step_tolerance(before: dict, after: dict, *, lr: float, eps: float, grad_norm: float, terms: int,
@@ -71,7 +73,9 @@ def adam_step_tolerance(before: dict, after: dict, *, lr: float, eps: float, gra
     the step moves by ``lr * eps * dg / (|g| + eps)**2`` per ``dg`` of gradient: tiny where
     ``|g| >> eps``, up to the whole ``2 lr`` where the gradient is at its rounding noise (a sign
     may flip). ``dg`` is a sum's worst-case rounding: ``terms * u`` times the gradient's scale
-    (its global norm); the weights' own rounding (``u |w|`` each side) adds to it."""
+    (its global norm). Each side also rounds the step itself, through :data:`ADAM_STEP_OPS`
+    operations (both moments, the bias corrections, the square root, the division, the scaled
+    add: up to ``ops * u * lr`` each side), and the weight it adds to (``u |w|`` each side)."""
     import torch
 
     dg = terms * unit_roundoff * grad_norm
@@ -82,7 +86,8 @@ def adam_step_tolerance(before: dict, after: dict, *, lr: float, eps: float, gra
         g = eps * s / (1 - s).clamp(min=1e-12)
         near = (g - dg).clamp(min=0.0)  # the smallest gradient the rounding allows: the steepest slope
         moved = (lr * eps * dg / (near + eps) ** 2).clamp(max=2 * lr)
-        bounds[name] = moved + 2 * unit_roundoff * (w0.abs() + lr) + torch.finfo(torch.float32).tiny
+        rounding = 2 * unit_roundoff * (w0.abs() + ADAM_STEP_OPS * lr)
+        bounds[name] = moved + rounding + torch.finfo(torch.float32).tiny
     return bounds
 
 

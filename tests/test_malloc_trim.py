@@ -109,7 +109,7 @@ def test_trim_heap_returns_free_pages():
 
 
 def _cpu_plan(model_dir, tmp_path, *overrides):
-    from fitrl.memory import Hardware, plan_config
+    from fitrl.planner import Hardware, plan_config
 
     cfg = toy_config(model_dir, tmp_path, "trainer.device=cpu", "rollout.ignore_eos=true", *overrides)
     return plan_config(cfg, Hardware.cpu(host_memory=64 * C.GIB)).process("trainer").phases
@@ -170,7 +170,7 @@ def test_cpu_plan_fsdp_unit_buffers(tmp_path, tiny_model_dir):
     """On CPU FSDP2 ranks the update's heap excess is the larger of the activations' factor and
     one unsharded copy of the parameters and gradients (fp32 here: 8 bytes per parameter, times
     the measured unit-buffer factor), with the heap residue on top."""
-    from fitrl.memory import Hardware, plan_config
+    from fitrl.planner import Hardware, plan_config
 
     def plan(*extra):
         cfg = toy_config(tiny_model_dir, tmp_path, "trainer.device=cpu", "rollout.ignore_eos=true",

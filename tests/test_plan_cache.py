@@ -135,7 +135,7 @@ def test_a_cached_plan_that_does_not_fit_stops_the_same_way(tmp_path, plans, mon
             preflight(toy_config(QWEN_7B, tmp_path / "run", *TOO_BIG, "memory.plan=enforce"),
                       Console(file=out, width=200))
         outcomes.append((str(err.value), out.getvalue()))
-    assert len(plans) == 1  # the recommendations' re-plans call plan_config in fitrl.memory.recommend
+    assert len(plans) == 1  # the recommendations' re-plans call plan_config in fitrl.planner.recommend
     assert outcomes[0] == outcomes[1]
     assert "cheapest change that fits: actor.model.gradient_checkpointing=true" in outcomes[1][0]
 

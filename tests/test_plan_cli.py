@@ -11,7 +11,7 @@ from rich.console import Console
 from fitrl.config import ConfigError, load_config
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import Hardware
-from fitrl.memory.cli import add_plan_command, run_plan
+from fitrl.planner.cli import add_plan_command, run_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 STORY_MODELS = ROOT / "examples" / "failure_stories" / "models"

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fitrl.config import ConfigError, load_config
-from fitrl.memory import Hardware, plan_config
+from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import SAMPLE_ROWS, Lengths, expected_lengths
 from fitrl.memory.run import Run

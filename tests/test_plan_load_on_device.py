@@ -8,7 +8,7 @@ changes."""
 from pathlib import Path
 
 from fitrl.config import load_config
-from fitrl.memory import Hardware, plan_config
+from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
 
 ROOT = Path(__file__).resolve().parent.parent

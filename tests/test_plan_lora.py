@@ -10,10 +10,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from fitrl.config import load_config
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import FSDPConfig, LoRAConfig, ModelConfig, OptimConfig
-from fitrl.memory import Hardware, plan_config
+from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
 from fitrl.memory.run import Run, resident, role_states
-from fitrl.memory.recommend import candidates, recommend
+from fitrl.planner.recommend import candidates, recommend
 from fitrl.memory.shapes import ModelShape, numel
 from fitrl.memory.states import lora_layer_params, lora_states, trained_states
 from fitrl.memory.trace import trace_spec, transient_bytes

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fitrl.config import ConfigError, load_config
-from fitrl.memory import Hardware, plan_config
+from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
 from fitrl.memory.states import frozen_states, full_weights, trained_states
 from fitrl.report.load import PlanPredictions

@@ -12,8 +12,8 @@ import yaml
 from helpers import load_bench
 
 from fitrl.config import load_config
-from fitrl.memory import Hardware, plan_config
-from fitrl.memory.recommend import recommend
+from fitrl.planner import Hardware, plan_config
+from fitrl.planner.recommend import recommend
 
 pytestmark = pytest.mark.slow  # full-size plans, seconds each: not in the fast tier
 

@@ -8,9 +8,9 @@ import pytest
 from helpers import load_bench
 
 from fitrl.config import ConfigError, load_config
-from fitrl.memory import Hardware, plan_config
+from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
-from fitrl.memory.recommend import candidates
+from fitrl.planner.recommend import candidates
 from fitrl.memory.states import full_weights
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,6 +33,10 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} registered twice")
         self._items[name] = item
 
+    def remove(self, name: str) -> None:
+        """Unregister ``name`` (a test's temporary entry)."""
+        del self._items[name]
+
     def check(self, name: str, key: str = "") -> None:
         """Raise :class:`ConfigError` naming ``key`` (default: this registry's config key), the
         nearest valid name and every valid name, unless ``name`` is registered."""

@@ -1,17 +1,16 @@
-"""Memory you can see before the run: the planner behind ``fitrl plan`` and ``fitrl train``'s pre-flight check.
+"""The memory model: what one process holds, per phase, on the device and the host.
 
-``plan_config(cfg, Hardware.for_config(cfg))`` returns a :class:`Plan`: per process kind and
-phase, device and host memory by component, and the verdict; :func:`fitrl.memory.recommend.recommend`
-ranks changes by speed cost with their predicted effect. The planner reads the resolved config,
-its ``plan:`` section included (:mod:`fitrl.config.plan`). Model states and KV cache are closed
-forms (:mod:`.states`, :mod:`.shapes`); activations and logits come from tracing the real
-log-prob code on the meta device (:mod:`.trace`); every other constant is in
-:mod:`.calibration`. See docs/architecture.md, "Memory model". Importing this package does not
-import torch (``fitrl --help`` imports it through :mod:`.cli`).
+A run's derived numbers (:mod:`.run`), its roles' states (:mod:`.states`: closed forms), its
+model's shapes (:mod:`.shapes`), the traced transients of its forward and backward passes
+(:mod:`.trace`: the real log-prob code on the meta device), a trainer rank's phases
+(:mod:`.trainer`), the driver's and a node's (:mod:`.services`), and the interface every rollout
+engine's planner implements (:mod:`.engines`; the planners live beside their engines, in
+fitrl/rollout/). Every other constant is in :mod:`.calibration`. :mod:`fitrl.planner` composes
+these into a plan with its verdict and recommendations. See docs/architecture.md, "Memory
+model". Importing this package does not import torch.
 """
 
 from fitrl.memory.model import PHASES, Hardware, Plan
-from fitrl.memory.plan import plan_config
 from fitrl.memory.shapes import ModelShape
 
-__all__ = ["PHASES", "Hardware", "Plan", "plan_config", "ModelShape"]
+__all__ = ["PHASES", "Hardware", "Plan", "ModelShape"]

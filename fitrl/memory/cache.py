@@ -63,7 +63,7 @@ def cache_dir() -> Path:
 
 
 def plan_key(cfg, hardware, extra: Any = None) -> str:
-    """The hex digest of everything :func:`fitrl.memory.plan.plan_config` reads for ``cfg`` on
+    """The hex digest of everything :func:`fitrl.planner.plan.plan_config` reads for ``cfg`` on
     ``hardware`` (a :class:`~fitrl.memory.model.Hardware`); ``extra``: what else the caller's
     result depends on (JSON-able)."""
     from dataclasses import asdict

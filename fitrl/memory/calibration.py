@@ -61,7 +61,7 @@ VLLM_PROCESS_RUNTIME = int(3.0 * GIB)
 failure story 2 (docs/architecture.md, "Failure stories") reports ~20 GB per engine worker while loading a 7B (16.6 GB of bf16 weights)."""
 VLLM_CPU_RUNTIME = int(0.33 * GIB)
 """Measured: what a vLLM engine on CPU adds to the policy process besides its weights and KV cache
-(vLLM's in-process mode: ``fitrl/memory/services.py``, ``vllm_cpu_engine``), against the CPU
+(vLLM's in-process mode: ``fitrl/rollout/vllm_plan.py``, ``vllm_cpu_engine``), against the CPU
 process this file's other figures come from. ``.venv-vllm/bin/python bench/vllm_cpu_memory.py``
 (vllm-cpu 0.32.0, torch 2.13.0+cpu, transformers 5.19; 2 cores): the tiny model (head_dim 32,
 0.6 MiB of weights), 64 sequences, the peak RSS of the second step with ``rollout.engine=vllm``
@@ -180,7 +180,7 @@ transients themselves. Two FSDP2 ranks with bf16 compute (configuration 17) are
 CPU_BF16_WIDENING_RSS_FACTOR = 2.4
 """Measured: the RSS that bf16 products widened to fp32 (fitrl/core/bf16_matmul.py, autocast on a
 CPU without bf16 GEMM kernels) add to a phase / the largest product's fp32 operands and result
-(``_bf16_widening`` in fitrl/memory/trainer.py). The same configurations with and without the
+(``bf16_widening`` in fitrl/memory/passes.py). The same configurations with and without the
 widening (2026-11-24, the 2-core machine): ``bench/plan_accuracy.py --only 16`` under
 ``MALLOC_MMAP_THRESHOLD_`` 1.66 (update), 2.06 (log-probs), 2.4 (generation); ``bench/cpu_corpus.py
 --only 11`` (glibc) 1.8 (update). Set to the largest. One product's live fp32 copies measure

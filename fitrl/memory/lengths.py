@@ -3,7 +3,7 @@
 The caps (``data.max_prompt_length``, ``rollout.max_response_length``) bound every sequence; real
 runs are mostly far shorter (GSM8K prompts ~100-250 tokens under 1,024-token caps), so a plan at
 the caps alone refuses runs that work. :func:`expected_lengths` resolves ``plan.expected_prompt_length``
-and ``plan.expected_response_length`` into :class:`Lengths`, and :func:`fitrl.memory.plan.plan_config`
+and ``plan.expected_response_length`` into :class:`Lengths`, and :func:`fitrl.planner.plan.plan_config`
 plans the run a second time at them (docs/architecture.md, "Memory model": the verdict rule).
 
 ``plan.expected_prompt_length=auto`` reads the prompts of ``data.train_files``: the first

@@ -15,7 +15,7 @@ processes; a device's peak sums what shares it (trainer, reference and critic ra
 docs/architecture.md, "Memory model".
 
 The phase modules (:mod:`.trainer`, :mod:`.services`) build :class:`ProcessPlan` objects from a
-:class:`fitrl.memory.run.Run`; :func:`fitrl.memory.plan.plan_config` composes them into a
+:class:`fitrl.memory.run.Run`; :func:`fitrl.planner.plan.plan_config` composes them into a
 :class:`Plan`.
 """
 
@@ -127,11 +127,14 @@ class Problem:
 
 
 def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
-    """The phases a run has (no reference phase without KL, no weight sync for HF generate ...)."""
+    """The phases a run has (no reference phase without KL, no weight sync for an engine without
+    weights of its own ...)."""
+    from fitrl.memory.engines import engine_planner  # (engines imports this module's types)
+
     ck = getattr(cfg, "checkpoint", None)
     skip = {"ref_logprob": not spec.reference,
             "old_logprob": cfg.old_logprob_source != "pass",
-            "weight_sync": cfg.rollout.engine != "vllm",
+            "weight_sync": not engine_planner(cfg).syncs_weights(cfg),
             "validation": not cfg.data.val_files,
             "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
     return [ph for ph in PHASES if not skip.get(ph, False)]

@@ -1,7 +1,8 @@
 """A trainer rank's memory per phase: its roles' states where they live in that phase (device
 or host, by the offload settings), the traced transients of its micro-steps, FSDP2's gathered
-units, and the rollout engine that runs in the same process: the HF engine, or a vLLM engine on
-CPU (on CUDA the vLLM engine is planned as a process kind of its own, :mod:`.services`). Under
+units, and what the rollout engine holds in the same process (its planner's
+:meth:`~fitrl.memory.engines.EnginePlanner.in_trainer`: the HF engine's generation, or a vLLM
+engine on CPU; on CUDA the vLLM engine is a process kind of its own). Under
 Ray the reference's and the critic's ranks are processes of their own beside it, planned here
 the same way (:func:`rank_plans`). With
 LoRA the reference log-probs come from the policy itself, adapters off (fitrl/roles/workers.py,
@@ -9,92 +10,20 @@ LoRA the reference log-probs come from the policy itself, adapters off (fitrl/ro
 
 from __future__ import annotations
 
-from typing import Optional
 
 from fitrl.memory import calibration as C
 from fitrl.memory.model import ProcessPlan, Usage
+from fitrl.memory.engines import engine_planner
+from fitrl.memory.passes import adapter_params, bf16_widening, micro_images, traced, vision_activations
 from fitrl.memory.run import Run, process_roles, resident, role_states
-from fitrl.memory.services import vllm_cpu_engine, vllm_push_bytes
 from fitrl.memory.shapes import numel
-from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, lora_layer_params, root_bytes
-from fitrl.memory.trace import trace_spec, transient_bytes
-
-
-def _trace(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, adapters: bool = True,
-           **kw) -> int:
-    """``adapters``: the forward runs through the LoRA adapters (when LoRA is on; not the reference's)."""
-    a = run.cfg.actor
-    spec = trace_spec(run.shape, phase=phase, batch=batch, seq_len=seq_len, response_len=run.response_len,
-                      dtype=dtype or run.compute_dtype, chunk=a.logprob_chunk_size,
-                      attn=a.model.attn_implementation, lora=run.lora if adapters else None, **kw)
-    return transient_bytes(spec, run.shape.layers)
+from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
 
 
 def _logits_part(run: Run, batch: int, grad: bool) -> int:
     """The fp32 logits chunks inside the traced transient, for the breakdown: two (chunk, V)."""
     tokens = min(run.cfg.actor.logprob_chunk_size, batch * run.response_len)
     return 2 * tokens * run.shape.vocab * 4 + (run.shape.vocab * run.shape.hidden * 4 if grad else 0)
-
-
-def _bf16_widening(run: Run, head_rows: int, tokens: int) -> int:
-    """Autocast on a CPU runs each bf16 product in the fp32 kernel (fitrl/core/bf16_matmul.py): one
-    product at a time holds its operands and its result in fp32 beside the bf16 tensors. The
-    largest is the head over ``head_rows`` rows or an MLP projection over ``tokens`` rows, times
-    the RSS measured per byte of it (an upper bound on CPUs with bf16 kernels, which widen nothing)."""
-    s = run.shape
-
-    def product(rows: int, k: int, n: int) -> int:
-        return 4 * (rows * k + k * n + rows * n)
-
-    largest = max(product(head_rows, s.hidden, s.vocab), product(tokens, s.hidden, s.intermediate))
-    return int(C.CPU_BF16_WIDENING_RSS_FACTOR * largest)
-
-
-def _vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool, mapped_only: bool = False) -> int:
-    """The vision tower over a micro-batch's images (analytic, at the tower's width e and MLP width
-    I). Every sequence brings its prompt's images (the forward concatenates each sample's pixel
-    values, shared prompt or not): ``seqs * images_per_prompt * patches`` tokens. Per token, in the
-    compute dtype: saved for backward ``(14e + 4I)`` per block, or with checkpointing ``2e`` per
-    block plus one block's ``14e + 4I`` recomputed in backward; without grad (log-probs, generation,
-    or a frozen tower, ``actor.model.freeze_vision_tower``, whose forward autograd does not record)
-    one block's working set ``4e + 2I``.
-
-    ``14e + 4I`` is measured: the distinct tensors a Qwen2.5-VL vision block saves for backward
-    (transformers' block, SDPA; ``bench/vl_image_memory.py --vision-block``), per patch: 932,
-    3718 and 30338 elements in fp32 and 1000, 3980 and 32916 in bf16 at (e, I) = (32, 128),
-    (128, 512) and (1280, 3420) (Qwen2.5-VL-7B's), within 4.2% of 14e + 4I (norms, qkv, rotary
-    q and k, attention output, projection input; the SwiGLU MLP's gate, up, activation and
-    product). The earlier ``12e + 8I`` counted the MLP twice (+30-41% at the 7B's widths). On CPU
-    (``bench/vl_image_memory.py``, 2048 x 2048 pictures, ``MALLOC_MMAP_THRESHOLD_``) an update's
-    tower measured 0.70 GiB for 0.61 planned: the patch embedding, rotary tables and merger outside
-    the blocks (5-6e per patch, measured) are not counted. With checkpointing a block saves its
-    input only (e per patch, measured) besides what its backward recomputes: ``2e`` is kept as a
-    margin for the gradient flowing through (not measured as a peak).
-
-    ``mapped_only``: the part held in tensors of at least
-    :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX` (``tokens x e`` or ``tokens x I``
-    each), which glibc maps and unmaps: what a CPU process's heap cannot keep after the update."""
-    v, visual = run.shape.vision, run.visual
-    if visual is None:
-        return 0
-    tokens = seqs * run.images_per_prompt * visual.patches
-    b = DTYPE_BYTES[run.compute_dtype]
-    if not grad or run.cfg.actor.model.freeze_vision_tower:
-        per_e, per_i = 4, 2
-    elif checkpointing:
-        per_e, per_i = 2 * v.depth + 14, 4
-    else:
-        per_e, per_i = 14 * v.depth, 4 * v.depth
-    parts = ((per_e, tokens * v.hidden * b), (per_i, tokens * v.intermediate * b))  # (count, bytes of one tensor)
-    return sum(k * one for k, one in parts if not mapped_only or one >= C.GLIBC_MMAP_THRESHOLD_MAX)
-
-
-def _micro_images(run: Run, seqs: int) -> int:
-    """A forward's pixel values: ``concat_multi_modal`` (fitrl/models/families/qwen_vl.py)
-    concatenates the micro-batch's ``seqs`` samples' fp32 ``pixel_values`` (a copy per sample, shared
-    prompt or not) and moves them to the device (on CUDA via a host tensor of the same size, freed
-    after the copy)."""
-    return seqs * run.images_per_prompt * run.visual.pixel_values_bytes if run.visual else 0
 
 
 def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
@@ -110,14 +39,9 @@ def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
     held = process_roles(run)
     ref_kind = "ref" if "ref" in held else "trainer"  # who computes the reference log-probs
     plans = [_rank_plan(run, kind, {r: roles[r] for r in names}, notes, ref_kind) for kind, names in held.items()]
-    eng, cuda = run.cfg.rollout, run.cuda
     if run.lora:
         notes.append(_lora_note(run))
-    if cuda and eng.engine == "hf":
-        notes.append("rollout engine: transformers generate inside each trainer rank, on the actor's weights "
-                     "(gathered once per call under FSDP2)")
-    if eng.engine == "vllm" and not cuda:
-        notes.append(_vllm_cpu_note(run))
+    notes.extend(engine_planner(run.cfg).notes(run))
     return plans
 
 
@@ -128,7 +52,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
     # the passes this process runs (the in-process trainer runs the reference's too)
     passes = ({"old_logprob", "update"} if trainer else set()) | ({"ref_logprob"} if kind == ref_kind else set())
     cb = DTYPE_BYTES[run.compute_dtype]
-    eng = run.cfg.rollout
+    engine = engine_planner(cfg)
     phases = {}
     unretained = 0  # the update's transient bytes glibc cannot keep (mapped tensors)
     # one role updates at a time: the critic's update (fitrl/trainer/loop.py, before the policy's)
@@ -178,16 +102,16 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             size = cfg.actor.micro_batch_size if grad else (
                 cfg.ref.logprob_micro_batch_size if ref_model else cfg.actor.logprob_micro_batch_size)
             b = run.micro(size, update=grad)
-            u.add(dev, "image buffers", _micro_images(run, b))
+            u.add(dev, "image buffers", micro_images(run, b))
             if cuda:
-                u.add("host", "image buffers", _micro_images(run, b))
+                u.add("host", "image buffers", micro_images(run, b))
             dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.fsdp else None
-            tr = _trace(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
+            tr = traced(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
                         adapters=ph != "ref_logprob",
                         checkpointing=grad and cfg.actor.model.gradient_checkpointing,
                         entropy_grad=grad and cfg.actor.entropy_coeff != 0)
             ckpt = cfg.actor.model.gradient_checkpointing
-            vit = _vision_activations(run, b, grad, ckpt)
+            vit = vision_activations(run, b, grad, ckpt)
             heap = not cuda and run.cfg.plan.host_malloc == "glibc"
             live = tr
             if heap:
@@ -198,7 +122,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                 # LoRA's larger one is PEFT's adapter sum in the adapted language-model layers
                 vit = _cpu_transient(run, vit, grad, ckpt)
                 if grad:
-                    unretained = _cpu_transient(run, _vision_activations(run, b, grad, ckpt, mapped_only=True), grad,
+                    unretained = _cpu_transient(run, vision_activations(run, b, grad, ckpt, mapped_only=True), grad,
                                                 ckpt)
             if heap and grad and run.cfg.memory.trim_heap:
                 u.add("host", "allocator (heap residue)", _update_heap_residue(run, live))
@@ -209,7 +133,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             if run.fsdp:  # gathered units: the root stays gathered forward to backward, two layers in flight
                 # (unsharded gradients are the traced incoming gradients already: not added again)
                 # (LoRA: each unit gathers its adapters with its base weights)
-                per_layer, total = _adapters(run)
+                per_layer, total = adapter_params(run)
                 root_adapters = total - per_layer * run.shape.layers
                 u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
                       + (root_adapters + 2 * per_layer) * cb)
@@ -218,13 +142,10 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
                 u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
                 if not cuda:
-                    u.add(dev, "bf16 widening", _bf16_widening(
+                    u.add(dev, "bf16 widening", bf16_widening(
                         run, min(cfg.actor.logprob_chunk_size, b * run.response_len), b * run.seq_len))
         if trainer:  # the policy's rollout engine, loading and saving
-            if ph in ("rollout", "validation") and eng.engine == "hf":
-                _hf_rollout(run, ph, u, dev)
-            if eng.engine == "vllm" and not cuda:
-                _vllm_in_process(run, ph, u)
+            engine.in_trainer(run, ph, u, dev)
             if ph == "load":  # (the reference and critic groups load after the policy's: one copy at a time)
                 _load(run, u)
             if ph == "checkpoint_save":
@@ -254,7 +175,7 @@ TRANSIENT = ("activations", "logits", "gathered weights", "autocast weights", "k
 
 def _cpu_retention(phases: dict[str, Usage], unretained: int = 0, trimmed: bool = True) -> None:
     """What glibc's heap adds to the phases besides the update (whose own excess is
-    :func:`_cpu_transient`'s), shown as one "allocator" entry.
+    :func:`fitrl.memory.trainer._cpu_transient`'s), shown as one "allocator" entry.
 
     ``trimmed`` (``memory.trim_heap``, the default: every role's phase ends with ``malloc_trim``,
     fitrl/roles/workers.py): a phase starts from what is held, and its heap regrows over the phase
@@ -314,7 +235,7 @@ def _update_heap_residue(run: Run, traced: int) -> int:
 
 def _trained_params(run: Run) -> int:
     """Parameters that get gradients: the adapters with LoRA, else every parameter."""
-    return _adapters(run)[1] if run.lora else run.shape.num_params
+    return adapter_params(run)[1] if run.lora else run.shape.num_params
 
 
 def _fsdp_unit_buffers(run: Run, cb: int) -> int:
@@ -330,81 +251,6 @@ def _fsdp_unit_buffers(run: Run, cb: int) -> int:
     return int(C.CPU_FSDP_UNIT_BUFFERS * (n * cb + trained * 4 + cast))
 
 
-def _hf_rollout(run: Run, ph: str, u: Usage, dev: str) -> None:
-    cfg, shape = run.cfg, run.shape
-    if ph == "validation":
-        seqs = max(1, cfg.data.val_batch_size * cfg.rollout.val.n // run.world)
-    else:
-        seqs = run.seqs_per_rank
-    b = min(cfg.rollout.micro_batch_size, seqs)
-    cb = DTYPE_BYTES[run.compute_dtype]
-    if run.fsdp:  # gathered_for_generation: the full weights for the whole call
-        u.add(dev, "gathered weights", (shape.num_params + _adapters(run)[1]) * cb)
-    elif run.autocast:  # autocast's cached bf16 copy, for the whole generate call
-        u.add(dev, "autocast weights", shape.num_params * cb)
-        if not run.cuda:  # the prefill's projections over b x P tokens, the head over b rows
-            u.add(dev, "bf16 widening", _bf16_widening(run, b, b * run.prompt_len))
-    # rollout.decode=loop's StaticCache (fitrl/rollout/decode.py) is sized at the call's prompt width +
-    # max_tokens before the first token: its response part is at the cap whatever the responses hold.
-    # generate (a vision-language model, or rollout.decode=generate) grows its cache with the longest
-    # response of the call. Under autocast the keys leave the rotary in fp32, the values a bf16
-    # projection (fitrl/rollout/decode.py, _values_in_their_own_dtype): 4 + 2 bytes a pair.
-    static = cfg.rollout.decode == "loop" and shape.vision is None
-    kv_tokens = run.prompt_len + (run.cap_response_len if static else run.response_len)
-    per_token = ((shape.kv_bytes_per_token(4) + shape.kv_bytes_per_token(2)) // 2 if run.autocast
-                 else shape.kv_bytes_per_token(cb))
-    u.add(dev, "kv cache", b * kv_tokens * per_token)
-    u.add(dev, "image buffers", _micro_images(run, b))  # a generate call's pixel values, one row per sequence
-    if run.cuda:
-        u.add("host", "image buffers", _micro_images(run, b))
-    prefill = _trace(run, "prefill", b, run.prompt_len) - b * run.prompt_len * shape.kv_bytes_per_token(cb)
-    prefill += _vision_activations(run, b, grad=False, checkpointing=False)  # the prefill encodes the images
-    # SampleAndRecord: the fp32 scores, the tempered copy, the pending log-softmax, top-k/top-p copies
-    sampling = b * shape.vocab * 4 * (4 + 5 * (cfg.rollout.top_p < 1.0))
-    u.add(dev, "activations", max(prefill, sampling))
-    u.add("host", "batch", run.batch_bytes(seqs))
-
-
-def _vllm_in_process(run: Run, ph: str, u: Usage) -> None:
-    """vLLM on CPU: the engine in this process (:func:`~fitrl.memory.services.vllm_cpu_engine`) in
-    every phase, loading included (it is built once the policy has loaded); in a generating phase
-    the rollout batch, the push of the updated weights (:func:`~fitrl.memory.services.vllm_push_bytes`)
-    and vLLM's sampler, which takes fp32 ``(sequences, vocab)`` logits, fitrl's untruncated
-    log-softmax of them and the sampler's probabilities and top-k/top-p working copy (four) for up
-    to :data:`~fitrl.memory.calibration.VLLM_CPU_MAX_NUM_SEQS` sequences at a time (not measured
-    apart: at the benchmark's sizes, 8 MiB, it is inside what the heap keeps after an update)."""
-    for name, nbytes in vllm_cpu_engine(run).items():
-        u.add("host", name, nbytes)
-    if ph in ("rollout", "validation"):
-        cfg = run.cfg
-        seqs = max(1, cfg.data.val_batch_size * cfg.rollout.val.n // run.world) if ph == "validation" else run.seqs_per_rank
-        u.add("host", "batch", run.batch_bytes(seqs))
-        u.add("host", "engine weight push", vllm_push_bytes(run))
-        u.add("host", "activations", min(seqs, C.VLLM_CPU_MAX_NUM_SEQS) * run.shape.vocab * 4 * 4)
-
-
-def _vllm_cpu_note(run: Run) -> str:
-    parts = vllm_cpu_engine(run)
-    kv_tokens = parts["engine kv cache"] // run.shape.kv_bytes_per_token(DTYPE_BYTES[run.compute_dtype])
-    text = (f"vLLM on CPU: each policy process holds its engine through every phase, "
-            f"{sum(parts.values()) / C.GIB:.2f} GiB (vLLM's runtime {parts['vLLM runtime'] / C.GIB:.2f}, "
-            f"{run.compute_dtype} weights with the output head's packed copy {parts['engine weights'] / C.GIB:.2f}, "
-            f"KV cache {parts['engine kv cache'] / C.GIB:.2f}: {kv_tokens:,} tokens)")
-    demand = run.seqs_per_rank * run.seq_len
-    if demand > kv_tokens:
-        text += (f"; a rollout needs {demand:,} KV tokens: sequences are preempted and recomputed (slower, not more "
-                 "memory; rollout.kv_cache_memory buys tokens)")
-    return text
-
-
-def _adapters(run: Run) -> tuple[int, int]:
-    """LoRA adapter parameters (one decoder layer's, all of them); (0, 0) without LoRA."""
-    if not run.lora:
-        return 0, 0
-    adapters = run.shape.lora_tensors(run.lora.rank, run.lora_targets)
-    return lora_layer_params(run.shape, run.lora.rank, run.lora_targets), sum(numel(s) for _, s in adapters)
-
-
 def _lora_note(run: Run) -> str:
     lora, adapters = run.lora, run.shape.lora_tensors(run.lora.rank, run.lora_targets)
     text = (f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {len(adapters) // 2} linear layers, "
@@ -412,9 +258,7 @@ def _lora_note(run: Run) -> str:
             f"states for these only); the base's {run.shape.num_params / 1e6:,.1f}M are frozen")
     if run.spec.reference:
         text += "; the reference is the policy with its adapters off (no reference model)"
-    if run.cfg.rollout.engine == "vllm":
-        text += "; the vLLM engine is planned as for full weights (merged adapters synced)"
-    return text
+    return text + engine_planner(run.cfg).lora_note(run)
 
 
 def _load(run: Run, u: Usage) -> None:

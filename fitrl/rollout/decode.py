@@ -125,8 +125,8 @@ class _OwnDtypeLayer(StaticLayer):
     its values in the keys' dtype; under bf16 autocast they differ: the keys leave the rotary
     embedding in fp32 (its cos and sin follow the fp32 residual stream), the values leave a bf16
     projection. Each value buffer takes the values' own dtype, as ``generate``'s ``DynamicCache``
-    keeps them (the planner charges 4 + 2 bytes per element pair: fitrl/memory/trainer.py,
-    ``_hf_rollout``).
+    keeps them (the planner charges 4 + 2 bytes per element pair: fitrl/rollout/hf_plan.py,
+    ``_generation``).
 
     A subclass, not a function stored on each layer: a closure over its own layer is a
     reference cycle, which left every rollout's whole KV cache alive until Python's next full

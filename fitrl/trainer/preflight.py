@@ -37,9 +37,9 @@ from fitrl.memory import cache as plan_cache
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import expected_lengths
 from fitrl.memory.model import Hardware, Plan
-from fitrl.memory.plan import plan_config
-from fitrl.memory.recommend import as_overrides, recommend
-from fitrl.memory.report import print_plan
+from fitrl.planner.plan import plan_config
+from fitrl.planner.recommend import as_overrides, recommend
+from fitrl.planner.report import print_plan
 from fitrl.memory.shapes import ModelShape
 from fitrl.telemetry.memory import node_total_bytes
 

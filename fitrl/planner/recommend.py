@@ -8,31 +8,24 @@ Those that remove a problem, or are faster and keep the plan fitting, are report
 order (the cheapest one that fits always among those shown); when no single one fits, the
 cheapest ones are combined greedily until the plan fits. LoRA (``actor.lora.rank=16``) is
 offered only where it alone makes the plan fit, with the other training changes, and only to
-runs on the HF engine (``rollout.engine=hf``): the vLLM engine's plan does not model LoRA's
-merged-weight push.
+runs on an engine whose planner models LoRA (``EnginePlanner.plans_lora``: the HF engine; the
+vLLM engine's plan does not model LoRA's merged-weight push). An engine's own candidates come
+from its planner (fitrl/memory/engines.py), in the speed tier each belongs to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from fitrl.config import ConfigError
 from fitrl.config.loader import config_from_dict, config_to_dict
-from fitrl.config.plan import parse_bytes
-from fitrl.memory.calibration import MIB
+from fitrl.memory.change import Change
+from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import Plan
-from fitrl.memory.plan import plan_config
+from fitrl.planner.plan import plan_config
 
 LORA_RANK = 16  # the LoRA recommendation's rank (all-linear, the actor.lora defaults otherwise)
-
-
-@dataclass
-class Change:
-    overrides: list[tuple[str, Any]]
-    cost: str                 # what it costs in speed (or in the task), shown to the user
-    text: str                 # "actor.fsdp.offload_params true -> false"
-    only_if_fits: bool = False  # shown only when it alone makes the plan fit
 
 
 @dataclass
@@ -57,7 +50,8 @@ def _get(cfg, key: str):
 
 def candidates(plan: Plan) -> list[Change]:
     """Changes in order of speed cost: faster first, then free, then slower, then task changes."""
-    cfg, e, out = plan.cfg, plan.cfg.rollout, []
+    cfg, out = plan.cfg, []
+    engine = engine_planner(cfg)
     ray = cfg.trainer.backend == "ray"
     cuda = plan.hardware.device == "cuda"
     reference = plan.spec.reference and not cfg.actor.lora.enabled  # a reference model of its own
@@ -88,18 +82,14 @@ def candidates(plan: Plan) -> list[Change]:
     if reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
         out.append(Change([("ref.model", {"path": (cfg.ref.model or cfg.actor.model).path, "dtype": "bfloat16"})],
                           "faster (bf16 forward of the frozen model)", "ref.model.dtype float32 -> bfloat16"))
-    if e.engine == "vllm" and cfg.plan.emulate.free_cache_engine:  # the story's fix: fitrl's own engine
-        out.append(Change([("plan.emulate.free_cache_engine", False)], "faster: the engine sleeps instead of rebuilding",
-                          "plan.emulate.free_cache_engine true -> false (fitrl's engine sleeps and wakes)"))
+    out += engine.candidates(plan, "faster")
     longest = cfg.actor.micro_batch_size * cfg.rollout.max_response_length
     if cfg.actor.logprob_chunk_size > 1024 and longest > 1024:
         out.append(Change([("actor.logprob_chunk_size", 1024)], "no speed cost: chunked log-probs",
                           f"actor.logprob_chunk_size {cfg.actor.logprob_chunk_size} -> 1024 (chunked log-probs)"))
     if cfg.trainer.val_before_train and cfg.data.val_files:
         flip("trainer.val_before_train", "skips the validation before step 1", False)
-    if e.engine == "vllm" and e.sleep_level == 1 and cuda:  # on CPU the engine never sleeps
-        out.append(Change([("rollout.sleep_level", 2)], "slightly slower: weights re-synced at each wake",
-                          "rollout.sleep_level 1 -> 2"))
+    out += engine.candidates(plan, "slower")
     halve = [("data.val_batch_size", "smaller validation generate calls"),
              ("rollout.micro_batch_size", "slower generation (smaller batches)"),
              ("actor.logprob_micro_batch_size", "slightly slower log-probs"),
@@ -109,21 +99,7 @@ def candidates(plan: Plan) -> list[Change]:
         v = _get(cfg, key)
         if v > 1:
             out.append(Change([(key, v // 2)], cost, f"{key} {v} -> {v // 2}"))
-    kv_size = e.kv_cache_memory
-    if e.engine == "vllm" and kv_size is None and not cuda:  # on CPU the KV cache has a size of its own
-        from fitrl.rollout.vllm_build import CPU_KV_CACHE  # lazy: fitrl.rollout imports torch
-
-        kv_size = CPU_KV_CACHE
-    if e.engine == "vllm" and kv_size is not None:  # it overrides gpu_memory_utilization
-        kv = parse_bytes(kv_size, "rollout.kv_cache_memory")
-        if kv >= 2 * MIB:
-            half = f"{kv // 2 // MIB}MiB"
-            out.append(Change([("rollout.kv_cache_memory", half)], "smaller KV cache: more preemption",
-                              f"rollout.kv_cache_memory {kv_size} -> {half}"))
-    elif e.engine == "vllm" and e.gpu_memory_utilization > 0.3:
-        u = round(e.gpu_memory_utilization - 0.1, 2)
-        out.append(Change([("rollout.gpu_memory_utilization", u)], "smaller KV cache: more preemption",
-                          f"rollout.gpu_memory_utilization {e.gpu_memory_utilization} -> {u}"))
+    out += engine.candidates(plan, "cache")
     flip("actor.model.gradient_checkpointing", "~30% slower update (recompute)", True)
     if cuda and ray:
         flip("actor.fsdp.offload_optimizer", "slower: optimizer states copied each update", True)
@@ -135,7 +111,7 @@ def candidates(plan: Plan) -> list[Change]:
         changes = [("data.rollout_batch_size", rbs // 2)] + ([("actor.mini_batch_size", mini // 2)]
                                                              if mini > rbs // 2 or (rbs // 2) % mini else [])
         out.append(Change(changes, "fewer prompts per step (training change)", f"data.rollout_batch_size {rbs} -> {rbs // 2}"))
-    if not cfg.actor.lora.enabled and e.engine == "hf":
+    if not cfg.actor.lora.enabled and engine.plans_lora:
         out.append(Change([("actor.lora.rank", LORA_RANK)], "training change: adapters train, the base is frozen",
                           f"LoRA (actor.lora.rank={LORA_RANK})", only_if_fits=True))
     d = cfg.data

@@ -1,7 +1,10 @@
 """The entry point: :func:`plan_config` composes the processes of a run into a :class:`Plan`.
 
-The trainer ranks' phases (and under Ray the reference's and critic's ranks') come from :mod:`.trainer`, the vLLM engine, the driver and the node's
-services from :mod:`.services`; the types they share are in :mod:`.model`.
+The trainer ranks' phases (and under Ray the reference's and critic's ranks') come from
+:mod:`fitrl.memory.trainer`, the rollout engine's own processes from its planner
+(fitrl/memory/engines.py, registered beside the engine in fitrl/rollout/), the driver and the
+node's services from :mod:`fitrl.memory.services`; the types they share are in
+:mod:`fitrl.memory.model`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths, expected_lengths
 from fitrl.memory.model import Hardware, Plan
 from fitrl.memory.run import Run
-from fitrl.memory.services import driver_and_node_plans, vllm_plan
+from fitrl.memory.engines import engine_planner
+from fitrl.memory.services import driver_and_node_plans
 from fitrl.memory.shapes import ModelShape
 from fitrl.memory.trainer import TRANSIENT, rank_plans
 
@@ -29,7 +33,9 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     allocated at the caps stays there (:attr:`Plan.expected`; the verdict rule is
     :class:`Plan`'s). ``expected_if_needed``: skip the second plan when the caps plan fits within
     the margins, the one case where the verdict does not read it (pre-flight, recommendations)."""
-    # lazy: fitrl.config.choices imports fitrl.algo and so torch, which `fitrl --help` must not wait for
+    # lazy: fitrl.config.choices imports fitrl.algo and so torch, which `fitrl --help` must not wait for;
+    # fitrl.rollout registers every engine's planner
+    import fitrl.rollout  # noqa: F401
     from fitrl.config.choices import algorithm_needs
 
     shape = shape or ModelShape.from_path(cfg.actor.model.path)
@@ -51,30 +57,14 @@ def _plan(run: Run) -> Plan:
     cfg, hardware, shape, spec = run.cfg, run.hw, run.shape, run.spec
     notes: list[str] = []
     processes = rank_plans(run, notes)  # the trainer rank; under Ray the reference and critic ranks too
-    growth = 0
-    if cfg.rollout.engine == "vllm" and run.cuda:  # on CPU the engine is in the trainer's process (.trainer)
-        engine, growth = vllm_plan(run, notes)
-        processes.append(engine)
-    else:
-        _unused_engine_emulation(run, notes)
+    engines, growth = engine_planner(cfg).processes(run, notes)  # the engine's processes of its own
+    processes += engines
     processes += driver_and_node_plans(run)
     if not run.fsdp:  # one process: trainer, driver and node share it
         processes = [p for p in processes if p.kind != "rank0"]
         _decoding_before_generate(run, processes)
     _image_notes(run, notes)
     return Plan(cfg, hardware, shape, spec, processes, notes, growth)
-
-
-def _unused_engine_emulation(run: Run, notes: list[str]) -> None:
-    """``plan.emulate``'s engine behaviours describe another framework's vLLM engine on GPUs; with
-    the HF engine, or on CPU, nothing reads them: say so rather than plan as if they held."""
-    em, default = run.cfg.plan.emulate, type(run.cfg.plan.emulate)()
-    keys = [k for k in ("free_cache_engine", "separate_processes", "swap_space_gib")
-            if getattr(em, k) != getattr(default, k)]
-    if keys:
-        where = "rollout.engine=hf" if run.cfg.rollout.engine != "vllm" else "a CPU run (the engine is in the trainer)"
-        notes.append(f"{', '.join('plan.emulate.' + k for k in keys)} ignored with {where}: they emulate another "
-                     "framework's vLLM engine on GPUs")
 
 
 def _decoding_before_generate(run: Run, processes: list) -> None:

@@ -13,9 +13,9 @@ from typing import Optional
 from fitrl.config import ConfigError, FitrlConfig, load_config
 from fitrl.config.plan import parse_bytes
 from fitrl.memory.model import Hardware
-from fitrl.memory.plan import plan_config
-from fitrl.memory.recommend import recommend
-from fitrl.memory.report import print_plan
+from fitrl.planner.plan import plan_config
+from fitrl.planner.recommend import recommend
+from fitrl.planner.report import print_plan
 from fitrl.memory.shapes import ModelShape
 from fitrl.models.check import read_model_config
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from fitrl.memory import calibration as C
 from fitrl.memory.model import Plan
-from fitrl.memory.recommend import Recommendation, as_overrides
+from fitrl.planner.recommend import Recommendation, as_overrides
 
 
 def gib(n: float) -> str:

@@ -1,0 +1,92 @@
+"""What a rollout engine costs: the interface its planner implements and the registry it is kept in.
+
+Each engine's planner lives beside the engine (``fitrl/rollout/<engine>_plan.py``) and registers
+under the engine's own name (``rollout.engine``), so the memory model and the planner never
+branch on an engine's name: they ask the engine's planner (docs/architecture.md, "Adding a
+rollout engine"). ``tests/test_extension_points.py`` fails when a registered engine has no planner.
+
+A planner answers, for a :class:`~fitrl.memory.run.Run`:
+
+- which phases the engine adds (``weight_sync`` when it holds a copy of the weights of its own);
+- what it holds inside a trainer rank's process in each phase (:meth:`EnginePlanner.in_trainer`);
+- the processes of its own it runs beside the trainer ranks, and any host growth per step
+  (:meth:`EnginePlanner.processes`);
+- its lines in the plan's notes, and whether its load maps the checkpoint's pages;
+- the changes the recommender may try on it (:meth:`EnginePlanner.candidates`), in the
+  recommender's speed tiers (:data:`TIERS`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fitrl.core.registry import Registry
+from fitrl.memory.change import Change
+from fitrl.memory.model import ProcessPlan, Usage
+
+if TYPE_CHECKING:
+    from fitrl.memory.model import Plan
+    from fitrl.memory.run import Run
+
+ENGINE_PLANNERS: Registry = Registry("rollout engine planner", "rollout.engine")
+
+TIERS = ("faster", "slower", "cache")
+"""Where an engine's candidate changes go in the recommender's speed order
+(fitrl/planner/recommend.py): ``faster`` among the changes that speed the run up, ``slower`` with
+the slight slow-downs before the batch halvings, ``cache`` after them (smaller caches)."""
+
+EMULATED_ENGINE_KEYS = ("free_cache_engine", "separate_processes", "swap_space_gib")
+"""``plan.emulate`` keys that describe another framework's vLLM engine on GPUs."""
+
+
+class EnginePlanner:
+    """The memory of one rollout engine; the defaults are an engine with no memory of its own
+    beyond what the trained model holds (a subclass overrides what its engine adds)."""
+
+    name = ""
+    plans_lora = False
+    """Its plan models LoRA's effect on generation (the recommender offers LoRA only then)."""
+
+    def syncs_weights(self, cfg) -> bool:
+        """The engine holds weights of its own, pushed after each update: a ``weight_sync`` phase."""
+        return False
+
+    def in_trainer(self, run: "Run", phase: str, usage: Usage, dev: str) -> None:
+        """Add what the engine holds in a trainer rank's process in ``phase`` (``dev``: "gpu" or "host")."""
+
+    def processes(self, run: "Run", notes: list[str]) -> tuple[list[ProcessPlan], int]:
+        """Processes of its own beside the trainer ranks, and the host bytes a node gains per step."""
+        unused_engine_emulation(run, notes, f"rollout.engine={self.name}")
+        return [], 0
+
+    def notes(self, run: "Run") -> list[str]:
+        """Its lines in the plan's notes."""
+        return []
+
+    def lora_note(self, run: "Run") -> str:
+        """What the LoRA note adds about this engine ("" for nothing)."""
+        return ""
+
+    def maps_checkpoint(self, run: "Run") -> bool:
+        """Loading the engine maps the checkpoint file (its pages counted once per node)."""
+        return False
+
+    def candidates(self, plan: "Plan", tier: str) -> list[Change]:
+        """Changes the recommender may try, for ``tier`` (:data:`TIERS`)."""
+        return []
+
+
+def engine_planner(cfg) -> EnginePlanner:
+    """The planner of ``cfg.rollout.engine``; a :class:`~fitrl.core.errors.ConfigError` naming the
+    registered ones when it has none (fitrl/rollout/__init__.py registers the built-in ones)."""
+    return ENGINE_PLANNERS.get(cfg.rollout.engine)()
+
+
+def unused_engine_emulation(run: "Run", notes: list[str], where: str) -> None:
+    """``plan.emulate``'s engine behaviours describe another framework's vLLM engine on GPUs; an
+    engine planner that does not read them says so rather than plan as if they held."""
+    em, default = run.cfg.plan.emulate, type(run.cfg.plan.emulate)()
+    keys = [k for k in EMULATED_ENGINE_KEYS if getattr(em, k) != getattr(default, k)]
+    if keys:
+        notes.append(f"{', '.join('plan.emulate.' + k for k in keys)} ignored with {where}: they emulate another "
+                     "framework's vLLM engine on GPUs")

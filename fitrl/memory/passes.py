@@ -1,0 +1,94 @@
+"""What one forward (or forward and backward) of a trainer rank or an engine holds besides the
+model's states: the traced transients of the real log-prob code (:mod:`.trace`), the vision
+tower's activations, a micro-batch's pixel values, autocast's fp32 widening on a CPU, and LoRA's
+adapter parameters. Shared by a trainer rank's phases (:mod:`.trainer`) and the engines'
+planners (fitrl/rollout/*_plan.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fitrl.memory import calibration as C
+from fitrl.memory.run import Run
+from fitrl.memory.shapes import numel
+from fitrl.memory.states import DTYPE_BYTES, lora_layer_params
+from fitrl.memory.trace import trace_spec, transient_bytes
+
+
+def traced(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, adapters: bool = True,
+           **kw) -> int:
+    """``adapters``: the forward runs through the LoRA adapters (when LoRA is on; not the reference's)."""
+    a = run.cfg.actor
+    spec = trace_spec(run.shape, phase=phase, batch=batch, seq_len=seq_len, response_len=run.response_len,
+                      dtype=dtype or run.compute_dtype, chunk=a.logprob_chunk_size,
+                      attn=a.model.attn_implementation, lora=run.lora if adapters else None, **kw)
+    return transient_bytes(spec, run.shape.layers)
+
+
+def bf16_widening(run: Run, head_rows: int, tokens: int) -> int:
+    """Autocast on a CPU runs each bf16 product in the fp32 kernel (fitrl/core/bf16_matmul.py): one
+    product at a time holds its operands and its result in fp32 beside the bf16 tensors. The
+    largest is the head over ``head_rows`` rows or an MLP projection over ``tokens`` rows, times
+    the RSS measured per byte of it (an upper bound on CPUs with bf16 kernels, which widen nothing)."""
+    s = run.shape
+
+    def product(rows: int, k: int, n: int) -> int:
+        return 4 * (rows * k + k * n + rows * n)
+
+    largest = max(product(head_rows, s.hidden, s.vocab), product(tokens, s.hidden, s.intermediate))
+    return int(C.CPU_BF16_WIDENING_RSS_FACTOR * largest)
+
+
+def vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool, mapped_only: bool = False) -> int:
+    """The vision tower over a micro-batch's images (analytic, at the tower's width e and MLP width
+    I). Every sequence brings its prompt's images (the forward concatenates each sample's pixel
+    values, shared prompt or not): ``seqs * images_per_prompt * patches`` tokens. Per token, in the
+    compute dtype: saved for backward ``(14e + 4I)`` per block, or with checkpointing ``2e`` per
+    block plus one block's ``14e + 4I`` recomputed in backward; without grad (log-probs, generation,
+    or a frozen tower, ``actor.model.freeze_vision_tower``, whose forward autograd does not record)
+    one block's working set ``4e + 2I``.
+
+    ``14e + 4I`` is measured: the distinct tensors a Qwen2.5-VL vision block saves for backward
+    (transformers' block, SDPA; ``bench/vl_image_memory.py --vision-block``), per patch: 932,
+    3718 and 30338 elements in fp32 and 1000, 3980 and 32916 in bf16 at (e, I) = (32, 128),
+    (128, 512) and (1280, 3420) (Qwen2.5-VL-7B's), within 4.2% of 14e + 4I (norms, qkv, rotary
+    q and k, attention output, projection input; the SwiGLU MLP's gate, up, activation and
+    product). The earlier ``12e + 8I`` counted the MLP twice (+30-41% at the 7B's widths). On CPU
+    (``bench/vl_image_memory.py``, 2048 x 2048 pictures, ``MALLOC_MMAP_THRESHOLD_``) an update's
+    tower measured 0.70 GiB for 0.61 planned: the patch embedding, rotary tables and merger outside
+    the blocks (5-6e per patch, measured) are not counted. With checkpointing a block saves its
+    input only (e per patch, measured) besides what its backward recomputes: ``2e`` is kept as a
+    margin for the gradient flowing through (not measured as a peak).
+
+    ``mapped_only``: the part held in tensors of at least
+    :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX` (``tokens x e`` or ``tokens x I``
+    each), which glibc maps and unmaps: what a CPU process's heap cannot keep after the update."""
+    v, visual = run.shape.vision, run.visual
+    if visual is None:
+        return 0
+    tokens = seqs * run.images_per_prompt * visual.patches
+    b = DTYPE_BYTES[run.compute_dtype]
+    if not grad or run.cfg.actor.model.freeze_vision_tower:
+        per_e, per_i = 4, 2
+    elif checkpointing:
+        per_e, per_i = 2 * v.depth + 14, 4
+    else:
+        per_e, per_i = 14 * v.depth, 4 * v.depth
+    parts = ((per_e, tokens * v.hidden * b), (per_i, tokens * v.intermediate * b))  # (count, bytes of one tensor)
+    return sum(k * one for k, one in parts if not mapped_only or one >= C.GLIBC_MMAP_THRESHOLD_MAX)
+
+
+def micro_images(run: Run, seqs: int) -> int:
+    """A forward's pixel values: ``concat_multi_modal`` (fitrl/models/families/qwen_vl.py)
+    concatenates the micro-batch's ``seqs`` samples' fp32 ``pixel_values`` (a copy per sample, shared
+    prompt or not) and moves them to the device (on CUDA via a host tensor of the same size, freed
+    after the copy)."""
+    return seqs * run.images_per_prompt * run.visual.pixel_values_bytes if run.visual else 0
+
+
+def adapter_params(run: Run) -> tuple[int, int]:
+    """LoRA adapter parameters (one decoder layer's, all of them); (0, 0) without LoRA."""
+    if not run.lora:
+        return 0, 0
+    adapters = run.shape.lora_tensors(run.lora.rank, run.lora_targets)
+    return lora_layer_params(run.shape, run.lora.rank, run.lora_targets), sum(numel(s) for _, s in adapters)

@@ -33,6 +33,7 @@ from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.models.flops import FlopsShape
 from fitrl.ops.sharing import copies_saved, full_attention
+from fitrl.rollout import ROLLOUT_ENGINES
 from fitrl.telemetry.perf import device_peak_flops, mfu
 
 log = logging.getLogger("fitrl.trainer")
@@ -84,7 +85,7 @@ def shared_micro_sizes(cfg: FitrlConfig, raw: dict) -> dict[str, int]:
     sliding-window attention, and in a checkpointed or shuffled update."""
     a, r = cfg.actor, cfg.rollout
     sizes = {}
-    if r.engine == "hf" and r.decode == "loop" and "vision_config" not in raw and full_attention(raw):
+    if ROLLOUT_ENGINES.get(r.engine).prefills_shared_prompts(r, raw):  # the engine's own answer
         sizes["rollout"] = r.micro_batch_size
     if not a.share_prompts or cfg.world_size > 1 or a.micro_batch_token_budget or not full_attention(raw):
         return sizes

@@ -1,6 +1,6 @@
 """The vLLM engine in the plan, read from the run's own keys (``rollout.engine``,
 ``rollout.gpu_memory_utilization``, ``rollout.kv_cache_memory``, ``rollout.tensor_parallel_size``,
-``rollout.sleep_level``; fitrl/memory/services.py), and the recommendations that change them."""
+``rollout.sleep_level``; fitrl/rollout/vllm_plan.py), and the recommendations that change them."""
 
 from pathlib import Path
 

@@ -15,7 +15,7 @@ from fitrl.memory.states import DTYPE_BYTES, lora_layer_params
 from fitrl.memory.trace import trace_spec, transient_bytes
 
 
-def traced(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, adapters: bool = True,
+def traced_transient(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, adapters: bool = True,
            **kw) -> int:
     """``adapters``: the forward runs through the LoRA adapters (when LoRA is on; not the reference's)."""
     a = run.cfg.actor

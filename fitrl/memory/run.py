@@ -96,6 +96,12 @@ class Run:
     def seqs_per_rank(self) -> int:
         return max(1, self.cfg.data.rollout_batch_size * self.cfg.rollout.n // self.world)
 
+    def generated_seqs(self, phase: str) -> int:
+        """Sequences one rank generates in ``phase``: a validation call's, or the step's rollout."""
+        if phase == "validation":
+            return max(1, self.cfg.data.val_batch_size * self.cfg.rollout.val.n // self.world)
+        return self.seqs_per_rank
+
     @property
     def mini_seqs_per_rank(self) -> int:
         """Sequences of one optimizer step on a rank (``Actor.update``'s ``sequences_per_mini_batch``)."""

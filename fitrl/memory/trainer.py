@@ -10,11 +10,10 @@ LoRA the reference log-probs come from the policy itself, adapters off (fitrl/ro
 
 from __future__ import annotations
 
-
 from fitrl.memory import calibration as C
-from fitrl.memory.model import ProcessPlan, Usage
 from fitrl.memory.engines import engine_planner
-from fitrl.memory.passes import adapter_params, bf16_widening, micro_images, traced, vision_activations
+from fitrl.memory.model import ProcessPlan, Usage
+from fitrl.memory.passes import adapter_params, bf16_widening, micro_images, traced_transient, vision_activations
 from fitrl.memory.run import Run, process_roles, resident, role_states
 from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
@@ -106,10 +105,10 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             if cuda:
                 u.add("host", "image buffers", micro_images(run, b))
             dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.fsdp else None
-            tr = traced(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
-                        adapters=ph != "ref_logprob",
-                        checkpointing=grad and cfg.actor.model.gradient_checkpointing,
-                        entropy_grad=grad and cfg.actor.entropy_coeff != 0)
+            tr = traced_transient(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
+                                  adapters=ph != "ref_logprob",
+                                  checkpointing=grad and cfg.actor.model.gradient_checkpointing,
+                                  entropy_grad=grad and cfg.actor.entropy_coeff != 0)
             ckpt = cfg.actor.model.gradient_checkpointing
             vit = vision_activations(run, b, grad, ckpt)
             heap = not cuda and run.cfg.plan.host_malloc == "glibc"
@@ -175,7 +174,7 @@ TRANSIENT = ("activations", "logits", "gathered weights", "autocast weights", "k
 
 def _cpu_retention(phases: dict[str, Usage], unretained: int = 0, trimmed: bool = True) -> None:
     """What glibc's heap adds to the phases besides the update (whose own excess is
-    :func:`fitrl.memory.trainer._cpu_transient`'s), shown as one "allocator" entry.
+    :func:`_cpu_transient`'s), shown as one "allocator" entry.
 
     ``trimmed`` (``memory.trim_heap``, the default: every role's phase ends with ``malloc_trim``,
     fitrl/roles/workers.py): a phase starts from what is held, and its heap regrows over the phase

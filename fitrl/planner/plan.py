@@ -15,8 +15,8 @@ from fitrl.config import FitrlConfig
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths, expected_lengths
 from fitrl.memory.model import Hardware, Plan
-from fitrl.memory.run import Run
 from fitrl.memory.engines import engine_planner
+from fitrl.memory.run import Run
 from fitrl.memory.services import driver_and_node_plans
 from fitrl.memory.shapes import ModelShape
 from fitrl.memory.trainer import TRANSIENT, rank_plans

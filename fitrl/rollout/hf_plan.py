@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner
 from fitrl.memory.model import Usage
-from fitrl.memory.passes import adapter_params, bf16_widening, micro_images, traced, vision_activations
+from fitrl.memory.passes import adapter_params, bf16_widening, micro_images, traced_transient, vision_activations
 from fitrl.memory.run import Run
 from fitrl.memory.states import DTYPE_BYTES
 
@@ -36,10 +36,7 @@ def _generation(run: Run, ph: str, u: Usage, dev: str) -> None:
     of a micro-batch of ``rollout.micro_batch_size`` sequences, its pixel values, the prefill's
     transients or the sampler's, whichever is larger, and the rollout batch."""
     cfg, shape = run.cfg, run.shape
-    if ph == "validation":
-        seqs = max(1, cfg.data.val_batch_size * cfg.rollout.val.n // run.world)
-    else:
-        seqs = run.seqs_per_rank
+    seqs = run.generated_seqs(ph)
     b = min(cfg.rollout.micro_batch_size, seqs)
     cb = DTYPE_BYTES[run.compute_dtype]
     if run.fsdp:  # gathered_for_generation: the full weights for the whole call
@@ -61,7 +58,7 @@ def _generation(run: Run, ph: str, u: Usage, dev: str) -> None:
     u.add(dev, "image buffers", micro_images(run, b))  # a generate call's pixel values, one row per sequence
     if run.cuda:
         u.add("host", "image buffers", micro_images(run, b))
-    prefill = traced(run, "prefill", b, run.prompt_len) - b * run.prompt_len * shape.kv_bytes_per_token(cb)
+    prefill = traced_transient(run, "prefill", b, run.prompt_len) - b * run.prompt_len * shape.kv_bytes_per_token(cb)
     prefill += vision_activations(run, b, grad=False, checkpointing=False)  # the prefill encodes the images
     # SampleAndRecord: the fp32 scores, the tempered copy, the pending log-softmax, top-k/top-p copies
     sampling = b * shape.vocab * 4 * (4 + 5 * (cfg.rollout.top_p < 1.0))

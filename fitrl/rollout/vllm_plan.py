@@ -252,8 +252,7 @@ def _in_process(run: Run, ph: str, u: Usage) -> None:
     for name, nbytes in vllm_cpu_engine(run).items():
         u.add("host", name, nbytes)
     if ph in ("rollout", "validation"):
-        cfg = run.cfg
-        seqs = max(1, cfg.data.val_batch_size * cfg.rollout.val.n // run.world) if ph == "validation" else run.seqs_per_rank
+        seqs = run.generated_seqs(ph)
         u.add("host", "batch", run.batch_bytes(seqs))
         u.add("host", "engine weight push", vllm_push_bytes(run))
         u.add("host", "activations", min(seqs, C.VLLM_CPU_MAX_NUM_SEQS) * run.shape.vocab * 4 * 4)

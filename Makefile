@@ -4,6 +4,8 @@
 #   make test   -- build the venv, run the test suite (what CI runs)
 #   make test-fast -- the fast tier: unit and single-process tests, two to three minutes
 #   make test-vllm -- the vLLM engine's tier alone, in its own environment (.venv-vllm)
+#   make gpu-check -- on a lent GPU: the gpu test tier and plan-vs-measured memory per phase
+#                     (bench/gpu_check.py); without CUDA, its planning half
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.fitrl-installed
 
-.PHONY: demo demo-vl test test-fast test-vllm bench bench-trl install browser clean
+.PHONY: demo demo-vl test test-fast test-vllm gpu-check bench bench-trl install browser clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +78,12 @@ test-vllm: $(VLLM_STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# A lent GPU machine has torch but no package index: nothing is installed here. It runs with .venv
+# where one exists, else with python3 and the checkout on PYTHONPATH (bench/gpu_check.py's docstring).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/step_time.py

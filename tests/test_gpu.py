@@ -27,6 +27,9 @@ def test_loop_on_cuda_records_gpu_memory_per_phase(tiny_model_dir, tmp_path):
     for phase in ("rollout", "old_logprob", "update"):
         assert last[f"mem/rank0/{phase}/gpu_peak_gib"] > 0, phase
         assert last[f"mem/rank0/{phase}/gpu_reserved_gib"] >= last[f"mem/rank0/{phase}/gpu_allocated_gib"]
+        # the allocator's high-water mark holds the allocated one; the driver's view holds both plus the context
+        assert last[f"mem/rank0/{phase}/gpu_peak_reserved_gib"] >= last[f"mem/rank0/{phase}/gpu_peak_gib"]
+        assert last[f"mem/rank0/{phase}/gpu_device_used_gib"] > last[f"mem/rank0/{phase}/gpu_reserved_gib"]
     assert last["mem/gpu_peak_gib"] > 0
     # rollout (bf16/fp32 kernels of generate) and the trainer's forward agree on the same weights
     assert last["rollout/logprob_diff_mean"] < 1e-3

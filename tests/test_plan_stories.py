@@ -12,8 +12,11 @@ import yaml
 from helpers import load_bench
 
 from fitrl.config import load_config
+from fitrl.memory.calibration import GPU_RESERVED_FACTORS
 from fitrl.planner import Hardware, plan_config
 from fitrl.planner.recommend import recommend
+
+UPDATE_RESERVE = GPU_RESERVED_FACTORS["update"]
 
 pytestmark = pytest.mark.slow  # full-size plans, seconds each: not in the fast tier
 
@@ -279,10 +282,11 @@ def test_images_1024_prompts_max_pixels_4mp_vs_1mp(images_plan):
     # GPU, one device, in the update: actor.micro_batch_size=4 sequences, each with its prompt's
     # pixel values, and the vision tower's activations over their patches
     micro = 4
-    gpu = micro * d_pv + 1.10 * micro * images * (PATCHES[4_194_304] - PATCHES[1_048_576]) * VIT_PER_PATCH
+    # (and the caching allocator's reserve over them: a measured factor of what it holds in an update)
+    gpu = UPDATE_RESERVE * (micro * d_pv + micro * images * (PATCHES[4_194_304] - PATCHES[1_048_576]) * VIT_PER_PATCH)
     update = [p.peaks()["update"][0] for p in (big, small)]
     assert update[0] - update[1] == pytest.approx(gpu, abs=2)
-    assert gpu / 2**30 == pytest.approx(15.21, abs=0.01)
+    assert gpu / 2**30 == pytest.approx(15.24, abs=0.01)
     # the device's peak: the update at 4 MP; at 1 MP the rollout, where the vLLM engine takes
     # rollout.gpu_memory_utilization=0.6 of each of its tensor_parallel_size=2 devices
     (phase_big, gpu_big), (phase_small, gpu_small) = peak(big, 0), peak(small, 0)
@@ -290,7 +294,7 @@ def test_images_1024_prompts_max_pixels_4mp_vs_1mp(images_plan):
     assert phase_small == "rollout" and small.device("rollout")["engine (weights, kv cache)"] == int(0.6 * 80 * 2**30)
     # a frozen tower saves nothing for backward: one block's working set (4e + 2I) instead
     frozen = images_plan("1", "actor.model.freeze_vision_tower=true").process("trainer").phases["update"].gpu
-    saved = 1.10 * micro * images * PATCHES[4_194_304] * (VIT_PER_PATCH - (4 * 1280 + 2 * 3420) * 2)
+    saved = micro * images * PATCHES[4_194_304] * (VIT_PER_PATCH - (4 * 1280 + 2 * 3420) * 2)
     assert big.process("trainer").phases["update"].gpu["activations"] - frozen["activations"] == pytest.approx(saved, abs=2)
     # and a fix the plan recommends among others (a key the run applies): 4 MP does not fit, 1 MP does
     assert not big.fits and small.fits
@@ -317,7 +321,7 @@ def test_images_128_prompts_max_pixels_4mp_vs_1mp(images_plan):
     # the device: the update (micro-batch 4) is the peak at 4 MP; at 1 MP the vLLM engine's fixed
     # share of the device (rollout) is
     update = [p.peaks()["update"][0] for p in (big, small)]
-    gpu = 4 * d_pv + 1.10 * 4 * images * (PATCHES[4_194_304] - PATCHES[1_048_576]) * VIT_PER_PATCH
+    gpu = UPDATE_RESERVE * (4 * d_pv + 4 * images * (PATCHES[4_194_304] - PATCHES[1_048_576]) * VIT_PER_PATCH)
     assert update[0] - update[1] == pytest.approx(gpu, abs=2)
     assert peak(big, 0) == ("update", update[0])
     assert peak(small, 0)[0] == "rollout" and peak(small, 0)[1] < update[0]

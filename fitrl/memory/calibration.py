@@ -37,8 +37,10 @@ PEFT_IMPORT_HOST = 50 * MIB
 that has torch, transformers and fitrl's roles imported: 50.6 MiB. Only LoRA runs import it
 (fitrl/models/params.py)."""
 CUDA_PROCESS_RUNTIME = int(2.5 * GIB)
-"""Assumed: host RSS of a CUDA rank process (CUDA runtime, cuBLAS, cuDNN, NCCL mapped and
-touched); commonly 2-3 GiB. Not measured here (no GPU). Each role's rank under Ray (policy,
+"""Measured once (an H100, torch 2.11.0+cu130, ``make gpu-check``): host peak RSS of a CUDA trainer
+process in its rollout and update, 2.01-2.49 GiB for 0.5B-3B models
+(``bench/gpu_calibration/h100-2026-11-27.json``): kept at their top. NCCL under several ranks not
+measured. Each role's rank under Ray (policy,
 reference, critic) is such a process, with a :data:`CUDA_CONTEXT` of its own on its device."""
 DRIVER_RUNTIME = int(0.44 * GIB)
 """Measured: RSS of the driver under Ray (torch, transformers, ray imported; the datasets, the
@@ -84,12 +86,31 @@ VLLM_CPU_MAX_NUM_SEQS = 256
 sequences per scheduler step (4,096 batched tokens)."""
 
 # --------------------------------------------------------------------------- device (GPU)
-CUDA_CONTEXT = int(0.75 * GIB)
-"""Assumed: per process per GPU outside PyTorch's allocator: CUDA context (~0.5 GiB on Hopper),
-cuBLAS workspaces, NCCL buffers."""
-GPU_ALLOCATOR_SLACK = 1.10
-"""Assumed: the CUDA caching allocator's fragmentation on top of the traced live bytes of a
-phase's transient tensors (reserved / allocated is typically 1.05-1.2 in training)."""
+CUDA_CONTEXT = int(1.26 * GIB)
+"""Measured (one H100 80GB HBM3, driver 580.159.04, torch 2.11.0+cu130): what the device holds for a
+process outside PyTorch's caching allocator (CUDA context, loaded kernels, cuBLAS workspaces):
+device used (``cudaMemGetInfo``) minus reserved at the end of every phase of the five
+``make gpu-check`` runs, 1.26-1.27 GiB (1.18 GiB right after start-up and one matmul);
+``bench/gpu_calibration/h100-2026-11-27.json``. NCCL buffers (several ranks) are not in it."""
+GPU_RESERVED_FACTORS = {"rollout": 1.04, "validation": 1.04, "old_logprob": 1.16, "ref_logprob": 1.16,
+                        "update": 1.10}
+"""Measured: the caching allocator's high-water mark over the peak of live tensors (peak reserved /
+peak allocated) in a phase that computes, the largest of the ``make gpu-check`` runs on an H100
+(``bench/gpu_calibration/h100-2026-11-27.json``): generation 1.019-1.035 (five runs), the LoRA
+reference's log-probs 1.155 (one run), the update 1.043-1.097 (five; the largest with gradient
+checkpointing and 1,024-token responses). Applied to everything the allocator holds in such a
+phase ("allocator reserve"); a phase that computes nothing (a reference rank during the rollout)
+reserves no more than it allocated."""
+GPU_PLAN_BAND = 0.06
+"""Measured: the largest error of a phase's planned device figure against the device's peak
+(peak reserved plus what lies outside the allocator) over the eleven phases of the five ``make
+gpu-check`` runs on an H100: -5.8 % (a LoRA update: its live tensors 11 % over the trace) to +5.1 %
+(``bench/gpu_calibration/h100-2026-11-27.json``; ``tests/test_gpu_check.py`` holds every phase
+within it). One device, bf16 autocast in one process, Qwen2.5 shapes: FSDP2, several ranks,
+vision-language models and the vLLM engine are outside what it measured."""
+GPU_RESERVED_FACTOR_OTHER = 1.04
+"""Assumed (not measured): the same for the phases not in :data:`GPU_RESERVED_FACTORS` (loading,
+checkpoint saving, a weight push), taken as generation's."""
 VLLM_ACTIVATION_RESERVE = int(2.0 * GIB)
 """Assumed: what vLLM keeps for activations and CUDA graphs inside its budget
 (``gpu_memory_utilization``) besides weights and KV cache, for a 7B-72B model."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 from fitrl.memory import calibration as C
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import ProcessPlan, Usage
-from fitrl.memory.passes import adapter_params, bf16_widening, micro_images, traced_transient, vision_activations
+from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, traced_transient,
+                                 vision_activations)
 from fitrl.memory.run import Run, process_roles, resident, role_states
 from fitrl.memory.shapes import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
@@ -94,7 +95,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
             u.add("host", "batch", run.batch_bytes(seqs))
             if cuda:  # the rank's token tensors go to the device; pixel values one micro-batch at a time
                 u.add("gpu", "batch", run.batch_bytes(seqs))
-        slack = C.GPU_ALLOCATOR_SLACK if cuda else C.CPU_ALLOCATOR_SLACK
+        slack = 1.0 if cuda else C.CPU_ALLOCATOR_SLACK  # (the GPU's caching allocator: allocator_reserve)
         if ph in passes:
             grad = ph == "update"
             ref_model = ph == "ref_logprob" and not run.lora  # a reference model of its own
@@ -139,7 +140,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                 if heap and grad:  # (the heap residue is there before the first unit gathers: on top)
                     u.add("host", "allocator (FSDP2 unit buffers)", max(0, _fsdp_unit_buffers(run, cb) - (tr - live)))
             elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
-                u.add(dev, "autocast weights", run.shape.num_params * cb)  # cast once per forward, cached
+                u.add(dev, "autocast weights", autocast_weights(run, grad, frozen=ref_model or None))
                 if not cuda:
                     u.add(dev, "bf16 widening", bf16_widening(
                         run, min(cfg.actor.logprob_chunk_size, b * run.response_len), b * run.seq_len))
@@ -149,6 +150,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str
                 _load(run, u)
             if ph == "checkpoint_save":
                 _checkpoint(run, u, roles)
+        if cuda:
+            allocator_reserve(ph, u)
         phases[ph] = u
     if trainer and not cuda and run.cfg.plan.host_malloc == "glibc":
         _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
@@ -166,6 +169,16 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
                 f"{2 * 1024 * run.shape.vocab * 4 / C.GIB:.1f} GiB (prompt: {run.prompt_len:,} tokens, no logits)")
         if text not in notes:
             notes.append(text)
+
+
+def allocator_reserve(phase: str, u: Usage) -> None:
+    """What PyTorch's caching allocator reserves beyond the live tensors in a phase that computes
+    (one with transients): a measured multiple of everything it holds then
+    (:data:`~fitrl.memory.calibration.GPU_RESERVED_FACTORS`); the CUDA context is outside it."""
+    if not any(u.gpu.get(k, 0) for k in TRANSIENT):
+        return
+    factor = C.GPU_RESERVED_FACTORS.get(phase, C.GPU_RESERVED_FACTOR_OTHER)
+    u.add("gpu", "allocator reserve", (factor - 1) * sum(v for k, v in u.gpu.items() if k != "cuda context"))
 
 
 # ("bf16 widening" is not one: its term is already RSS, CPU_BF16_WIDENING_RSS_FACTOR)

@@ -192,7 +192,9 @@ FIELDS = {  # resource -> (field, legend label, dash) drawn per phase
     # (host_uss_gib is left out: it is read every memory.uss_every steps, on a step's last phase: scattered points)
     "host": [("host_peak_gib", "peak RSS in phase", "solid"), ("host_rss_gib", "RSS at phase end", "dot")],
     "gpu": [("gpu_peak_gib", "peak allocated in phase", "solid"), ("gpu_allocated_gib", "allocated at phase end", "dot"),
-            ("gpu_reserved_gib", "reserved at phase end", "dashdot")],
+            ("gpu_reserved_gib", "reserved at phase end", "dashdot"),
+            ("gpu_peak_reserved_gib", "peak reserved in phase", "longdash"),
+            ("gpu_device_used_gib", "device used at phase end (context included)", "longdashdot")],
 }
 
 

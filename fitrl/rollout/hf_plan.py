@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner
 from fitrl.memory.model import Usage
-from fitrl.memory.passes import adapter_params, bf16_widening, micro_images, traced_transient, vision_activations
+from fitrl.memory.passes import adapter_params, autocast_weights, bf16_widening, micro_images, traced_transient, vision_activations
 from fitrl.memory.run import Run
 from fitrl.memory.states import DTYPE_BYTES
 
@@ -41,8 +41,8 @@ def _generation(run: Run, ph: str, u: Usage, dev: str) -> None:
     cb = DTYPE_BYTES[run.compute_dtype]
     if run.fsdp:  # gathered_for_generation: the full weights for the whole call
         u.add(dev, "gathered weights", (shape.num_params + adapter_params(run)[1]) * cb)
-    elif run.autocast:  # autocast's cached bf16 copy, for the whole generate call
-        u.add(dev, "autocast weights", shape.num_params * cb)
+    elif run.autocast:  # autocast's bf16 copies (the cached trained weights), for the whole generate call
+        u.add(dev, "autocast weights", autocast_weights(run, grad=False))
         if not run.cuda:  # the prefill's projections over b x P tokens, the head over b rows
             u.add(dev, "bf16 widening", bf16_widening(run, b, b * run.prompt_len))
     # rollout.decode=loop's StaticCache (fitrl/rollout/decode.py) is sized at the call's prompt width +

@@ -139,6 +139,7 @@ class MemoryReading:
     gpu_allocated: int = 0
     gpu_reserved: int = 0
     gpu_total: int = 0
+    gpu_device_used: int = 0  # the whole device, every process and the CUDA context included
 
 
 def read_memory(uss: bool = False) -> MemoryReading:
@@ -148,7 +149,8 @@ def read_memory(uss: bool = False) -> MemoryReading:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         reading.gpu_allocated = torch.cuda.memory_allocated()
         reading.gpu_reserved = torch.cuda.memory_reserved()
-        reading.gpu_total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        free, reading.gpu_total = torch.cuda.mem_get_info()
+        reading.gpu_device_used = reading.gpu_total - free
     return reading
 
 

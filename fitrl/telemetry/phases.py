@@ -66,6 +66,11 @@ class PhaseMemory:
     gpu_reserved: int = 0
     gpu_peak: int = 0
     gpu_total: int = 0
+    # the caching allocator's high-water mark (what it held, free blocks included: allocated plus
+    # fragmentation) and the device's use at the end as the driver sees it (reserved plus the CUDA
+    # context, cuBLAS workspaces and any other process): the plan's GPU figure is the latter's kind
+    gpu_peak_reserved: int = 0
+    gpu_device_used: int = 0
 
     def merge(self, later: "PhaseMemory") -> "PhaseMemory":
         """This phase called again within the same step (DAPO rounds, ReMax's greedy pass)."""
@@ -75,7 +80,9 @@ class PhaseMemory:
             host_uss=later.host_uss or self.host_uss, node_available=later.node_available,
             node_available_min=min(self.node_available_min, later.node_available_min), node_total=later.node_total,
             gpu_allocated=later.gpu_allocated, gpu_retained=self.gpu_retained + later.gpu_retained,
-            gpu_reserved=later.gpu_reserved, gpu_peak=max(self.gpu_peak, later.gpu_peak), gpu_total=later.gpu_total)
+            gpu_reserved=later.gpu_reserved, gpu_peak=max(self.gpu_peak, later.gpu_peak), gpu_total=later.gpu_total,
+            gpu_peak_reserved=max(self.gpu_peak_reserved, later.gpu_peak_reserved),
+            gpu_device_used=later.gpu_device_used)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """``{prefix}/host_rss_gib`` ... in GiB (the units of the console and metrics.jsonl)."""
@@ -86,7 +93,9 @@ class PhaseMemory:
         if self.gpu_total:
             m.update({f"{prefix}/gpu_allocated_gib": self.gpu_allocated / GIB,
                       f"{prefix}/gpu_reserved_gib": self.gpu_reserved / GIB,
-                      f"{prefix}/gpu_peak_gib": self.gpu_peak / GIB})
+                      f"{prefix}/gpu_peak_gib": self.gpu_peak / GIB,
+                      f"{prefix}/gpu_peak_reserved_gib": self.gpu_peak_reserved / GIB,
+                      f"{prefix}/gpu_device_used_gib": self.gpu_device_used / GIB})
         return m
 
 
@@ -154,7 +163,9 @@ class PhaseRecorder:
                 node_available=end.node_available, node_available_min=min(start.node_available, end.node_available),
                 node_total=end.node_total, gpu_allocated=end.gpu_allocated,
                 gpu_retained=end.gpu_allocated - start.gpu_allocated, gpu_reserved=end.gpu_reserved,
-                gpu_peak=torch.cuda.max_memory_allocated() if cuda else 0, gpu_total=end.gpu_total)
+                gpu_peak=torch.cuda.max_memory_allocated() if cuda else 0, gpu_total=end.gpu_total,
+                gpu_peak_reserved=torch.cuda.max_memory_reserved() if cuda else 0,
+                gpu_device_used=end.gpu_device_used)
             self.records[name] = self.records[name].merge(rec) if name in self.records else rec
 
     def drain(self, end_of_step: bool = True) -> dict[str, PhaseMemory]:

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from fitrl.config.roles import LoRAConfig  # noqa: E402
 from fitrl.memory import trace  # noqa: E402
-from fitrl.memory.shapes import ModelShape  # noqa: E402
+from fitrl.models.shape import ModelShape  # noqa: E402
 
 SHAPES = {
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,

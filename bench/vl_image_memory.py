@@ -235,7 +235,7 @@ def prepare(args, cache: Path) -> tuple[Path, dict[str, Path], list[int], int]:
     """The model, the pictures and the two runs' data files under ``cache``; the prompts' token
     lengths (the same in both runs) and the small run's filler tokens."""
     from fitrl.data.images import smart_resize
-    from fitrl.memory.shapes import ModelShape
+    from fitrl.models.shape import ModelShape
 
     model = cache / "tiny-qwen2_5_vl"
     if not (model / "config.json").is_file():

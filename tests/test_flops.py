@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fitrl.data.batch import Batch
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 from fitrl.models.flops import FlopsShape
 from fitrl.telemetry import perf as telemetry_perf
 from fitrl.telemetry.perf import cache_file, cpu_peak_flops, gpu_peak_flops, mfu

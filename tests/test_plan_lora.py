@@ -14,7 +14,7 @@ from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
 from fitrl.memory.run import Run, resident, role_states
 from fitrl.planner.recommend import candidates, recommend
-from fitrl.memory.shapes import ModelShape, numel
+from fitrl.models.shape import ModelShape, numel
 from fitrl.memory.states import lora_layer_params, lora_states, trained_states
 from fitrl.memory.trace import trace_spec, transient_bytes
 from fitrl.models.loading import build_model

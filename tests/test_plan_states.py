@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fitrl.memory.shapes import ModelShape, numel
+from fitrl.models.shape import ModelShape, numel
 from fitrl.memory.states import frozen_states, next_power_of_two, shard_numel, tensors_bytes, trained_states
 from fitrl.config.schema import FSDPConfig, ModelConfig, OptimConfig
 from fitrl.models.loading import build_model
@@ -99,7 +99,7 @@ def test_largest_image_bounds_every_smart_resize(patch, max_pixels):
     """No image comes out of the processor's resize larger than ``largest_image``, which one does reach."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from fitrl.memory.shapes import VisionShape
+    from fitrl.models.shape import VisionShape
 
     v = VisionShape("qwen2_5_vl", 1, 8, 8, 8, patch=patch)
     big = v.largest_image(max_pixels, 3136)

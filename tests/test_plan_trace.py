@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fitrl.config.roles import LoRAConfig
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 from fitrl.memory import trace
 from fitrl.memory.trace import PLAIN_KV_DECODERS, _traced, kv_layer_bytes, trace_spec, transient_bytes
 

@@ -159,7 +159,7 @@ def test_plan_predictions_follow_the_process_labels():
 def test_plan_json_is_what_the_report_reads(tiny_model_dir, tmp_path):
     """The trainer's plan.json (fitrl.trainer.preflight.plan_record) looked up with the run's labels."""
     from fitrl.planner.plan import plan_config
-    from fitrl.memory.shapes import ModelShape
+    from fitrl.models.shape import ModelShape
     from fitrl.trainer.preflight import detect_hardware, plan_record
 
     cfg = toy_config(tiny_model_dir, tmp_path / "run")

@@ -27,13 +27,13 @@ import torch
 from PIL import Image
 
 from fitrl.core.errors import DataError, ModelDirError
+from fitrl.core.model_types import VIDEO_TYPES, VISION_LANGUAGE_NAMES
 from fitrl.data.images import BadImage, image_bytes_or_path, load_image, smart_resize
 
 if TYPE_CHECKING:
     from fitrl.config.roles import DataConfig
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # Qwen3-VL writes timestamps into the text: not yet
+VL_MODEL_TYPES = VISION_LANGUAGE_NAMES
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2-VL's processor defaults
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -115,7 +115,7 @@ class VisionSpec:
             value = config.get(key, (config.get("text_config") or {}).get(key, _DEFAULT_IDS[key]))
             if isinstance(value, int):
                 ids.append((token, value))
-        return cls(model_type=model_type, supports_video=model_type in VIDEO_MODEL_TYPES,
+        return cls(model_type=model_type, supports_video=model_type in VIDEO_TYPES,
                    token_ids=tuple(ids), **values)
 
     def check_tokenizer(self, tokenizer: Any) -> None:

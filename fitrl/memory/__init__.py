@@ -11,6 +11,6 @@ model". Importing this package does not import torch.
 """
 
 from fitrl.memory.model import PHASES, Hardware, Plan
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 
 __all__ = ["PHASES", "Hardware", "Plan", "ModelShape"]

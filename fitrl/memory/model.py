@@ -29,7 +29,7 @@ from fitrl.config import ConfigError, FitrlConfig
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
     from fitrl.algo import AlgorithmSpec

@@ -10,7 +10,7 @@ from typing import Optional
 
 from fitrl.memory import calibration as C
 from fitrl.memory.run import Run
-from fitrl.memory.shapes import numel
+from fitrl.models.shape import numel
 from fitrl.memory.states import DTYPE_BYTES, lora_layer_params
 from fitrl.memory.trace import trace_spec, transient_bytes
 

@@ -15,7 +15,7 @@ from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
 from fitrl.memory.model import ACTOR_PHASES, Hardware, active_phases
-from fitrl.memory.shapes import ModelShape, VisualInput
+from fitrl.models.shape import ModelShape, VisualInput
 from fitrl.memory.states import States, frozen_states, lora_states, trained_states
 
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from fitrl.memory import calibration as C
-from fitrl.memory.shapes import ModelShape, numel
+from fitrl.models.shape import ModelShape, numel
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_STEP_BYTES = 4  # AdamW keeps ``step`` as a float32 scalar tensor per parameter tensor

@@ -84,7 +84,7 @@ def transient_bytes(spec: TraceSpec, layers: int) -> int:
 
 def kv_layer_bytes(spec: TraceSpec) -> int:
     """One decoder layer's K and V over the spec's batch and sequence, in its dtype (the spec's
-    config always names its head dim: :meth:`fitrl.memory.shapes.ModelShape.text_config`)."""
+    config always names its head dim: :meth:`fitrl.models.shape.ModelShape.text_config`)."""
     cfg = dict(spec.text_config)
     return 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * spec.batch * spec.seq_len * DTYPES[spec.dtype]
 
@@ -271,7 +271,7 @@ def _inject_fake_adapters(model, spec: TraceSpec, dtype) -> None:
 def trace_spec(shape, *, phase: str, batch: int, seq_len: int, response_len: int, dtype: str = "float32",
                checkpointing: bool = False, chunk: int = 1024, entropy_grad: bool = False,
                attn: str = "sdpa", lora=None) -> TraceSpec:
-    """A :class:`TraceSpec` for a :class:`fitrl.memory.shapes.ModelShape`; ``lora``: the
+    """A :class:`TraceSpec` for a :class:`fitrl.models.shape.ModelShape`; ``lora``: the
     ``actor.lora`` config when the traced forward runs with adapters on."""
     cfg = shape.text_config(layers=1)
     adapters = (lora.rank, tuple(lora.target_modules), lora.dropout) if lora is not None and lora.enabled else (0, (), 0.0)

@@ -16,7 +16,7 @@ from fitrl.memory.model import ProcessPlan, Usage
 from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, traced_transient,
                                  vision_activations)
 from fitrl.memory.run import Run, process_roles, resident, role_states
-from fitrl.memory.shapes import numel
+from fitrl.models.shape import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
 
 

@@ -31,84 +31,25 @@ hardware FLOPs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Sequence
 
-VISION_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+from fitrl.models.shape import ModelShape
 
-
-@dataclass(frozen=True)
-class VisionFlopsShape:
-    """A Qwen2-VL / Qwen2.5-VL vision tower, as far as its matmuls go.
-
-    ``qwen2_vl`` (vision_config keys): ``embed_dim`` (ViT width), ``mlp_ratio`` (MLP = fc1, fc2),
-    ``num_heads``, ``depth``, ``hidden_size`` (the merger's output: the language model's width);
-    every block attends over the whole image.
-    ``qwen2_5_vl``: ``hidden_size`` (ViT width), ``intermediate_size`` (gated MLP: gate, up,
-    down), ``out_hidden_size`` (merger output), ``window_size`` (pixels) and
-    ``fullatt_block_indexes``: the other blocks attend within windows of
-    ``(window_size / patch_size)^2`` patches.
-    ``qwen3_vl``: ``hidden_size``, ``intermediate_size`` (MLP = fc1, fc2), ``out_hidden_size``,
-    ``patch_size`` 16, and one more merger per ``deepstack_visual_indexes`` entry (their outputs
-    are added to the first decoder layers' hidden states); every block attends over the image.
-    All: ``patch_size`` 14 (16), ``temporal_patch_size`` 2, ``spatial_merge_size`` 2 (2 x 2 patches
-    become one language-model token through a 2-layer MLP merger), ``in_chans`` 3.
-    """
-
-    kind: str
-    depth: int
-    hidden: int
-    intermediate: int
-    out_hidden: int
-    patch: int = 14
-    temporal_patch: int = 2
-    merge: int = 2
-    in_chans: int = 3
-    window_patches: Optional[int] = None  # qwen2_5_vl: patches per attention window
-    full_attention_blocks: int = 0         # qwen2_5_vl: blocks attending over the whole image
-    mergers: int = 1                       # qwen3_vl: 1 + its deepstack mergers
-
-    @property
-    def gated_mlp(self) -> bool:
-        return self.kind == "qwen2_5_vl"
-
-    def forward_flops(self, patches: int) -> int:
-        """Forward FLOPs of the tower over one image (or video) of ``patches`` patches, merger
-        included. Attention is non-causal within an image: each patch attends all of them
-        (or its window's)."""
-        e, i, m2 = self.hidden, self.intermediate, self.merge ** 2
-        embed = self.in_chans * self.temporal_patch * self.patch * self.patch * e  # Conv3d = a linear per patch
-        block_linear = 3 * e * e + e * e + (3 if self.gated_mlp else 2) * e * i  # qkv, proj, MLP
-        if self.window_patches is None:
-            attended = [patches] * self.depth
-        else:
-            window = min(patches, self.window_patches)
-            full = min(self.full_attention_blocks, self.depth)
-            attended = [patches] * full + [window] * (self.depth - full)
-        attention = sum(2 * a * e for a in attended)  # Q.K^T and A.V: a keys x e per patch
-        merged = patches // m2
-        merger = (e * m2) * (e * m2) + (e * m2) * self.out_hidden
-        macs = patches * (embed + self.depth * block_linear) + patches * attention + self.mergers * merged * merger
-        return 2 * macs
 
 
 @dataclass(frozen=True)
-class FlopsShape:
-    """The dimensions the FLOPs formula needs, from ``config.json``."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    vision: Optional[VisionFlopsShape] = None
+class FlopsShape(ModelShape):
+    """A model's shape (:class:`~fitrl.models.shape.ModelShape`, the memory plan's too: one reading
+    of ``config.json``) with the FLOPs formula over it; the vision tower's is
+    :meth:`~fitrl.models.shape.VisionShape.forward_flops`."""
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "FlopsShape":
-        """From a ``config.json`` dict. Raises ValueError for what the dense formula does not
-        describe (a mixture of experts, a missing key)."""
+        """From a ``config.json`` dict, read as :class:`~fitrl.models.shape.ModelShape` reads it
+        (the memory plan's shape: one reading for both). Raises ValueError for what the dense
+        formula does not describe (a mixture of experts, a model type fitrl does not know, a
+        missing key)."""
         model_type = cfg.get("model_type", "")
         text = cfg.get("text_config") or cfg
         experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if text.get(k)]
@@ -116,15 +57,13 @@ class FlopsShape:
             raise ValueError(f"model_type {model_type!r} is a mixture of experts ({experts[0]}="
                              f"{text[experts[0]]}); the FLOPs formula is for dense decoders")
         try:
-            h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-            vision = _vision_shape(model_type, cfg["vision_config"], h) if model_type in VISION_TYPES else None
-            return cls(hidden=h, layers=int(text["num_hidden_layers"]), heads=heads,
-                       kv_heads=int(text.get("num_key_value_heads") or heads),
-                       head_dim=int(text.get("head_dim") or h // heads),
-                       intermediate=int(text["intermediate_size"]),
-                       vocab=int(text.get("vocab_size") or cfg["vocab_size"]), vision=vision)
+            return cls.of(ModelShape.from_dict(cfg))
         except KeyError as e:
             raise ValueError(f"config.json of model_type {model_type!r} has no {e.args[0]!r}") from None
+
+    @classmethod
+    def of(cls, shape: ModelShape) -> "FlopsShape":
+        return cls(**{f.name: getattr(shape, f.name) for f in fields(shape)})
 
     # ------------------------------------------------------------------ per token
     def linear_macs_per_token(self) -> int:
@@ -175,22 +114,3 @@ class FlopsShape:
     def batch_training_flops(self, prompt_lens: Sequence[int], response_lens: Sequence[int],
                              lora: bool = False) -> int:
         return sum(self.training_flops(p, r, lora=lora) for p, r in zip(prompt_lens, response_lens))
-
-
-def _vision_shape(model_type: str, v: dict[str, Any], text_hidden: int) -> VisionFlopsShape:
-    common = dict(patch=v.get("patch_size", 14), temporal_patch=v.get("temporal_patch_size", 2),
-                  merge=v.get("spatial_merge_size", 2), in_chans=v.get("in_chans", v.get("in_channels", 3)))
-    if model_type == "qwen2_vl":
-        # qwen2_vl's vision_config.hidden_size is the merger's output (the language model's width)
-        e = v.get("embed_dim", 1280)
-        return VisionFlopsShape(model_type, v["depth"], e, int(e * v.get("mlp_ratio", 4)),
-                                v.get("hidden_size", text_hidden), **common)
-    if model_type == "qwen3_vl":
-        return VisionFlopsShape(model_type, v["depth"], v["hidden_size"], v["intermediate_size"],
-                                v.get("out_hidden_size", text_hidden), **common,
-                                mergers=1 + len(v.get("deepstack_visual_indexes", [])))
-    window = v.get("window_size")
-    return VisionFlopsShape(model_type, v["depth"], v["hidden_size"], v["intermediate_size"],
-                            v.get("out_hidden_size", text_hidden), **common,
-                            window_patches=(window // common["patch"]) ** 2 if window else None,
-                            full_attention_blocks=len(v.get("fullatt_block_indexes", [])))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fitrl.models.tiny_vl import VisionSpec
+    from fitrl.models.tiny_vl import TinyVisionArch
 
 MAX_POSITION_EMBEDDINGS = 2048
 ROPE_PARAMETERS = {"rope_type": "default", "rope_theta": 10000.0}
@@ -54,7 +54,7 @@ class ArchSpec:
     add_bos: bool  # whether plain ``tokenizer(text)`` prepends the BOS
     pretokenizer: str  # "qwen2": Qwen2's own split regex; "digits": Digits(individual) + ByteLevel regex
     tokenizer_class: str  # written to tokenizer_config.json: the class AutoTokenizer really loads
-    vision: "VisionSpec | None" = None  # vision-language archs only (VL_ARCHS)
+    vision: "TinyVisionArch | None" = None  # vision-language archs only (VL_ARCHS)
 
 
 ARCHS: dict[str, ArchSpec] = {

@@ -53,7 +53,10 @@ _CHATML_VL_TEMPLATE = _CHATML_TEMPLATE.replace(_CONTENT, _VL_CONTENT)
 
 
 @dataclass(frozen=True)
-class VisionSpec:
+class TinyVisionArch:
+    """How a tiny vision-language arch is built (its processor, tower config, multimodal rope); the
+    vision side of a real model directory, as the data path reads it, is fitrl/data/vision.py's VisionSpec."""
+
     processor_class: str  # the transformers processor AutoProcessor builds for this model_type
     video_processor: str  # its video processor class (torchvision only, in transformers 5.23)
     patch_size: int
@@ -101,7 +104,7 @@ def _mrope_qwen3(half: int) -> list[int]:
     return [half - 2 * hw, hw, hw]
 
 
-def _vl_arch(config_class: str, model_class: str, vision: VisionSpec) -> ArchSpec:
+def _vl_arch(config_class: str, model_class: str, vision: TinyVisionArch) -> ArchSpec:
     qwen2 = ARCHS["qwen2"]
     return ArchSpec(
         config_class=config_class,
@@ -119,15 +122,15 @@ def _vl_arch(config_class: str, model_class: str, vision: VisionSpec) -> ArchSpe
 
 
 VL_ARCHS: dict[str, ArchSpec] = {
-    "qwen2_vl": _vl_arch("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", VisionSpec(
+    "qwen2_vl": _vl_arch("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", TinyVisionArch(
         processor_class="Qwen2VLProcessor", video_processor="Qwen2VLVideoProcessor", patch_size=14,
         image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD, size_keys="pixels",
         vision_config=_qwen2_vl_vision, mrope_section=_mrope_qwen2)),
-    "qwen2_5_vl": _vl_arch("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", VisionSpec(
+    "qwen2_5_vl": _vl_arch("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TinyVisionArch(
         processor_class="Qwen2_5_VLProcessor", video_processor="Qwen2VLVideoProcessor", patch_size=14,
         image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD, size_keys="pixels",
         vision_config=_qwen2_5_vl_vision, mrope_section=_mrope_qwen2)),
-    "qwen3_vl": _vl_arch("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", VisionSpec(
+    "qwen3_vl": _vl_arch("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TinyVisionArch(
         processor_class="Qwen3VLProcessor", video_processor="Qwen3VLVideoProcessor", patch_size=16,
         image_mean=HALF, image_std=HALF, size_keys="size",
         vision_config=_qwen3_vl_vision, mrope_section=_mrope_qwen3, rope_extra={"mrope_interleaved": True},

@@ -10,8 +10,7 @@ Standard library only at import (the CLI builds its parser from modules that imp
 
 from __future__ import annotations
 
-VISION_LANGUAGE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
-"""``model_type`` values fitrl runs as vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
+from fitrl.core.model_types import VISION_LANGUAGE_TYPES  # noqa: F401  (the one table: fitrl/core/model_types.py)
 
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 """The image processor's config (patch and merge size, mean/std, pixel budget): a VL directory needs it."""

@@ -10,7 +10,7 @@ import torch (``fitrl --help`` imports it through :mod:`.cli`).
 """
 
 from fitrl.memory.model import PHASES, Hardware, Plan
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 from fitrl.planner.plan import plan_config
 
 __all__ = ["PHASES", "Hardware", "Plan", "plan_config", "ModelShape"]

@@ -16,7 +16,7 @@ from fitrl.memory.model import Hardware
 from fitrl.planner.plan import plan_config
 from fitrl.planner.recommend import recommend
 from fitrl.planner.report import print_plan
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 from fitrl.models.check import read_model_config
 
 

@@ -18,7 +18,7 @@ from fitrl.memory.model import Hardware, Plan
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.run import Run
 from fitrl.memory.services import driver_and_node_plans
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 from fitrl.memory.trainer import TRANSIENT, rank_plans
 
 

@@ -17,7 +17,7 @@ from fitrl.memory.change import Change
 from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner, unused_engine_emulation
 from fitrl.memory.model import PHASES, Hardware, ProcessPlan, Usage
 from fitrl.memory.run import Run
-from fitrl.memory.shapes import numel
+from fitrl.models.shape import numel
 from fitrl.memory.states import DTYPE_BYTES, full_weights
 from fitrl.rollout.vllm_build import CPU_KV_CACHE
 from fitrl.rollout.vllm_engine import PUSH_BUCKET_BYTES

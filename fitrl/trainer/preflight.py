@@ -40,7 +40,7 @@ from fitrl.memory.model import Hardware, Plan
 from fitrl.planner.plan import plan_config
 from fitrl.planner.recommend import as_overrides, recommend
 from fitrl.planner.report import print_plan
-from fitrl.memory.shapes import ModelShape
+from fitrl.models.shape import ModelShape
 from fitrl.telemetry.memory import node_total_bytes
 
 log = logging.getLogger(__name__)

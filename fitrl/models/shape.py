@@ -20,10 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-DECODERS = ("qwen2", "qwen3", "llama", "mistral")
-VISION_DECODER = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
-"""Vision-language model types and the decoder family of their language model."""
-VISION = tuple(VISION_DECODER)
+from fitrl.core.model_types import DECODER_TYPES as DECODERS, VISION_LANGUAGE_NAMES as VISION, decoder_family
 MAX_ASPECT_RATIO = 200
 """The Qwen-VL processors refuse an image whose long side is more than 200 times its short side."""
 
@@ -41,6 +38,31 @@ class VisionShape:
     in_chans: int = 3
     positions: int = 0    # qwen3_vl: learned position embeddings (num_position_embeddings)
     deepstack: int = 0    # qwen3_vl: deepstack mergers (len(deepstack_visual_indexes))
+    window_patches: Optional[int] = None  # qwen2_5_vl: patches per attention window ((window_size / patch)^2)
+    full_attention_blocks: int = 0        # qwen2_5_vl: blocks attending over the whole image (fullatt_block_indexes)
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.kind == "qwen2_5_vl"
+
+    def forward_flops(self, patches: int) -> int:
+        """Forward FLOPs (fitrl/models/flops.py, the formula) of the tower over one image (or video) of ``patches`` patches, merger
+        included. Attention is non-causal within an image: each patch attends all of them
+        (or its window's)."""
+        e, i, m2 = self.hidden, self.intermediate, self.merge ** 2
+        embed = self.in_chans * self.temporal_patch * self.patch * self.patch * e  # Conv3d = a linear per patch
+        block_linear = 3 * e * e + e * e + (3 if self.gated_mlp else 2) * e * i  # qkv, proj, MLP
+        if self.window_patches is None:
+            attended = [patches] * self.depth
+        else:
+            window = min(patches, self.window_patches)
+            full = min(self.full_attention_blocks, self.depth)
+            attended = [patches] * full + [window] * (self.depth - full)
+        attention = sum(2 * a * e for a in attended)  # Q.K^T and A.V: a keys x e per patch
+        merged = patches // m2
+        merger = (e * m2) * (e * m2) + (e * m2) * self.out_hidden
+        macs = patches * (embed + self.depth * block_linear) + patches * attention + (1 + self.deepstack) * merged * merger
+        return 2 * macs
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         e, i, m2 = self.hidden, self.intermediate, self.hidden * self.merge**2
@@ -199,11 +221,14 @@ class ModelShape:
                                      v.get("in_channels", 3), v.get("num_position_embeddings", 2304),
                                      len(v.get("deepstack_visual_indexes", (8, 16, 24))))
             else:
+                window, patch = v.get("window_size"), v.get("patch_size", 14)
                 vision = VisionShape(mt, v["depth"], v["hidden_size"], v["intermediate_size"],
-                                     v.get("out_hidden_size", h), v.get("patch_size", 14),
+                                     v.get("out_hidden_size", h), patch,
                                      v.get("temporal_patch_size", 2), v.get("spatial_merge_size", 2),
-                                     v.get("in_chans", v.get("in_channels", 3)))
-        family = VISION_DECODER.get(mt, mt)
+                                     v.get("in_chans", v.get("in_channels", 3)),
+                                     window_patches=(window // patch) ** 2 if window else None,
+                                     full_attention_blocks=len(v.get("fullatt_block_indexes", [])))
+        family = decoder_family(mt)
         return cls(
             model_type=mt, hidden=h, layers=text["num_hidden_layers"], heads=heads,
             kv_heads=text.get("num_key_value_heads") or heads,
@@ -285,7 +310,7 @@ class ModelShape:
 
     def text_config(self, layers: Optional[int] = None) -> dict[str, Any]:
         """A plain decoder config of the same text shape (for tracing; ``layers`` overrides the depth)."""
-        family = VISION_DECODER.get(self.model_type, self.model_type)
+        family = decoder_family(self.model_type)
         return dict(model_type=family, hidden_size=self.hidden, num_hidden_layers=layers or self.layers,
                     num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
                     intermediate_size=self.intermediate, vocab_size=self.vocab, tie_word_embeddings=self.tied,

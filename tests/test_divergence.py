@@ -130,10 +130,18 @@ def test_bad_settings_are_config_errors(bad):
 
 
 def test_vocab_size_from_config_json(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 512}')
+    """Read through the model's one description (fitrl/models/shape.py), any dense model type."""
+    import json
+
+    text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **text, "vocab_size": 512}))
     assert vocab_size(str(tmp_path)) == 512
-    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}, "vocab_size": null}')
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {
+        "depth": 1, "hidden_size": 32, "intermediate_size": 64}, "text_config": {**text, "vocab_size": 151936},
+        "vocab_size": None}))
     assert vocab_size(str(tmp_path)) == 151936
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", **text, "vocab_size": 320}))
+    assert vocab_size(str(tmp_path)) == 320
     (tmp_path / "config.json").write_text("{")
     assert vocab_size(str(tmp_path)) is None
     assert vocab_size(str(tmp_path / "nowhere")) is None

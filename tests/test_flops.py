@@ -248,31 +248,62 @@ def test_step_perf_counts_the_vision_tower_over_each_sequences_images(tmp_path, 
     assert m["perf/step_flops"] == pytest.approx(2 * (text + vision) + 3 * text + factor * vision)
 
 
-def test_step_perf_counts_a_shared_prompt_once(tiny_model_dir):
-    """Micro-batches of 2 consecutive rows over two prompts with 3 samples each (rows 0-2, 3-5):
-    the shared-prompt forward runs prompts of rows 0, 2, 3, 4 and skips the copies in rows 1 and
-    5; the decode loop (micro-batch 4) prefills rows 0, 3, 4 and skips 1, 2, 5."""
+def test_step_perf_subtracts_the_prompt_copies_the_passes_skipped(tiny_model_dir):
+    """Two prompts with 3 samples each (rows 0-2, 3-5). The passes report what they skipped
+    (fitrl/ops/sharing.py): here the log-prob and update passes skipped rows 1 and 5's prompts
+    (micro-batches of 2) and the decode loop's prefill rows 1, 2 and 5 (micro-batch 4)."""
     from fitrl.trainer.perf import StepPerf
 
     prompts, responses = [4, 4, 4, 2, 2, 2], [3, 1, 2, 2, 3, 1]
     batch = _rollout_batch(prompts, responses)
-    batch.fields["uid"] = ["a", "a", "a", "b", "b", "b"]
     shape = FlopsShape.from_config(TINY)
     times = {"rollout": 0.5, "old_logprob": 0.25, "update": 1.0}
-
-    def run(share: str):
-        cfg = toy_config(tiny_model_dir, "unused", "trainer.peak_flops=1e9", "rollout.n=3",
-                         "actor.micro_batch_size=2", "actor.logprob_micro_batch_size=2", "rollout.micro_batch_size=4",
-                         "algorithm.fold_old_logprob=false", f"actor.share_prompts={share}")
-        return StepPerf(cfg).metrics(batch, {"rollout": [(prompts, responses)]}, times)
-
-    plain, shared = run("false"), run("true")
+    cfg = toy_config(tiny_model_dir, "unused", "trainer.peak_flops=1e9", "rollout.n=3", "actor.micro_batch_size=2",
+                     "actor.logprob_micro_batch_size=2", "algorithm.fold_old_logprob=false", "actor.ppo_epochs=2")
+    perf = StepPerf(cfg)
+    plain = perf.metrics(batch, {"rollout": [(prompts, responses)]}, times)
+    skipped = {"rollout": [4, 4, 2], "old_logprob": [4, 2], "update": [4, 2, 4, 2], "validation": [9]}
+    shared = perf.metrics(batch, {"rollout": [(prompts, responses)]}, times, skipped)
     forward = sum(shape.forward_flops(p, r) for p, r in zip(prompts, responses))
-    skipped = shape.forward_flops(4, 0) + shape.forward_flops(2, 0)  # rows 1 and 5
-    prefill_skipped = 2 * shape.forward_flops(4, 0) + shape.forward_flops(2, 0)  # rows 1, 2 and 5
     assert plain["perf/logprob_mfu"] == pytest.approx(forward / 0.25 / 1e9)
-    assert shared["perf/logprob_mfu"] == pytest.approx((forward - skipped) / 0.25 / 1e9)
-    assert shared["perf/update_mfu"] == pytest.approx(3 * (forward - skipped) / 1.0 / 1e9)
-    assert shared["perf/rollout_mfu"] == pytest.approx((forward - prefill_skipped) / 0.5 / 1e9)
-    assert plain["perf/rollout_mfu"] == shared["perf/rollout_mfu"]  # the loop's prefill shares either way
+    assert shared["perf/logprob_mfu"] == pytest.approx((forward - shape.forward_flops(4, 0) - shape.forward_flops(2, 0))
+                                                       / 0.25 / 1e9)
+    # two epochs, each skipping rows 1 and 5: every skipped copy is reported, none multiplied
+    update = 2 * 3 * forward - 2 * (shape.training_flops(4, 0) + shape.training_flops(2, 0))
+    assert shared["perf/update_mfu"] == pytest.approx(update / 1.0 / 1e9)
+    prefill = 2 * shape.forward_flops(4, 0) + shape.forward_flops(2, 0)
+    assert shared["perf/rollout_mfu"] == pytest.approx((forward - prefill) / 0.5 / 1e9)
     assert shared["perf/update_tokens_per_s"] == plain["perf/update_tokens_per_s"]  # the user's tokens
+
+
+def test_shared_passes_report_the_prompt_copies_they_skip(tiny_model_dir):
+    """The real passes: a shared-prompt log-prob forward and the decode loop's prefill record the
+    prompt lengths of the rows whose prompt another row ran, under the phase they run in; a plain
+    forward, or one outside any phase, records nothing."""
+    from fitrl.config.schema import FSDPConfig, ModelConfig, SamplingConfig
+    from fitrl.data.batch import Batch
+    from fitrl.models.loading import build_model, load_tokenizer
+    from fitrl.ops.logprob import response_logprobs
+    from fitrl.ops.sharing import SKIPPED_PROMPTS
+    from fitrl.rollout.hf import HFRollout
+
+    mcfg = ModelConfig(path=str(tiny_model_dir))
+    tok = load_tokenizer(mcfg)
+    model = build_model("causal_lm", mcfg, FSDPConfig(), torch.device("cpu"))
+    texts = ["What is 1 + 2?", "What is 7 + 5? Answer with a number."]
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False),
+               add_special_tokens=False)["input_ids"] for t in texts]
+    SKIPPED_PROMPTS.drain()
+    engine = HFRollout(model, tok, micro_batch_size=4, decode="loop")
+    with SKIPPED_PROMPTS.during("rollout"):  # 2 prompts x 3 samples, micro-batches of 4: rows 0-3, 4-5
+        out = engine.generate(Batch(fields={"prompt_ids": ids}), SamplingConfig(n=3, max_tokens=4))
+    # micro-batch 1 holds prompt 0 three times and prompt 1 once; micro-batch 2 prompt 1 twice
+    assert SKIPPED_PROMPTS.drain() == {"rollout": [len(ids[0]), len(ids[0]), len(ids[1])]}
+    P = out["input_ids"].shape[1] - out["response_mask"].shape[1]
+    args = (out["input_ids"], out["attention_mask"], out["position_ids"], out["response_mask"].shape[1])
+    with SKIPPED_PROMPTS.during("old_logprob"):
+        response_logprobs(model, *args, share_prompts=True)
+        response_logprobs(model, *args, share_prompts=False)
+    assert SKIPPED_PROMPTS.drain() == {"old_logprob": [len(ids[0])] * 2 + [len(ids[1])] * 2}
+    response_logprobs(model, *args, share_prompts=True)  # outside a phase: not kept
+    assert SKIPPED_PROMPTS.drain() == {} and P >= len(ids[1])

@@ -29,6 +29,8 @@ def test_each_rank_reports_its_phases(ray_cluster, tiny_model_dir, tmp_path):
     assert rec["mem/driver/reward/host_rss_gib"] > 0  # the driver's own phases
     assert "mem/driver/update/host_rss_gib" in rec    # it waits through the ranks' update
     assert rec["mem/leak_warnings"] == 0
+    # the step's FLOPs, with the prompt copies each rank's prefill skipped collected from the ranks
+    assert rec["perf/step_flops"] > 0 and rec["perf/rollout_mfu"] > 0
 
 
 def test_guard_in_the_ranks_stops_all_of_them_together(ray_cluster, tiny_model_dir, tmp_path, monkeypatch):

@@ -62,3 +62,12 @@ def test_every_model_type_has_a_family_and_vision_language_ones_a_vision_spec(mo
     assert family_for(tmp_path) is (QWEN_VL if vl else CAUSAL_LM)
     assert auto_class_name(model_type) == ("AutoModelForImageTextToText" if vl else "AutoModelForCausalLM")
     assert (model_type in VL_MODEL_TYPES) == vl
+
+
+def test_a_dense_model_type_outside_the_table_still_has_flops_but_no_plan():
+    """transformers runs text decoders fitrl's table does not list (models/check.py accepts them):
+    their MFU is still logged; the memory plan, which lists every tensor, refuses them in one line."""
+    cfg = {**TEXT, "model_type": "phi3"}
+    assert FlopsShape.from_config(cfg).forward_flops(4, 4) == FlopsShape.from_config(config("llama")).forward_flops(4, 4)
+    with pytest.raises(ValueError, match="not modelled by the planner"):
+        ModelShape.from_dict(cfg)

@@ -57,9 +57,14 @@ class FlopsShape(ModelShape):
             raise ValueError(f"model_type {model_type!r} is a mixture of experts ({experts[0]}="
                              f"{text[experts[0]]}); the FLOPs formula is for dense decoders")
         try:
-            return cls.of(ModelShape.from_dict(cfg))
+            return cls.of(ModelShape.from_dict(cfg, strict=False))  # transformers may run types the planner does not
         except KeyError as e:
             raise ValueError(f"config.json of model_type {model_type!r} has no {e.args[0]!r}") from None
+
+    @classmethod
+    def from_path(cls, path) -> "FlopsShape":
+        """From a model directory (or its ``config.json``)."""
+        return cls.from_config(ModelShape.read_config(path))
 
     @classmethod
     def of(cls, shape: ModelShape) -> "FlopsShape":

@@ -191,19 +191,26 @@ class ModelShape:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_path(cls, path: str | Path) -> "ModelShape":
+    def from_path(cls, path: str | Path, strict: bool = True) -> "ModelShape":
         """From a model directory (only its ``config.json`` is read) or a ``config.json`` file."""
+        return cls.from_dict(cls.read_config(path), strict=strict)
+
+    @staticmethod
+    def read_config(path: str | Path) -> dict[str, Any]:
+        """The ``config.json`` of a model directory (or that file itself), as a dict."""
         p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        return cls.from_dict(json.loads(p.read_text()))
+        return json.loads((p / "config.json" if p.is_dir() else p).read_text())
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelShape":
+    def from_dict(cls, cfg: dict[str, Any], strict: bool = True) -> "ModelShape":
+        """``strict``: a model type outside fitrl/core/model_types.py is a ValueError (the memory
+        plan lists each tensor: it must know the family); otherwise it is read as a plain dense
+        decoder (its text config's dimensions, no vision tower), as far as the FLOPs need."""
         mt = cfg.get("model_type", "")
-        text = cfg.get("text_config") or cfg if mt in VISION else cfg
-        if mt not in DECODERS + VISION:
+        known = mt in DECODERS + VISION
+        if not known and strict:
             raise ValueError(f"model_type {mt!r} is not modelled by the planner; known: {', '.join(DECODERS + VISION)}")
+        text = cfg.get("text_config") or cfg if mt in VISION or not known else cfg
         h, heads = text["hidden_size"], text["num_attention_heads"]
         vision = None
         if mt in VISION:

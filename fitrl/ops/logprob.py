@@ -205,6 +205,7 @@ def response_logprobs(
     if share_prompts and can_share(model, position_ids, model_kwargs):
         groups = find_prompt_groups(input_ids, attention_mask, input_ids.shape[1] - response_length)
     if groups is not None and groups.shared:
+        groups.record_skipped(attention_mask, input_ids.shape[1] - response_length)
         out = shared_prompt_forward(model, head, chunked_head, input_ids, attention_mask, position_ids,
                                     response_length, groups)  # (B, R, 2)
     else:

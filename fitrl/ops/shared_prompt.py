@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from fitrl.core.padding import model_positions
-from fitrl.ops.sharing import full_attention
+from fitrl.ops.sharing import SKIPPED_PROMPTS, full_attention
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,13 @@ class PromptGroups:
     def shared(self) -> bool:
         """Does any prompt occur twice (else the split forward only adds work)?"""
         return self.rows.numel() < self.inverse.numel()
+
+    def record_skipped(self, attention_mask: torch.Tensor, prompt_len: int) -> None:
+        """Note the prompt copies a pass sharing these groups does not run (their token counts:
+        one host sync per micro-batch, after ``find_prompt_groups``' own) for ``perf/*``."""
+        skipped = torch.ones(self.inverse.numel(), dtype=torch.bool, device=self.inverse.device)
+        skipped[self.rows] = False
+        SKIPPED_PROMPTS.record(attention_mask[skipped, :prompt_len].sum(-1).tolist())
 
 
 def find_prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> PromptGroups:

@@ -195,6 +195,7 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     logits = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=positions[first],
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     if groups.shared:
+        groups.record_skipped(attention_mask, P)
         _keep_rows(cache, groups.inverse)
         logits = logits.index_select(0, groups.inverse)
     for t in range(T):

@@ -93,13 +93,6 @@ class RolloutEngine(ABC):
         """The engine's own figures of the last step (e.g. ``perf/weight_push_s``)."""
         return {}
 
-    @classmethod
-    def prefills_shared_prompts(cls, cfg: RolloutConfig, model_config: dict) -> bool:
-        """Does a generate call run each prompt once for the rows of a micro-batch that share it
-        (a GRPO group's n samples)? ``perf/*`` then counts one prefill per prompt and micro-batch
-        (fitrl/trainer/perf.py). ``model_config``: the policy's ``config.json``."""
-        return False
-
 
 def build_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, *,
                  inputs: ModelInputs = TEXT_INPUTS, context: EngineContext = EngineContext()) -> RolloutEngine:

@@ -22,12 +22,11 @@ from typing import Optional
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from fitrl.config.schema import RolloutConfig, SamplingConfig
+from fitrl.config.schema import SamplingConfig
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import gathered_for_generation
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
-from fitrl.ops.sharing import full_attention
 from fitrl.rollout.decode import decode_loop, loop_unsupported, raise_if_nonfinite, sample_step
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
@@ -97,12 +96,6 @@ class HFRollout(RolloutEngine):
         # generate() fills every unset field from model.generation_config and then from HF's
         # global defaults (top_k=50): replace the checkpoint's and pass neutral values below.
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
-
-    @classmethod
-    def prefills_shared_prompts(cls, cfg: RolloutConfig, model_config: dict) -> bool:
-        # the decode loop prefills each distinct prompt once (fitrl/rollout/decode.py); it runs for
-        # text models with full attention only (loop_unsupported), else generate prefills every row
-        return cfg.decode == "loop" and "vision_config" not in model_config and full_attention(model_config)
 
     @classmethod
     def from_config(cls, model, tokenizer, cfg, *, inputs=TEXT_INPUTS, context=None) -> "HFRollout":

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from fitrl.ops.sharing import SKIPPED_PROMPTS
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.phases import RECORDER, in_phase
 
@@ -45,7 +46,7 @@ class PhaseTimer:
         self.mutated |= mutating
         start = time.perf_counter()
         try:
-            with in_phase(name), RECORDER.phase(name):
+            with in_phase(name), RECORDER.phase(name), SKIPPED_PROMPTS.during(name):
                 yield
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # otherwise GPU work is billed to whichever phase syncs next

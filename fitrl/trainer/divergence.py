@@ -25,12 +25,11 @@ steps).
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Optional
 
 from fitrl.config.run import DivergenceConfig
+from fitrl.models.shape import ModelShape
 
 # (metric, what it is): a NaN or infinity in any of them stops the run at once. Ordered by
 # cause: a broken reward makes every later number NaN, so the first one found is named.
@@ -125,8 +124,7 @@ def vocab_size(model_dir: str) -> Optional[int]:
     """The output vocabulary of a model directory's ``config.json`` (the text model's, for a
     vision-language one); None when it cannot be read (the saturation signal is then off)."""
     try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        value = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+        value = ModelShape.from_path(model_dir, strict=False).vocab
         return int(value) if value else None
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
         return None

@@ -33,7 +33,7 @@ from fitrl.trainer.collect import RolloutCollector, group_index, prompts_batch
 from fitrl.trainer.divergence import DivergenceJudge, vocab_size
 from fitrl.trainer.logging import format_step_line, make_progress
 from fitrl.trainer.memory_watch import MemoryWatch
-from fitrl.trainer.perf import StepPerf
+from fitrl.trainer.perf import StepPerf, skipped_prompts
 from fitrl.trainer.run_log import RunLog
 from fitrl.trainer.signals import SIGNALS, signal_name, why_not_save
 from fitrl.trainer.validation import ValidationSplits, summary as validation_summary
@@ -310,7 +310,9 @@ class RLTrainer:
                 metrics.update(self.policy.update(batch))
         metrics.update(self.step_metrics(batch, mask, stats))
         metrics.update(timer.metrics())
-        metrics.update(self.perf.metrics(batch, stats.generated, timer.times))
+        # the prompt copies the passes skipped: the driver's and, under Ray, every rank's
+        groups = [h.group for h in self.memory.roles.values()] if self.memory.remote else []
+        metrics.update(self.perf.metrics(batch, stats.generated, timer.times, skipped_prompts(groups)))
         metrics.update(host_memory())
         return metrics
 

@@ -14,26 +14,24 @@ policy's ``config.json`` (:mod:`fitrl.models.flops`), the device peak from
   x peak x devices). The critic's phases take time but their FLOPs are not counted. A
   vision-language model's tower is counted over each sequence's image patches.
 
-FLOPs are those the phases run: where a forward runs a prompt once for the rows of a micro-batch
+FLOPs are those the phases ran: where a forward ran a prompt once for the rows of a micro-batch
 that share it (``actor.share_prompts`` in the log-prob and update passes, the HF engine's decode
-loop in its prefill: fitrl/ops/shared_prompt.py), the other copies are not counted
-(:func:`fitrl.ops.sharing.copies_saved` over the phase's micro-batches of consecutive rows).
-Tokens/s count every sequence's tokens (the work done for the user).
+loop in its prefill: fitrl/ops/shared_prompt.py), the passes report the copies they skipped
+(:data:`fitrl.ops.sharing.SKIPPED_PROMPTS`, per process and phase, collected from every rank:
+:func:`skipped_prompts`) and their FLOPs are not counted. Tokens/s count every sequence's tokens
+(the work done for the user).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.models.flops import FlopsShape
-from fitrl.ops.sharing import copies_saved, full_attention
-from fitrl.rollout import ROLLOUT_ENGINES
+from fitrl.ops.sharing import SKIPPED_PROMPTS, merge_skipped
 from fitrl.telemetry.perf import device_peak_flops, mfu
 
 log = logging.getLogger("fitrl.trainer")
@@ -69,39 +67,25 @@ def compute_dtype(cfg: FitrlConfig) -> str:
     return cfg.actor.model.dtype
 
 
-def load_flops_shape(model_path: str) -> tuple[Optional[FlopsShape], str, dict]:
-    """(shape, why there is none, the ``config.json``)."""
+def load_flops_shape(model_path: str) -> tuple[Optional[FlopsShape], str]:
+    """(shape, why there is none)."""
     try:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-        return FlopsShape.from_config(raw), "", raw
+        return FlopsShape.from_path(model_path), ""
     except (OSError, ValueError) as e:
-        return None, str(e), {}
+        return None, str(e)
 
 
-def shared_micro_sizes(cfg: FitrlConfig, raw: dict) -> dict[str, int]:
-    """Pass -> micro-batch size of the passes whose forward shares prompts (see the module
-    docstring); a pass missing runs every row's prompt: under Ray's ranks (the shards scatter a
-    prompt's samples, fitrl/data/balance.py), with micro-batches by tokens (grouped by length),
-    sliding-window attention, and in a checkpointed or shuffled update."""
-    a, r = cfg.actor, cfg.rollout
-    sizes = {}
-    if ROLLOUT_ENGINES.get(r.engine).prefills_shared_prompts(r, raw):  # the engine's own answer
-        sizes["rollout"] = r.micro_batch_size
-    if not a.share_prompts or cfg.world_size > 1 or a.micro_batch_token_budget or not full_attention(raw):
-        return sizes
-    sizes.update(old_logprob=a.logprob_micro_batch_size, ref=cfg.ref.logprob_micro_batch_size)
-    if not (a.model.gradient_checkpointing or a.shuffle_mini_batches):
-        sizes["update"] = a.micro_batch_size
-    return sizes
+def skipped_prompts(groups: Iterable) -> dict[str, list[int]]:
+    """Phase -> prompt lengths of the copies the step's passes skipped: this process's own and,
+    under Ray, every rank's of ``groups`` (each role's worker group)."""
+    return merge_skipped([SKIPPED_PROMPTS.drain(), *(r for g in groups for r in g.skipped_prompts())])
 
 
 class StepPerf:
     """``perf/*`` metrics of a step from its batch, the sequences generated and the phase times."""
 
     def __init__(self, cfg: FitrlConfig):
-        self.shape, why, raw = load_flops_shape(cfg.actor.model.path)
-        self.shared = shared_micro_sizes(cfg, raw)
-        self.n = cfg.rollout.n
+        self.shape, why = load_flops_shape(cfg.actor.model.path)
         if self.shape is None:
             log.warning("perf/mfu not logged: no FLOPs formula for %s (%s)", cfg.actor.model.path, why)
         self.lora = cfg.actor.lora.enabled
@@ -126,9 +110,11 @@ class StepPerf:
                     log.warning("perf/mfu not logged: %s", self.peak_source)
         return self._peak
 
-    def metrics(self, batch: Batch, generated: dict[str, list[Lengths]], times: dict[str, float]) -> dict[str, float]:
+    def metrics(self, batch: Batch, generated: dict[str, list[Lengths]], times: dict[str, float],
+                skipped: Optional[dict[str, list[int]]] = None) -> dict[str, float]:
         """``generated``: phase name (``rollout``, ``baseline_rollout``) -> lengths of each
-        generate call's sequences; ``times``: seconds per phase (PhaseTimer.times)."""
+        generate call's sequences; ``times``: seconds per phase (PhaseTimer.times); ``skipped``:
+        phase -> prompt lengths of the copies its passes did not run (:func:`skipped_prompts`)."""
         prompt, response = sequence_lengths(batch)
         tokens = sum(prompt) + sum(response)
         step_time = sum(times.values())
@@ -151,14 +137,19 @@ class StepPerf:
             return m
 
         forward = self.shape.batch_forward_flops(prompt, response)
-        saved = self._saved_prompts(batch, prompt)  # pass -> forward FLOPs of the prompt copies not run
+        skipped = skipped or {}
+
+        def saved(phase: str, training: bool = False) -> int:  # the prompt copies the phase's passes did not run
+            if training:
+                return sum(self.shape.training_flops(p, 0, lora=self.lora) for p in skipped.get(phase, ()))
+            return sum(self.shape.forward_flops(p, 0) for p in skipped.get(phase, ()))
+
         passes = [p for p, on in (("old_logprob", self.recompute_old_logprob), ("ref", "ref" in times)) if on]
         phase_flops = {
-            "rollout": sum(self.shape.batch_forward_flops(p, r) - self._saved_in_rollout(p) for p, r in rollout),
-            "logprob": sum(forward - saved.get(p, 0) for p in passes),
-            "update": (self.ppo_epochs * (self.shape.batch_training_flops(prompt, response, lora=self.lora)
-                                          - saved.get("update", 0))
-                       if "update" in times else 0),
+            "rollout": sum(self.shape.batch_forward_flops(p, r) for p, r in rollout) - saved("rollout"),
+            "logprob": sum(forward - saved(p) for p in passes),
+            "update": (self.ppo_epochs * self.shape.batch_training_flops(prompt, response, lora=self.lora)
+                       - saved("update", training=True) if "update" in times else 0),
         }
         # a VL model's tower encodes every sequence's images in each pass (the rollout too: the n
         # samples of a prompt are generated as n sequences). In the update: frozen, forward only
@@ -185,31 +176,3 @@ class StepPerf:
             if flops and phase_time[phase] > 0:
                 m[f"perf/{phase}_mfu"] = mfu(flops, phase_time[phase], peak, self.devices)
         return m
-
-    def _saved_prompts(self, batch: Batch, prompt: list[int]) -> dict[str, int]:
-        """Pass -> FLOPs of the prompt copies its shared-prompt forward did not run (a prompt's
-        tokens see only the prompt: its part of a sequence's FLOPs is the prompt's alone)."""
-        if "uid" not in batch or any(image_patches(batch)):
-            return {}
-        ids: dict = {}
-        inverse = [ids.setdefault(u, len(ids)) for u in batch["uid"]]
-        out = {}
-        for name, size in self.shared.items():
-            rows = copies_saved(inverse, size)
-            if name == "update":
-                out[name] = sum(self.shape.training_flops(prompt[r], 0, lora=self.lora) for r in rows)
-            elif name != "rollout":
-                out[name] = sum(self.shape.forward_flops(prompt[r], 0) for r in rows)
-        return out
-
-    def _saved_in_rollout(self, prompt: list[int]) -> int:
-        """A generate call's sequences come as runs of ``rollout.n`` samples of one prompt (taken
-        as one where their prompt lengths agree); the decode loop prefills each once per micro-batch."""
-        if "rollout" not in self.shared or self.n < 2:
-            return 0
-        inverse, group = [], -1
-        for i, p in enumerate(prompt):
-            if i % self.n == 0 or p != prompt[i - 1]:
-                group += 1
-            inverse.append(group)
-        return sum(self.shape.forward_flops(prompt[r], 0) for r in copies_saved(inverse, self.shared["rollout"]))

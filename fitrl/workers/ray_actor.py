@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fitrl.distributed.process_group import DistEnv, free_port, init_distributed
+from fitrl.ops.sharing import SKIPPED_PROMPTS
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.phases import RECORDER
 
@@ -62,11 +63,15 @@ class RankActor:
             return getattr(self.worker, method)(*args, **kwargs)
         GUARD.phase = phase
         try:
-            with RECORDER.phase(phase):
+            with RECORDER.phase(phase), SKIPPED_PROMPTS.during(phase):
                 return getattr(self.worker, method)(*args, **kwargs)
         finally:
             GUARD.phase = None
             GUARD.note()  # a crossing no safe point acted on (an update) waits for the step's end
+
+    def skipped_prompts(self) -> dict[str, list[int]]:
+        """The prompt copies this rank's passes did not run since the last call (fitrl/ops/sharing.py)."""
+        return SKIPPED_PROMPTS.drain()
 
     def memory_report(self) -> tuple[dict, Any]:
         """This rank's per-phase memory since the last report, and a guard crossing left to act on."""

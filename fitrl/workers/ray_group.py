@@ -217,6 +217,10 @@ class RayWorkerGroup(WorkerGroup):
         """Per rank: (phase -> PhaseMemory since the last report, a pending guard crossing or None)."""
         return self._collect([a.memory_report.remote() for a in self._actors], "memory_report")
 
+    def skipped_prompts(self) -> list[dict[str, list[int]]]:
+        """Per rank: phase -> the prompt copies its passes did not run since the last call."""
+        return self._collect([a.skipped_prompts.remote() for a in self._actors], "skipped_prompts")
+
     def _collect(self, refs: list, method: str) -> list[Any]:
         """Results in rank order; on the first failure, the cause (see the module docstring)."""
         import ray

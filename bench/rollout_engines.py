@@ -85,7 +85,6 @@ def run_one(args) -> dict:
 
     from fitrl.config import load_config
     from fitrl.roles.workers import PolicyWorker
-    from fitrl.trainer.collect import prompts_batch
     from fitrl.trainer.run import build_datasets
 
     seqs = args.prompts * args.n
@@ -108,7 +107,7 @@ def run_one(args) -> dict:
         assert torch.get_num_threads() == args.threads, torch.get_num_threads()
 
         train, _ = build_datasets(worker.cfg, worker.tokenizer)
-        prompts = prompts_batch(train, [i % len(train) for i in range(args.prompts)], "p")
+        prompts = train.batch([i % len(train) for i in range(args.prompts)], "p")
         sampling = worker.cfg.rollout.sampling()
 
         start = time.perf_counter()

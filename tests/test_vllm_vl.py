@@ -43,7 +43,6 @@ def model_dir(tmp_path_factory):
 def test_logprobs_with_images_equal_the_trainers(arch, tmp_path):
     w = PolicyWorker(shapes_config(vl_model(tmp_path, arch), tmp_path / "run", "rollout.temperature=0.7", "rollout.top_k=20",
                                    "rollout.top_p=0.9", "rollout.max_response_length=8"), rank=0, world_size=1)
-    from fitrl.trainer.collect import prompts_batch
     from fitrl.trainer.run import build_datasets
 
     train, _ = build_datasets(w.cfg, w.tokenizer)
@@ -52,7 +51,7 @@ def test_logprobs_with_images_equal_the_trainers(arch, tmp_path):
     chosen = ([i for i, n in images.items() if n == 2][:4] + [i for i, n in images.items() if n == 1][:8]
               + [i for i, n in images.items() if n == 0][:2])
     assert sorted({images[i] for i in chosen}) == [0, 1, 2]
-    prompts = prompts_batch(train, chosen, "vl")
+    prompts = train.batch(chosen, "vl")
     out = w.generate(prompts, w.cfg.rollout.sampling())
     trainer = w.compute_logprob(out)["old_logprobs"]
     gap = float(((trainer - out["rollout_logprobs"]).abs() * out["response_mask"]).max())
@@ -91,13 +90,12 @@ def test_logprobs_with_videos_equal_the_trainers(arch, tmp_path):
                         "data.video_fps=4", "data.max_frames=4", "data.video_max_pixels=6272", "data.rollout_batch_size=4",
                         "rollout.temperature=0.7", "rollout.max_response_length=8", "rollout.ignore_eos=true")
     w = PolicyWorker(cfg, rank=0, world_size=1)
-    from fitrl.trainer.collect import prompts_batch
     from fitrl.trainer.run import build_datasets
 
     train, _ = build_datasets(w.cfg, w.tokenizer)
     grids = [train.multi_modal_inputs(i).get("video_grid_thw") for i in range(len(train))]
     assert [g.tolist() if g is not None else None for g in grids][:3] == [[[2, 4, 4]], [[2, 4, 4]], [[1, 4, 4]] * 2]
-    out = w.generate(prompts_batch(train, list(range(len(train))), "video"), w.cfg.rollout.sampling())
+    out = w.generate(train.batch(list(range(len(train))), "video"), w.cfg.rollout.sampling())
     trainer = w.compute_logprob(out)["old_logprobs"]
     gap = float(((trainer - out["rollout_logprobs"]).abs() * out["response_mask"]).max())
     assert int(out["response_mask"].sum()) == 4 * 8 * 8 and gap <= 1e-4, gap

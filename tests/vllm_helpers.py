@@ -32,11 +32,10 @@ def vllm_config(model_dir, run_dir, *overrides):
 
 def prompts_from(worker, rows: int, tag: str = "p") -> Batch:
     """The first ``rows`` training prompts (cycled), tokenized as the trainer does."""
-    from fitrl.trainer.collect import prompts_batch
     from fitrl.trainer.run import build_datasets
 
     train, _ = build_datasets(worker.cfg, worker.tokenizer)
-    return prompts_batch(train, [i % len(train) for i in range(rows)], tag)
+    return train.batch([i % len(train) for i in range(rows)], tag)
 
 
 def trainer_logprobs(model, ids: list[int]) -> torch.Tensor:

@@ -23,6 +23,7 @@ import numpy as np
 
 from fitrl.config.roles import DataConfig
 from fitrl.core.errors import DataError
+from fitrl.data.batch import Batch
 from fitrl.data.images import BadImage, load_image
 from fitrl.data.rows import iter_rows, kind_of
 from fitrl.data.vision import (VisionSpec, expand_placeholders, process_images, process_videos, read_row_media,
@@ -294,6 +295,22 @@ class PromptDataset:
         ex = self._examples[i]
         # A copy, so a caller that edits its batch cannot corrupt the dataset for later epochs.
         return {**ex, "prompt_ids": list(ex["prompt_ids"]), "extra": dict(ex["extra"])}
+
+    def batch(self, indices: list[int], tag: str) -> Batch:
+        """The rows ``indices`` as a prompts batch for the rollout: token ids, answers, the text
+        people read in the generation samples, source and extra fields, one ``uid`` per row
+        (``{tag}-{j}``: the n samples of a prompt form one group) and, for a vision-language
+        policy, each prompt's model inputs (pixel values, grids) or None."""
+        rows = [self[i] for i in indices]
+        return Batch(fields={
+            "prompt_ids": [r["prompt_ids"] for r in rows],
+            "answer": [r["answer"] for r in rows],
+            "prompt_text": [r["prompt_text"] for r in rows],
+            "source": [r["source"] for r in rows],
+            "extra": [r["extra"] for r in rows],
+            "uid": [f"{tag}-{j}" for j in range(len(rows))],
+            **({"multi_modal_inputs": [self.multi_modal_inputs(i) for i in indices]} if self.has_vision else {}),
+        })
 
     def summary(self) -> str:
         """One line for the start-up log, e.g. ``train: 80 prompts from 1 file (3 longer than 256

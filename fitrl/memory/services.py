@@ -13,7 +13,7 @@ from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
 
 def driver_images(run: Run, phase: str) -> int:
     """Host bytes of images the driver holds in ``phase`` (in-process, the driver is the trainer's
-    process and this is the only copy). ``prompts_batch`` (fitrl/trainer/collect.py) makes each
+    process and this is the only copy). ``PromptDataset.batch`` (fitrl/data/dataset.py) makes each
     drawn prompt's fp32 ``pixel_values`` (patches, 3 * 2 * p * p), decoding and processing one
     prompt at a time (:meth:`Run.image_processing_bytes`; in one process that transient is over
     before ``generate`` starts, see ``fitrl/planner/plan.py``); the n samples of a prompt share its

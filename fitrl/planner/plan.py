@@ -68,7 +68,7 @@ def _plan(run: Run) -> Plan:
 
 
 def _decoding_before_generate(run: Run, processes: list) -> None:
-    """In one process the driver decodes and processes a phase's prompts (``prompts_batch``, one
+    """In one process the driver decodes and processes a phase's prompts (``PromptDataset.batch``, one
     prompt at a time: :meth:`Run.image_processing_bytes`) and frees that working memory before
     ``generate`` makes its own (a micro-batch's images, the KV cache and activations, and on CPU
     the heap glibc kept from the last update, which both reuse): the phase's peak holds the larger

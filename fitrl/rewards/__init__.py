@@ -6,5 +6,6 @@ arith      the toy arithmetic task's reward
 choice     one-option answers (a word, digit or letter out of a few) with spelling partial credit: the shapes task's reward
 functions  built-in names and ``file.py:fn`` / ``module:fn`` references, signature and result checks
 pool       worker processes with a per-call wall-clock limit (kill and replace on timeout)
-registry   RewardScorer: a batch in, scores and components out, failures counted and logged
+(the role that scores a batch, RewardScorer, is fitrl/roles/reward.py: scores and components out,
+           failures counted and logged)
 """

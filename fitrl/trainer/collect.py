@@ -27,21 +27,6 @@ from fitrl.workers.group import RoleHandle
 
 log = logging.getLogger("fitrl.trainer")
 
-def prompts_batch(dataset: PromptDataset, indices: list[int], tag: str) -> Batch:
-    rows = [dataset[i] for i in indices]
-    return Batch(fields={
-        "prompt_ids": [r["prompt_ids"] for r in rows],
-        "answer": [r["answer"] for r in rows],
-        "prompt_text": [r["prompt_text"] for r in rows],  # for the generation samples people read
-        "source": [r["source"] for r in rows],
-        "extra": [r["extra"] for r in rows],
-        # one uid per prompt draw: the n samples of a prompt form one group
-        "uid": [f"{tag}-{j}" for j in range(len(rows))],
-        # vision-language policies: per prompt its pixel_values/image_grid_thw/... or None
-        **({"multi_modal_inputs": [dataset.multi_modal_inputs(i) for i in indices]} if dataset.has_vision else {}),
-    })
-
-
 def group_index(uids: list[str]) -> torch.Tensor:
     ids: dict[str, int] = {}
     return torch.tensor([ids.setdefault(u, len(ids)) for u in uids], dtype=torch.long)
@@ -111,7 +96,7 @@ class RolloutCollector:
 
     def _one_round(self, step: int, round_: int, timer: PhaseTimer, stats: CollectStats) -> Batch:
         with timer.phase("data"):
-            prompts = prompts_batch(self.data, self.sampler.next_indices(), f"{step}.{round_}")
+            prompts = self.data.batch(self.sampler.next_indices(), f"{step}.{round_}")
         with timer.phase("rollout"):
             batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
         stats.generated.setdefault("rollout", []).append(sequence_lengths(batch))

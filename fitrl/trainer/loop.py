@@ -29,7 +29,7 @@ from fitrl.data.dataset import PromptDataset, PromptSampler
 from fitrl.roles.reward import RewardScorer
 from fitrl.telemetry.memory import host_memory
 from fitrl.telemetry.timer import PhaseTimer
-from fitrl.trainer.collect import RolloutCollector, group_index, prompts_batch
+from fitrl.trainer.collect import RolloutCollector, group_index
 from fitrl.trainer.divergence import DivergenceJudge, vocab_size
 from fitrl.trainer.logging import format_step_line, make_progress
 from fitrl.trainer.memory_watch import MemoryWatch
@@ -358,7 +358,7 @@ class RLTrainer:
         splits = ValidationSplits.from_config(self.cfg)  # by source, @n (fitrl/trainer/validation.py)
         indices = list(range(len(self.val_data)))
         for i in range(0, len(indices), self.cfg.data.val_batch_size):
-            prompts = prompts_batch(self.val_data, indices[i:i + self.cfg.data.val_batch_size], f"val{step}.{i}")
+            prompts = self.val_data.batch(indices[i:i + self.cfg.data.val_batch_size], f"val{step}.{i}")
             out = self.policy.generate(prompts, self.val_sampling)
             scored = self.reward.score(out["response_text"], out["answer"], out["source"], extras=out["extra"])
             self.writer.add_samples(step, "val", out, scored)  # generations.jsonl, tracker tables

@@ -104,8 +104,12 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     import yaml
 
+    from fitrl.config.schema import adjustments
+
     cfg = _load(args.config, args.overrides)
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    for note in adjustments(cfg):  # (stderr: the YAML on stdout stays a config to save)
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,7 @@ def setup(tiny_model_dir):
     return model, batch
 
 
-def update(model, batch, *, micro=8, mode="off", shuffle=True):
+def update(model, batch, *, micro=8, mode="off", shuffle=True, old_logprobs_from="update"):
     """(grads after one update, its metrics); the optimizer step is taken with lr 0."""
     model = copy.deepcopy(model)
     algo = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(mode=mode, cap=1.05))
@@ -33,7 +33,8 @@ def update(model, batch, *, micro=8, mode="off", shuffle=True):
     grads = {}
     hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: grads.__setitem__(n, p.grad.clone()))
              for n, p in model.named_parameters()]
-    metrics = actor.update(batch, sequences_per_mini_batch=len(batch), temperature=1.0)
+    metrics = actor.update(batch, sequences_per_mini_batch=len(batch), temperature=1.0,
+                           old_logprobs_from=old_logprobs_from)
     for h in hooks:
         h.remove()
     return grads, metrics, actor
@@ -46,7 +47,7 @@ def test_folded_update_equals_the_separate_pass(setup, mode):
     passed = actor.compute_logprob(batch, temperature=1.0)["old_logprobs"]  # the pass the fold skips
     with_pass = batch.index(list(range(len(batch)))).update(old_logprobs=passed)
     g_fold, m_fold, _ = update(model, batch, mode=mode)
-    g_pass, m_pass, _ = update(model, with_pass, mode=mode)
+    g_pass, m_pass, _ = update(model, with_pass, mode=mode, old_logprobs_from="batch")
     for name in g_pass:
         torch.testing.assert_close(g_fold[name], g_pass[name], rtol=1e-5, atol=1e-7)
     assert m_fold["actor/clip_frac"] == 0.0  # ratio exactly 1
@@ -70,6 +71,8 @@ def test_more_than_one_optimizer_step_needs_old_logprobs(setup):
     model, batch = setup
     actor = Actor(copy.deepcopy(model), ActorConfig(micro_batch_size=4), AlgorithmConfig(), total_steps=1)
     with pytest.raises(RuntimeError, match="old_logprobs"):
+        actor.update(batch, sequences_per_mini_batch=4, temperature=1.0, old_logprobs_from="update")
+    with pytest.raises(RuntimeError, match="old_logprobs come from 'batch', and the batch has none"):
         actor.update(batch, sequences_per_mini_batch=4, temperature=1.0)
 
 

@@ -170,3 +170,22 @@ def test_run_reports_uss_every_uss_every_steps(tiny_model_dir, tmp_path):
     assert [len(keys) for keys in uss] == [1, 0, 1], uss  # steps 1 and 3, on rank0's last phase
     assert uss[0][0].startswith("mem/rank0/") and steps[0][uss[0][0]] > 0
     assert all("mem/rank0/update/host_rss_gib" in r for r in steps)
+
+
+def test_the_lifetime_peak_survives_the_phases_rewinds():
+    """Each phase rewinds the kernel's RSS high-water mark to read its own peak; the process's
+    lifetime peak (``mem/host_peak_rss_gib``) is kept apart and never decreases (issue 37)."""
+    import numpy as np
+
+    from fitrl.telemetry.memory import host_memory, lifetime_peak_rss_bytes, peak_rss_bytes, reset_peak_rss
+
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs here")
+    block = np.ones(256 * 2**20, dtype=np.uint8)  # 256 MiB, touched
+    high = peak_rss_bytes()
+    del block
+    before = host_memory()["mem/host_peak_rss_gib"]
+    reset_peak_rss()
+    assert peak_rss_bytes() < high - 128 * 2**20  # the kernel's mark is rewound...
+    assert lifetime_peak_rss_bytes() >= high - 4 * 2**20  # ...the lifetime one is not (the kernel syncs RSS lazily)
+    assert host_memory()["mem/host_peak_rss_gib"] >= before

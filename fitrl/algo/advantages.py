@@ -128,7 +128,7 @@ def _broadcast(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> tuple
 # ------------------------------------------------------------------------------------- estimators
 
 
-@estimator("grpo")
+@estimator("grpo", groups=True)
 def grpo_advantages(
     *,
     token_rewards: torch.Tensor,
@@ -156,7 +156,7 @@ def grpo_advantages(
     return _broadcast(adv, response_mask)
 
 
-@estimator("drgrpo")
+@estimator("drgrpo", groups=True)
 def drgrpo_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +168,7 @@ def drgrpo_advantages(
                            group_index=group_index, norm_adv_by_std=False)
 
 
-@estimator("rloo")
+@estimator("rloo", groups=True)
 def rloo_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +197,7 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, response_mask, eps), returns
 
 
-@estimator("reinforce_plus_plus_baseline")
+@estimator("reinforce_plus_plus_baseline", groups=True)
 def reinforce_plus_plus_baseline_advantages(
     *, token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,16 +24,20 @@ class EstimatorNeeds:
     """Per-token values from a critic model (GAE)."""
     baseline: bool = False
     """A greedy response per prompt, scored by the reward (ReMax's baseline rollout)."""
+    groups: bool = False
+    """A baseline from the other samples of the same prompt: ``rollout.n`` of 1 leaves every
+    advantage 0 (nothing to compare against), so such a run is refused."""
 
 
 _NEEDS: dict[str, EstimatorNeeds] = {}
 
 
-def estimator(name: str, *, critic: bool = False, baseline: bool = False) -> Callable[[F], F]:
-    """Register an advantage estimator under ``name`` with what it needs from other roles."""
+def estimator(name: str, *, critic: bool = False, baseline: bool = False, groups: bool = False) -> Callable[[F], F]:
+    """Register an advantage estimator under ``name`` with what it needs from other roles (and
+    whether it compares the samples of a prompt)."""
     def wrap(fn: F) -> F:
         ADVANTAGE_ESTIMATORS.add(name, fn)
-        _NEEDS[name] = EstimatorNeeds(critic=critic, baseline=baseline)
+        _NEEDS[name] = EstimatorNeeds(critic=critic, baseline=baseline, groups=groups)
         return fn
     return wrap
 
@@ -48,10 +52,13 @@ class AlgorithmSpec:
     """Each step also generates one greedy response per prompt and scores it."""
     reference: bool
     """A frozen reference model is built (some KL term needs its log-probs)."""
+    groups: bool = False
+    """The advantages compare the samples of a prompt: ``rollout.n`` must be at least 2."""
 
 
 def algorithm_spec(adv_estimator: str, *, kl_loss: bool, kl_in_reward: bool) -> AlgorithmSpec:
     """The spec of a run; raises ConfigError naming the valid estimators on an unknown one."""
     ADVANTAGE_ESTIMATORS.check(adv_estimator)
     needs = _NEEDS[adv_estimator]
-    return AlgorithmSpec(critic=needs.critic, baseline=needs.baseline, reference=kl_loss or kl_in_reward)
+    return AlgorithmSpec(critic=needs.critic, baseline=needs.baseline, reference=kl_loss or kl_in_reward,
+                         groups=needs.groups)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fitrl.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgorithmSpec, algorithm_spec
+from fitrl.core.errors import ConfigError
 from fitrl.rewards.functions import check_reward_spec
 from fitrl.tracking import TRACKERS
 
@@ -26,7 +27,11 @@ if TYPE_CHECKING:
 def check_choices(cfg: "FitrlConfig") -> None:
     """Raise ConfigError on the first registry-backed name that is not registered."""
     a = cfg.algorithm
-    algorithm_needs(cfg)  # the advantage estimator
+    if algorithm_needs(cfg).groups and cfg.rollout.n < 2:  # (and the estimator is a registered one)
+        raise ConfigError(f"algorithm.adv_estimator={a.adv_estimator} compares the samples of each prompt, but "
+                          f"rollout.n={cfg.rollout.n}: every advantage would be 0 and nothing would train; set "
+                          f"rollout.n to 2 or more (GRPO commonly uses 4-16), or use an estimator without groups "
+                          f"(reinforce_plus_plus, remax, gae)")
     POLICY_LOSSES.check(a.policy_loss)
     LOSS_AGGREGATIONS.check(a.loss_agg_mode)
     LOSS_AGGREGATIONS.check(cfg.critic.loss_agg_mode, "critic.loss_agg_mode")

@@ -136,8 +136,12 @@ def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
             f"a mini-batch of {mini} prompts x {n} samples = {mini * n} sequences does not split over "
             f"{world_size} ranks: make actor.mini_batch_size * rollout.n a multiple of {world_size}"
         )
+    ranks = f" / {world_size} ranks" if world_size > 1 else ""
+    if micro > seqs_per_rank:  # a memory knob: a micro-batch larger than the mini-batch is the mini-batch
+        cfg.actor.micro_batch_size = micro = seqs_per_rank
+        adjusted(cfg, f"actor.micro_batch_size is larger than a mini-batch's {seqs_per_rank} sequences per rank "
+                      f"(actor.mini_batch_size={mini} x rollout.n={n}{ranks}): using {seqs_per_rank}")
     if seqs_per_rank % micro:
-        ranks = f" / {world_size} ranks" if world_size > 1 else ""
         raise ConfigError(
             f"a mini-batch has {seqs_per_rank} sequences per rank (actor.mini_batch_size={mini} x "
             f"rollout.n={n}{ranks}), not a multiple of actor.micro_batch_size={micro}: "
@@ -153,9 +157,26 @@ def check_critic_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
         raise ConfigError(f"data.rollout_batch_size={rbs} is not a multiple of critic.mini_batch_size="
                           f"{c.mini_batch_size}: set critic.mini_batch_size to a divisor of {rbs}")
     seqs = c.mini_batch_size * n
+    if not seqs % world_size and c.micro_batch_size > seqs // world_size:  # (as the actor's, above)
+        c.micro_batch_size = seqs // world_size
+        adjusted(cfg, f"critic.micro_batch_size is larger than a critic mini-batch's {seqs // world_size} sequences "
+                      f"per rank: using {seqs // world_size}")
     if seqs % world_size or (seqs // world_size) % c.micro_batch_size:
         raise ConfigError(f"a critic mini-batch has {seqs} sequences (critic.mini_batch_size x rollout.n) over "
                           f"{world_size} rank(s): make it a multiple of critic.micro_batch_size={c.micro_batch_size}")
+
+
+def adjusted(cfg: FitrlConfig, text: str) -> None:
+    """Note a value the config load changed because the given one cannot be used as it is (said
+    once at start-up: :func:`adjustments`)."""
+    notes = cfg.__dict__.setdefault("_adjustments", [])
+    if text not in notes:
+        notes.append(text)
+
+
+def adjustments(cfg: FitrlConfig) -> list[str]:
+    """What the config load changed (:func:`adjusted`), one line each."""
+    return list(cfg.__dict__.get("_adjustments", []))
 
 
 def _largest_divisor_at_most(total: int, limit: int) -> int:

@@ -46,9 +46,9 @@ class VisionShape:
         return self.kind == "qwen2_5_vl"
 
     def forward_flops(self, patches: int) -> int:
-        """Forward FLOPs (fitrl/models/flops.py, the formula) of the tower over one image (or video) of ``patches`` patches, merger
-        included. Attention is non-causal within an image: each patch attends all of them
-        (or its window's)."""
+        """Forward FLOPs (fitrl/models/flops.py, the formula) of the tower over one image (or video)
+        of ``patches`` patches, merger included. Attention is non-causal within an image: each
+        patch attends all of them (or its window's)."""
         e, i, m2 = self.hidden, self.intermediate, self.merge ** 2
         embed = self.in_chans * self.temporal_patch * self.patch * self.patch * e  # Conv3d = a linear per patch
         block_linear = 3 * e * e + e * e + (3 if self.gated_mlp else 2) * e * i  # qkv, proj, MLP
@@ -61,7 +61,8 @@ class VisionShape:
         attention = sum(2 * a * e for a in attended)  # Q.K^T and A.V: a keys x e per patch
         merged = patches // m2
         merger = (e * m2) * (e * m2) + (e * m2) * self.out_hidden
-        macs = patches * (embed + self.depth * block_linear) + patches * attention + (1 + self.deepstack) * merged * merger
+        mergers = 1 + self.deepstack  # Qwen3-VL: one more merger per deepstack layer
+        macs = patches * (embed + self.depth * block_linear) + patches * attention + mergers * merged * merger
         return 2 * macs
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:

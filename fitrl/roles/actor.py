@@ -171,20 +171,26 @@ class Actor:
         return Denominators(tokens=max(tokens, 1.0), sequences=max(sequences, 1.0),
                             max_response_length=self.max_response_length)
 
-    def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float) -> dict[str, float]:
-        """One RL step of optimisation over ``batch`` (needs old_logprobs, advantages, ref_logprobs
-        when KL is in the loss, and rollout_logprobs with ``algorithm.rollout_correction``)."""
+    def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float,
+               old_logprobs_from: str = "batch") -> dict[str, float]:
+        """One RL step of optimisation over ``batch`` (needs advantages, ref_logprobs when KL is in
+        the loss, and rollout_logprobs with ``algorithm.rollout_correction``). ``old_logprobs_from``
+        (FitrlConfig.old_logprob_source, said by the caller): ``batch``, the batch's old_logprobs
+        (a pass before the update, or the engine's); ``update``, this update's own forward,
+        detached: one optimizer step on fresh samples, whose weights are the behaviour policy."""
         self.model.train()
         metrics = WeightedMetrics()
         grad_norms, skipped = [], 0
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.num_updates)
-        # no old_logprobs: one optimizer step on fresh samples (FitrlConfig.old_logprob_source
-        # "update"), whose own forward is the behaviour policy; it fills `folded`, (B, R)
+        # the update's own forward is the behaviour policy: it fills `folded`, (B, R)
         folded = None
-        if "old_logprobs" not in batch:
+        if old_logprobs_from == "update":
             if self.cfg.ppo_epochs != 1 or len(batch) > sequences_per_mini_batch:
                 raise RuntimeError("the update needs old_logprobs when it takes more than one optimizer step")
             folded = torch.zeros_like(batch["responses"], dtype=torch.float32)
+        elif old_logprobs_from != "batch" or "old_logprobs" not in batch:
+            raise RuntimeError(f"the update was told its old_logprobs come from {old_logprobs_from!r}, and the "
+                               f"batch has {'them' if 'old_logprobs' in batch else 'none'}")
         for _ in range(self.cfg.ppo_epochs):
             order = (torch.randperm(len(batch), generator=generator) if self.cfg.shuffle_mini_batches
                      else torch.arange(len(batch)))
@@ -222,7 +228,7 @@ class Actor:
         denom = self.denominators(mini)
         for ix in self.partition(mini, self.cfg.micro_batch_size):
             micro = mini.index(ix)
-            loss, m, logp = self._micro_loss(micro, denom, temperature)
+            loss, m, logp = self._micro_loss(micro, denom, temperature, own_old_logprobs=folded is not None)
             with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):
                 loss.backward()
             if folded is not None:
@@ -240,8 +246,9 @@ class Actor:
         m["rollout/logprob_diff_max"] = all_reduce_max_float(m["rollout/logprob_diff_max"], old.device)
         return m
 
-    def _micro_loss(self, micro: Batch, denom: Denominators, temperature: float):
-        """(loss, metrics, detached (B, R) log-probs of the micro-batch)."""
+    def _micro_loss(self, micro: Batch, denom: Denominators, temperature: float, own_old_logprobs: bool = False):
+        """(loss, metrics, detached (B, R) log-probs of the micro-batch). ``own_old_logprobs``: the
+        behaviour log-probs are this forward's (:meth:`update`'s ``old_logprobs_from="update"``)."""
         mask = micro["response_mask"].float()
         mode = self.algo.loss_agg_mode
         # entropy is logged every step; it joins the graph only when it is in the loss
@@ -249,7 +256,7 @@ class Actor:
                                       entropy_grad=self.cfg.entropy_coeff != 0)
         # the behaviour policy: recomputed before the update, or (one on-policy step) these very
         # weights, so ratio = exp(logp - sg(logp)) = 1 with the gradient of logp
-        old_logprobs = micro["old_logprobs"] if "old_logprobs" in micro else logp.detach()
+        old_logprobs = logp.detach() if own_old_logprobs else micro["old_logprobs"]
         advantages = micro["advantages"]  # (B, R)
         if self.correction is not None:
             # TIS. Every per-token policy loss here is positively homogeneous in its A: PPO-clip's

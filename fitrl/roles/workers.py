@@ -140,9 +140,11 @@ class PolicyWorker:
     @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
         seqs = self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world_size
+        own = self.cfg.old_logprob_source == "update"  # else the batch carries them (a pass, or the engine's)
         with self.offload.phase(needs_optimizer=True):
             metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
-                                        temperature=self.cfg.rollout.temperature)
+                                        temperature=self.cfg.rollout.temperature,
+                                        old_logprobs_from="update" if own else "batch")
         self.rollout.push_weights()  # the next rollout samples from the updated policy
         return {**metrics, **self.rollout.metrics()}
 

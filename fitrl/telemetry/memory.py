@@ -38,8 +38,15 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+_LIFETIME_PEAK = [0]  # bytes: the largest high-water mark seen before a rewind
+
+
 def reset_peak_rss() -> bool:
-    """Rewind this process's RSS high-water mark to its current RSS (writing 5 to clear_refs)."""
+    """Rewind this process's RSS high-water mark to its current RSS (writing 5 to clear_refs), so a
+    phase reads its own peak. The kernel's lifetime peak (``VmHWM``, ``ru_maxrss``, what
+    ``/usr/bin/time -v`` reports) is rewound with it: the mark reached so far is kept here first
+    (:func:`lifetime_peak_rss_bytes`)."""
+    _LIFETIME_PEAK[0] = max(_LIFETIME_PEAK[0], peak_rss_bytes())
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -55,6 +62,12 @@ def peak_rss_bytes() -> int:
     except (OSError, KeyError):
         # ru_maxrss is KiB on Linux, bytes on macOS; it cannot be reset
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def lifetime_peak_rss_bytes() -> int:
+    """This process's peak RSS since it began, the phases' rewinds (:func:`reset_peak_rss`) notwithstanding."""
+    return max(_LIFETIME_PEAK[0], peak_rss_bytes(),
+               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024))
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,8 +179,7 @@ def host_memory() -> dict[str, float]:
     """Current RSS, peak RSS of this process and node available memory, in GiB."""
     return {
         "mem/host_rss_gib": rss_bytes() / GIB,
-        "mem/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        * (1 if sys.platform == "darwin" else 1024) / GIB,
+        "mem/host_peak_rss_gib": lifetime_peak_rss_bytes() / GIB,
         "mem/node_available_gib": node_available_bytes() / GIB,
     }
 

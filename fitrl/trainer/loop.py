@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 
 from fitrl.algo.advantages import compute_advantages, scores_to_token_rewards
+from fitrl.algo.filtering import group_is_informative
 from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalized_rewards
 from fitrl.algo.mismatch import mismatch_metrics
 from fitrl.checkpoint import layout
@@ -308,7 +309,7 @@ class RLTrainer:
         if step > self.cfg.critic.warmup_steps or self.critic is None:
             with timer.phase("update"):
                 metrics.update(self.policy.update(batch))
-        metrics.update(self.step_metrics(batch, mask, stats))
+        metrics.update(self.step_metrics(step, batch, mask, stats))
         metrics.update(timer.metrics())
         # the prompt copies the passes skipped: the driver's and, under Ray, every rank's
         groups = [h.group for h in self.memory.roles.values()] if self.memory.remote else []
@@ -324,12 +325,20 @@ class RLTrainer:
         self.kl_ctrl.update(seq_kl, n_steps=len(batch))
         return rewards, {"kl_in_reward/kl": seq_kl, "kl_in_reward/coef": beta}
 
-    def step_metrics(self, batch: Batch, mask: torch.Tensor, stats) -> dict[str, float]:
+    def step_metrics(self, step: int, batch: Batch, mask: torch.Tensor, stats) -> dict[str, float]:
         components = {k.split("/", 1)[1]: v for k, v in batch.tensors.items() if k.startswith("reward_component/")}
         lengths, truncated = response_stats(batch)
         m = sequence_metrics(batch["scores"], components, lengths, truncated, prefix="")
         m.update(masked_stats("advantage", batch["advantages"], mask))
         m.update(masked_stats("returns", batch["returns"], mask))
+        # groups whose samples all scored the same: under a group baseline they carry no signal
+        groups = group_index(batch["uid"])
+        varied = groups[group_is_informative(batch["scores"], groups)].unique().numel()
+        m["adv/zero_variance_groups"] = float(int(groups.max()) + 1 - varied) if len(groups) else 0.0
+        if not bool((batch["advantages"] * mask).any()):
+            self.console.print(f"[yellow]step {step}: no learning signal: every advantage is 0 "
+                               f"({int(m['adv/zero_variance_groups'])} of {int(groups.max()) + 1} groups scored "
+                               f"alike); the update only moves the weights by its other terms[/]")
         if "values" in batch:
             m.update(masked_stats("critic/values", batch["values"], mask))
         if self.cfg.old_logprob_source == "pass":  # ("update": the policy's update reports them)

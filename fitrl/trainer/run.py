@@ -12,7 +12,7 @@ from rich.console import Console
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config import ConfigError, FitrlConfig, save_config
 from fitrl.config.choices import algorithm_needs
-from fitrl.config.schema import check_critic_batch_sizes, derived_batch_numbers
+from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_batch_numbers
 from fitrl.core.device import resolve_device
 from fitrl.core.errors import DataError
 from fitrl.data.dataset import PromptDataset
@@ -141,6 +141,8 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
             if ds is not None:
                 console.print(ds.summary(), highlight=False)
         console.print("batch: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), highlight=False)
+        for note in adjustments(cfg):
+            console.print(f"note: {note}", highlight=False)
 
         trainer = RLTrainer(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
                             reward=reward, run_dir=run_dir, console=console,

@@ -8,8 +8,9 @@
    end as the driver reports it (reserved plus the CUDA context and cuBLAS workspaces) and the
    process's host peak; plus the step's rollout and update throughput and MFU (``perf/*``).
 
-Each case is a real model shape (Qwen2.5-0.5B/1.5B/3B config.json) with random weights, built on
-the device, and the shipped toy task (``examples/arith.yaml``) with ``rollout.ignore_eos``, so
+Each case is a real model shape (Qwen2.5-0.5B/1.5B/3B, Qwen2.5-VL-3B config.json) with random
+weights, built on the device, and a shipped toy task (``examples/arith.yaml``; the VL case
+``examples/shapes_vl.yaml``, its pictures resized to 448 x 448) with ``rollout.ignore_eos``, so
 every response is exactly the length cap and the plan at the caps is the run's shape; bf16
 autocast over fp32 master weights (``actor.fsdp.mixed_precision``, one process). Each runs in a
 process of its own (a clean CUDA context and allocator), two steps, nothing saved.
@@ -47,7 +48,12 @@ MEASURED = {"ref_logprob": "ref"}  # the plan's phase -> the run's, where they d
 QWEN_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                 max_position_embeddings=32768, torch_dtype="bfloat16")
-CORPUS_MODELS = {"qwen2.5-1.5b": "qwen2.5-math-1.5b", "qwen2.5-3b": "qwen2.5-3b-instruct"}
+CORPUS_MODELS = {"qwen2.5-1.5b": "qwen2.5-math-1.5b", "qwen2.5-3b": "qwen2.5-3b-instruct",
+                 "qwen2.5-vl-3b": "qwen2.5-vl-3b-instruct"}
+# what Qwen2.5-VL-3B's config.json has beyond the corpus's keys: its tower's heads and windows, its
+# text rope's multimodal sections (head_dim 128: 16 + 24 + 24 frequencies)
+VL_EXTRA = {"vision": dict(num_heads=16, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+            "mrope_section": [16, 24, 24]}
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class Case:
     ckpt: bool            # actor.model.gradient_checkpointing
     chunk: int = 1024     # actor.logprob_chunk_size
     extra: tuple[str, ...] = ()
+    task: str = "arith"   # arith (examples/arith.yaml) | shapes (examples/shapes_vl.yaml: pictures)
 
     def overrides(self) -> list[str]:
         return [f"data.rollout_batch_size={self.prompts}", f"actor.mini_batch_size={self.prompts}",
@@ -73,11 +80,14 @@ class Case:
     @property
     def label(self) -> str:
         lora = next((e.split("=")[1] for e in self.extra if e.startswith("actor.lora.rank=")), None)
+        kl = " + KL" if "algorithm.use_kl_loss=true" in self.extra else ""
         return (f"{self.model} | {self.prompts * self.n} seq R{self.response} | micro {self.micro} | "
-                f"ckpt {'on' if self.ckpt else 'off'} | chunk {self.chunk}" + (f" | LoRA r{lora} + KL" if lora else ""))
+                f"ckpt {'on' if self.ckpt else 'off'} | chunk {self.chunk}" + (f" | LoRA r{lora}{kl}" if lora else "")
+                + (" | images" if self.task == "shapes" else ""))
 
 
 # In priority order: a call that runs out of time keeps the first ones. About a minute each on an H100.
+# q3-vl has not run on a GPU yet (added after the first calibration).
 CASES = [
     Case("q05", "qwen2.5-0.5b", 4, 8, 512, 8, 16, ckpt=False),
     Case("q05-ckpt", "qwen2.5-0.5b", 4, 8, 512, 16, 16, ckpt=True),
@@ -85,6 +95,11 @@ CASES = [
     Case("q15-lora-kl", "qwen2.5-1.5b", 4, 8, 512, 8, 16, ckpt=False,
          extra=("actor.lora.rank=16", "actor.lora.alpha=32", "algorithm.use_kl_loss=true")),
     Case("q3-ckpt", "qwen2.5-3b", 2, 8, 512, 4, 8, ckpt=True),
+    # the shapes task's pictures resized to 448 x 448 (1,024 patches, 256 image tokens each): the tower's memory
+    # (LoRA: full fine-tuning's fp32 weights, gradients and AdamW states alone take 63 of the 79 GiB)
+    Case("q3-vl", "qwen2.5-vl-3b", 2, 8, 256, 4, 8, ckpt=True, task="shapes",
+         extra=("data.min_pixels=200704", "data.max_pixels=200704", "data.max_prompt_length=768",
+                "actor.lora.rank=16", "actor.lora.alpha=32")),
 ]
 
 
@@ -101,9 +116,11 @@ def run_config(case: Case, model_dir: Path, run_dir: Path, device: str):
     from fitrl.config import load_config
 
     data = ROOT / "examples" / "data"
-    return load_config(str(ROOT / "examples" / "arith.yaml"), [
+    example, train = {"arith": ("arith.yaml", "arith_train.jsonl"), "shapes": ("shapes_vl.yaml", "shapes_train.jsonl")}[
+        case.task]
+    return load_config(str(ROOT / "examples" / example), [
         f"actor.model.path={model_dir}", f"trainer.run_dir={run_dir}", f"trainer.device={device}",
-        f"data.train_files=[{data / 'arith_train.jsonl'}]", 'data.val_files=[]',
+        f"data.train_files=[{data / train}]", 'data.val_files=[]',
         "trainer.max_steps=2", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress_bar=false",
         "trainer.num_threads=0", "checkpoint.save_final=false", "memory.plan=off", *case.overrides()])
 
@@ -136,22 +153,35 @@ def build_model(model: str, out_dir: Path) -> Path:
     """A model directory of ``model``'s shape with random bf16 weights (initialised on the device),
     the tiny qwen2 tokenizer and generation config (token ids below any real vocabulary)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from fitrl.models.tiny import make_tiny_model
 
-    make_tiny_model(out_dir, arch="qwen2", size="tiny", seed=0)
+    shape = {k: v for k, v in model_config(model).items() if k != "torch_dtype"}
+    vl = "vision_config" in shape
+    make_tiny_model(out_dir, arch="qwen2_5_vl" if vl else "qwen2", size="tiny", seed=0)
     cfg_path = out_dir / "config.json"
     config = json.loads(cfg_path.read_text())
-    config.update({k: v for k, v in model_config(model).items() if k != "torch_dtype"})
+    if vl:  # the tiny VL directory's processor files and token ids, the real shape's text and tower
+        vision = {**shape.pop("vision_config"), **VL_EXTRA["vision"]}
+        vision["in_channels"] = vision.pop("in_chans", 3)
+        config["vision_config"].update(vision)
+        text = config["text_config"]
+        text.update({k: v for k, v in shape.items() if k != "model_type"})
+        text["rope_parameters"]["mrope_section"] = VL_EXTRA["mrope_section"]
+        config["tie_word_embeddings"] = shape["tie_word_embeddings"]
+    else:
+        text = config
+        config.update(shape)
     for key in ("layer_types", "max_window_layers"):  # per-layer lists of the tiny shape: derived again
-        config.pop(key, None)
+        text.pop(key, None)
     config["dtype"] = "bfloat16"
     cfg_path.write_text(json.dumps(config))
     (out_dir / "model.safetensors").unlink()
     torch.manual_seed(0)
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # (CPU: the script's own smoke test)
-        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out_dir), dtype=torch.bfloat16)
+        m = auto.from_config(AutoConfig.from_pretrained(out_dir), dtype=torch.bfloat16)
     m.save_pretrained(out_dir)
     del m
     if torch.cuda.is_available():
@@ -274,7 +304,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="case names (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-check"))
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=330, help="no case starts after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=360, help="no case starts after this many seconds")
     ap.add_argument("--case-timeout-s", type=int, default=150)
     ap.add_argument("--tests-timeout-s", type=int, default=150)
     ap.add_argument("--replan", metavar="JSON", help="a recorded gpu_check.json: its measurements against "

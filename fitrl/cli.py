@@ -24,6 +24,7 @@ DEMOS = {
 
 
 def _load(config: str | None, overrides: list[str]):
+    import fitrl.rollout  # noqa: F401  (registers the engines, so the load checks rollout.engine)
     from fitrl.config import load_config
 
     return load_config(config, overrides)

@@ -21,7 +21,7 @@ TYPOS = [
     ("critic.loss_agg_mode=token", "unknown loss aggregation critic.loss_agg_mode='token'", "token-mean"),
     ("reward.function=arithm", "unknown reward function reward.function='arithm'; did you mean 'arith'?",
      "arith, choice, math, r1v, think_format"),
-    ("rollout.engine=vlm", "config key 'rollout.engine' (in overrides) expects one of 'hf'", "'hf'"),
+    ("rollout.engine=vlm", "unknown rollout engine rollout.engine='vlm'; did you mean 'vllm'?", "hf, vllm"),
 ]
 
 

@@ -9,7 +9,8 @@ from fitrl.memory import calibration as C
 from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner
 from fitrl.memory.model import PHASES, ProcessPlan, Usage
 from fitrl.planner import Hardware, plan_config
-from fitrl.planner.complete import missing_counterparts, schema_engines_registered
+from fitrl.config import ConfigError
+from fitrl.planner.complete import missing_counterparts
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from helpers import toy_config
 
@@ -52,15 +53,23 @@ def dummy_engine():
 
 def test_every_builtin_engine_has_its_planner():
     assert missing_counterparts() == []
-    assert schema_engines_registered() == []
     assert ROLLOUT_ENGINES.names() == ["hf", "vllm"]
+
+
+def test_the_engine_choice_is_the_registry(dummy_engine, tiny_model_dir, tmp_path):
+    """rollout.engine is checked against the registered engines when the config loads (no second
+    list of names in the schema): a new engine is a valid choice once registered."""
+    with pytest.raises(ConfigError, match=r"unknown rollout engine rollout.engine='vlm'; did you mean 'vllm'\? "
+                                          r"\(valid: dummy, hf, vllm\)"):
+        toy_config(tiny_model_dir, tmp_path, "rollout.engine=vlm")
+    assert toy_config(tiny_model_dir, tmp_path, "rollout.engine=dummy").rollout.engine == "dummy"
 
 
 def test_an_engine_without_a_planner_fails_the_check_then_plans_with_one(dummy_engine, tiny_model_dir, tmp_path):
     assert missing_counterparts() == ["rollout engine 'dummy' has no memory planner (fitrl/memory/engines.py, "
                                       "ENGINE_PLANNERS)"]
-    cfg = toy_config(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.val_before_train=false")
-    cfg.rollout.engine = "dummy"  # (the schema's choices are the built-in engines)
+    cfg = toy_config(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.val_before_train=false",
+                     "rollout.engine=dummy")
     hw = Hardware.cpu(host_memory=64 * C.GIB)
     with pytest.raises(Exception, match="unknown rollout engine planner rollout.engine='dummy'"):
         plan_config(cfg, hw)  # never a plan without the engine's memory

@@ -4,8 +4,9 @@ Estimators, policy losses, loss aggregations, KL estimators, built-in reward fun
 live in registries next to their code (:mod:`fitrl.algo`, :mod:`fitrl.rewards`,
 :mod:`fitrl.tracking`); a misspelt name fails
 here with the valid choices, before a run directory exists or a model loads (``fitrl train``,
-``fitrl plan`` and ``fitrl config`` alike). The rollout engine is a ``Literal`` of the schema, so
-the loader itself rejects an unknown one.
+``fitrl plan`` and ``fitrl config`` alike). Registries that live above this layer (the rollout
+engines) are checked through :data:`fitrl.core.registry.CHECKED_ON_LOAD` once their package is
+imported, which the command line does before loading.
 
 Importing this module imports the registries and so torch (~2 s): the loader imports it only once
 the config's keys and types are valid, so structural mistakes still answer at once.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from fitrl.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgorithmSpec, algorithm_spec
 from fitrl.core.errors import ConfigError
+from fitrl.core.registry import CHECKED_ON_LOAD
 from fitrl.rewards.functions import check_reward_spec
 from fitrl.tracking import TRACKERS
 
@@ -40,6 +42,9 @@ def check_choices(cfg: "FitrlConfig") -> None:
     check_reward_spec(cfg.reward.function)
     for name in cfg.trainer.loggers:
         TRACKERS.check(name)  # whether its package is installed is checked when training starts
+    for registry in CHECKED_ON_LOAD:
+        section, key = registry.config_key.split(".")
+        registry.check(getattr(getattr(cfg, section), key))
 
 
 def algorithm_needs(cfg: "FitrlConfig") -> AlgorithmSpec:

@@ -311,8 +311,8 @@ def check_sampling(s, prefix: str, training: bool = False) -> None:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: ``hf`` (transformers ``generate`` on the trained module; CPU and GPU) or
+    engine: str = "hf"
+    """Generation engine, a name registered in ``fitrl.rollout.engine.ROLLOUT_ENGINES``: ``hf`` (transformers ``generate`` on the trained module; CPU and GPU) or
     ``vllm`` (a vLLM engine colocated with each policy rank, weights pushed after every update;
     ``pip install fitrl[vllm]``, docs/vllm.md). Engines implement
     :class:`fitrl.rollout.engine.RolloutEngine`; see docs/architecture.md for adding one."""

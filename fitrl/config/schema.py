@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fitrl.config.batch_sizes import BatchSizes
 from fitrl.config.plan import PlanConfig
 from fitrl.config.roles import (ActorConfig, CriticConfig, DataConfig, FSDPConfig, LoRAConfig, ModelConfig,
                                  OptimConfig, RefConfig, RolloutConfig, SamplingConfig)
@@ -130,8 +131,9 @@ def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
             f"data.rollout_batch_size={rbs} is not a multiple of actor.mini_batch_size={mini}: "
             f"set actor.mini_batch_size to a divisor of {rbs} (e.g. {_largest_divisor_at_most(rbs, mini)})"
         )
-    seqs_per_rank = mini * n // world_size if (mini * n) % world_size == 0 else None
-    if seqs_per_rank is None:
+    sizes = BatchSizes.of(cfg, world_size)
+    seqs_per_rank = sizes.mini_batch_per_rank
+    if sizes.sequences_per_mini_batch % world_size:
         raise ConfigError(
             f"a mini-batch of {mini} prompts x {n} samples = {mini * n} sequences does not split over "
             f"{world_size} ranks: make actor.mini_batch_size * rollout.n a multiple of {world_size}"
@@ -152,15 +154,16 @@ def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
 
 def check_critic_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:
     """Checked only when a critic is built (its defaults need not fit runs without one)."""
-    c, rbs, n = cfg.critic, cfg.data.rollout_batch_size, cfg.rollout.n
+    c, rbs = cfg.critic, cfg.data.rollout_batch_size
     if rbs % c.mini_batch_size:
         raise ConfigError(f"data.rollout_batch_size={rbs} is not a multiple of critic.mini_batch_size="
                           f"{c.mini_batch_size}: set critic.mini_batch_size to a divisor of {rbs}")
-    seqs = c.mini_batch_size * n
-    if not seqs % world_size and c.micro_batch_size > seqs // world_size:  # (as the actor's, above)
-        c.micro_batch_size = seqs // world_size
-        adjusted(cfg, f"critic.micro_batch_size is larger than a critic mini-batch's {seqs // world_size} sequences "
-                      f"per rank: using {seqs // world_size}")
+    sizes = BatchSizes.of(cfg, world_size, role="critic")
+    seqs, per_rank = sizes.sequences_per_mini_batch, sizes.mini_batch_per_rank
+    if not seqs % world_size and c.micro_batch_size > per_rank:  # (as the actor's, above)
+        c.micro_batch_size = per_rank
+        adjusted(cfg, f"critic.micro_batch_size is larger than a critic mini-batch's {per_rank} sequences "
+                      f"per rank: using {per_rank}")
     if seqs % world_size or (seqs // world_size) % c.micro_batch_size:
         raise ConfigError(f"a critic mini-batch has {seqs} sequences (critic.mini_batch_size x rollout.n) over "
                           f"{world_size} rank(s): make it a multiple of critic.micro_batch_size={c.micro_batch_size}")
@@ -185,14 +188,4 @@ def _largest_divisor_at_most(total: int, limit: int) -> int:
 
 def derived_batch_numbers(cfg: FitrlConfig, world_size: int = 1) -> dict[str, int]:
     """The numbers printed at start-up so nobody has to derive them by hand."""
-    seqs = cfg.data.rollout_batch_size * cfg.rollout.n
-    mini_seqs = cfg.actor.mini_batch_size * cfg.rollout.n
-    opt_steps = cfg.data.rollout_batch_size // cfg.actor.mini_batch_size * cfg.actor.ppo_epochs
-    return {
-        "prompts_per_step": cfg.data.rollout_batch_size,
-        "sequences_per_step": seqs,
-        "sequences_per_mini_batch": mini_seqs,
-        "optimizer_steps_per_rl_step": opt_steps,
-        "grad_accumulation_steps": mini_seqs // world_size // cfg.actor.micro_batch_size,
-        "world_size": world_size,
-    }
+    return BatchSizes.of(cfg, world_size).printout()

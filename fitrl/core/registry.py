@@ -2,8 +2,8 @@
 loads, with the valid names and the nearest one.
 
 Each extension point (advantage estimator, policy loss, loss aggregation, KL estimator, reward
-function, model family) keeps one :class:`Registry`; :mod:`fitrl.config.choices` checks every
-configured name against them before a run directory exists or a model loads.
+function, model family, rollout engine) keeps one :class:`Registry`; :mod:`fitrl.config.choices`
+checks every configured name against them before a run directory exists or a model loads.
 """
 
 from __future__ import annotations
@@ -15,11 +15,19 @@ from fitrl.core.errors import ConfigError
 
 T = TypeVar("T")
 
+CHECKED_ON_LOAD: list["Registry"] = []
+"""Registries of extensions that live in layers above the config (the rollout engines): the
+config layer cannot import them, so they put themselves here when their package is imported, and
+:func:`fitrl.config.choices.check_choices` checks the config's value against each one present. The
+command line imports those packages before it loads a config (fitrl/cli.py)."""
+
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str, config_key: str):
+    def __init__(self, kind: str, config_key: str, checked_on_load: bool = False):
         self.kind, self.config_key = kind, config_key
         self._items: dict[str, T] = {}
+        if checked_on_load:
+            CHECKED_ON_LOAD.append(self)
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: ``@REG.register("grpo")`` over a function or class."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from fitrl.config import FitrlConfig
+from fitrl.config.batch_sizes import BatchSizes
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
@@ -93,8 +94,13 @@ class Run:
         return self.prompt_len + self.response_len
 
     @property
+    def batch(self) -> BatchSizes:
+        """The actor's batch sizes over this run's data-parallel ranks (fitrl/config/batch_sizes.py)."""
+        return BatchSizes.of(self.cfg, self.world)
+
+    @property
     def seqs_per_rank(self) -> int:
-        return max(1, self.cfg.data.rollout_batch_size * self.cfg.rollout.n // self.world)
+        return max(1, self.batch.sequences_per_rank)
 
     def generated_seqs(self, phase: str) -> int:
         """Sequences one rank generates in ``phase``: a validation call's, or the step's rollout."""
@@ -105,7 +111,7 @@ class Run:
     @property
     def mini_seqs_per_rank(self) -> int:
         """Sequences of one optimizer step on a rank (``Actor.update``'s ``sequences_per_mini_batch``)."""
-        return max(1, min(self.seqs_per_rank, self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world))
+        return max(1, min(self.seqs_per_rank, self.batch.mini_batch_per_rank))
 
     def micro(self, size: int, update: bool = False) -> int:
         """Sequences in one forward: the count; or, with a token budget, what the actor's split

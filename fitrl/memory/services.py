@@ -35,7 +35,7 @@ def driver_images(run: Run, phase: str) -> int:
 
 def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
     cfg, hw = run.cfg, run.hw
-    seqs_step = cfg.data.rollout_batch_size * cfg.rollout.n
+    seqs_step = run.batch.sequences_per_step
     driver, node, rank0 = {}, {}, {}
     for ph in PHASES:
         d, n, r0 = Usage(), Usage(), Usage()

@@ -41,6 +41,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import fitrl.rollout  # noqa: F401  (registers the engines, so the load checks rollout.engine)
+
     cfg = load_config(args.config, args.overrides)
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
         if value is not None and value < 1:

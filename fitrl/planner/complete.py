@@ -5,14 +5,12 @@ A rollout engine is registered twice, beside itself (fitrl/rollout/): its runtim
 :data:`fitrl.rollout.engine.ROLLOUT_ENGINES` and its memory planner in
 :data:`fitrl.memory.engines.ENGINE_PLANNERS`, under the same name. A name with only one of the two
 would run unplanned or plan what cannot run; :func:`missing_counterparts` names each such gap, so
-a new engine without its planner fails a test rather than a user's plan. The schema's
-``rollout.engine`` choices (a ``Literal``: the config layer sits below the engines and cannot read
-their registry) must be the registered names: :func:`schema_engines_registered`.
+a new engine without its planner fails a test rather than a user's plan. The config's
+``rollout.engine`` is checked against the engines' registry when it loads
+(fitrl/core/registry.py, ``CHECKED_ON_LOAD``).
 """
 
 from __future__ import annotations
-
-import typing
 
 
 def missing_counterparts() -> list[str]:
@@ -29,15 +27,3 @@ def missing_counterparts() -> list[str]:
         if name not in ROLLOUT_ENGINES:
             out.append(f"engine planner {name!r} plans an engine that is not registered (ROLLOUT_ENGINES)")
     return out
-
-
-def schema_engines_registered() -> list[str]:
-    """A line when ``rollout.engine``'s choices in the schema are not the registered engines."""
-    import fitrl.rollout  # noqa: F401
-    from fitrl.config.schema import RolloutConfig
-    from fitrl.rollout.engine import ROLLOUT_ENGINES
-
-    choices = sorted(typing.get_args(typing.get_type_hints(RolloutConfig)["engine"]))
-    if choices != ROLLOUT_ENGINES.names():
-        return [f"rollout.engine accepts {choices}, the registered engines are {ROLLOUT_ENGINES.names()}"]
-    return []

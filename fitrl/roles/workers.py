@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from fitrl.checkpoint.sharded import load_role, save_role
+from fitrl.config.batch_sizes import BatchSizes
 from fitrl.config.schema import FitrlConfig, FSDPConfig, SamplingConfig
 from fitrl.core.device import autocast, resolve_device
 from fitrl.data.batch import Batch
@@ -139,7 +140,7 @@ class PolicyWorker:
 
     @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
-        seqs = self.cfg.actor.mini_batch_size * self.cfg.rollout.n // self.world_size
+        seqs = BatchSizes.of(self.cfg, self.world_size).mini_batch_per_rank
         own = self.cfg.old_logprob_source == "update"  # else the batch carries them (a pass, or the engine's)
         with self.offload.phase(needs_optimizer=True):
             metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
@@ -235,7 +236,7 @@ class CriticWorker:
 
     @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
-        seqs = self.cfg.critic.mini_batch_size * self.cfg.rollout.n // self.world_size
+        seqs = BatchSizes.of(self.cfg, self.world_size, role="critic").mini_batch_per_rank
         with self.offload.phase(needs_optimizer=True):
             return self.critic.update(batch.to(self.device), sequences_per_mini_batch=seqs)
 

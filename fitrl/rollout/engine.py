@@ -38,7 +38,7 @@ from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 
-ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine")
+ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine", checked_on_load=True)
 
 
 @dataclass(frozen=True)

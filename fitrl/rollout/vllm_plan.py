@@ -105,7 +105,7 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
     else:  # gpu_memory_utilization x the device, on every device of the engine
         budget = int(e.gpu_memory_utilization * hw.gpu_memory)
         kv = budget - weights - C.VLLM_ACTIVATION_RESERVE
-    demand = run.cfg.data.rollout_batch_size * run.cfg.rollout.n * tp // (hw.nodes * hw.gpus_per_node) * run.seq_len
+    demand = run.batch.sequences_per_step * tp // (hw.nodes * hw.gpus_per_node) * run.seq_len
     capacity = max(0, kv) // max(1, shape.kv_bytes_per_token(2) // tp)
     if kv <= 0:
         notes.append(f"vLLM: rollout.gpu_memory_utilization {e.gpu_memory_utilization} leaves no room for the KV "

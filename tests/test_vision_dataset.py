@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fitrl.config.roles import DataConfig
+from fitrl.config.data import DataConfig
 from fitrl.core.errors import DataError
 from fitrl.data.dataset import PromptDataset
 from fitrl.data.vision import VisionSpec, process_images

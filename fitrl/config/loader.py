@@ -416,13 +416,17 @@ def describe_fields(cls: type = FitrlConfig) -> list[tuple[str, str, str, str]]:
 
 @functools.lru_cache(maxsize=None)
 def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings: the string literal right under each annotated field."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
-    docs = {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    """Attribute docstrings: the string literal right under each annotated field, a base class's
+    first (a subclass that redeclares a field documents it anew)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if "__dataclass_fields__" not in klass.__dict__:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
     return docs

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 from fitrl.config.batch_sizes import BatchSizes
 from fitrl.config.plan import PlanConfig
-from fitrl.config.roles import (ActorConfig, CriticConfig, DataConfig, FSDPConfig, LoRAConfig, ModelConfig,
-                                 OptimConfig, RefConfig, RolloutConfig, SamplingConfig)
-from fitrl.config.run import (AlgorithmConfig, CheckpointConfig, FilterGroupsConfig, KLRewardConfig, MemoryConfig,
-                               OverlongConfig, RewardConfig, RolloutCorrectionConfig, TrainerConfig)
+from fitrl.config.algorithm import (AlgorithmConfig, FilterGroupsConfig, KLRewardConfig, OverlongConfig, RewardConfig,
+                                    RolloutCorrectionConfig)
+from fitrl.config.data import DataConfig
+from fitrl.config.roles import ActorConfig, CriticConfig, FSDPConfig, LoRAConfig, ModelConfig, OptimConfig, RefConfig
+from fitrl.config.rollout import RolloutConfig, SamplingConfig
+from fitrl.config.run import CheckpointConfig, MemoryConfig, TrainerConfig
 from fitrl.core.errors import ConfigError
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import jinja2
 import numpy as np
 
-from fitrl.config.roles import DataConfig
+from fitrl.config.data import DataConfig
 from fitrl.core.errors import DataError
 from fitrl.data.batch import Batch
 from fitrl.data.images import BadImage, load_image

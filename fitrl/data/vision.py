@@ -31,7 +31,7 @@ from fitrl.core.model_types import VIDEO_TYPES, VISION_LANGUAGE_NAMES
 from fitrl.data.images import BadImage, image_bytes_or_path, load_image, smart_resize
 
 if TYPE_CHECKING:
-    from fitrl.config.roles import DataConfig
+    from fitrl.config.data import DataConfig
 
 VL_MODEL_TYPES = VISION_LANGUAGE_NAMES
 

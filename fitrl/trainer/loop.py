@@ -19,24 +19,22 @@ from fitrl.algo.advantages import compute_advantages, scores_to_token_rewards
 from fitrl.algo.filtering import group_is_informative
 from fitrl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalized_rewards
 from fitrl.algo.mismatch import mismatch_metrics
-from fitrl.checkpoint import layout
 from fitrl.checkpoint.layout import Checkpoint
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import FitrlConfig
-from fitrl.core.errors import Diverged, Interrupted
+from fitrl.core.errors import Interrupted
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
 from fitrl.roles.reward import RewardScorer
 from fitrl.telemetry.memory import host_memory
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.collect import RolloutCollector, group_index
-from fitrl.trainer.divergence import DivergenceJudge, vocab_size
 from fitrl.trainer.logging import format_step_line, make_progress
-from fitrl.trainer.memory_watch import MemoryWatch
 from fitrl.trainer.perf import StepPerf, skipped_prompts
 from fitrl.trainer.run_log import RunLog
-from fitrl.trainer.signals import SIGNALS, signal_name, why_not_save
+from fitrl.trainer.signals import SIGNALS
+from fitrl.trainer.stops import RunStops
 from fitrl.trainer.validation import ValidationSplits, summary as validation_summary
 from fitrl.workers.group import RoleHandle
 
@@ -91,13 +89,18 @@ class RLTrainer:
         self.kl_ctrl = (AdaptiveKLController(kr.coef, kr.target_kl, kr.horizon) if kr.controller == "adaptive"
                         else FixedKLController(kr.coef))
         self.checkpoints = checkpoints
-        self.divergence = DivergenceJudge(cfg.trainer.divergence, vocab_size(cfg.actor.model.path))
-        self.start_step = 0  # the step a resumed run continues after
         self.history: list[dict[str, float]] = list(history or [])
-        # (a LoRA run's reference is the policy group itself: its records are the policy's)
-        self.memory = MemoryWatch(cfg, {"policy": policy, **({"ref": ref} if ref and ref is not policy else {}),
-                                        **({"critic": critic} if critic else {})}, console,
-                                  write=self.writer.write, save=self.emergency_save)
+        # the memory guard, signals and divergence (a LoRA run's reference is the policy group
+        # itself: its memory records are the policy's)
+        self.stops = RunStops(cfg, watched={"policy": policy, **({"ref": ref} if ref and ref is not policy else {}),
+                                            **({"critic": critic} if critic else {})},
+                              saved=self.roles, writer=self.writer, console=console, checkpoints=checkpoints)
+        self.memory = self.stops.memory
+
+    @property
+    def start_step(self) -> int:
+        """The step a resumed run continues after (0 for a new run)."""
+        return self.stops.start_step
 
     def fit(self) -> list[dict[str, float]]:
         with SIGNALS.deferred():  # SIGINT/SIGTERM: stop at the next safe point (fitrl/trainer/signals.py)
@@ -106,15 +109,14 @@ class RLTrainer:
             except Interrupted as e:
                 if not SIGNALS.stopped_at_once:  # stopped at a safe point: its message is complete
                     raise
-                raise Interrupted(f"{e}; {self.resume_text()}", e.signum) from None
+                raise Interrupted(f"{e}; {self.stops.resume_text()}", e.signum) from None
 
     def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         if t.val_only or (t.val_before_train and self.start_step == 0):
-            with self.memory.catch(), SIGNALS.catch():
+            with self.stops.stoppable():
                 self.validate(step=self.start_step)
-            self.memory.stop_if_crossed(self.start_step, step_done=True, state=None)
-            self.stop_if_signalled(self.start_step, step_done=True, state=None)
+            self.stops.safe_point(self.start_step, step_done=True, state=None)
         if t.val_only:
             return self.history
         with make_progress(self.console, t.progress_bar) as progress:
@@ -124,21 +126,19 @@ class RLTrainer:
                 self.record(step, metrics)
                 if "console" in t.loggers and (step % t.log_freq == 0 or step == t.max_steps):
                     progress.console.print(format_step_line(step, metrics), highlight=False)
-                self.stop_if_diverged(step, metrics)  # before any save: a diverged step is never checkpointed
-                # a crossing noted where nothing could stop (update, validation): the step is complete
-                self.memory.stop_if_crossed(step, step_done=True, state=self.state_dict(step), metrics=self.history[-1])
-                self.stop_if_signalled(step, step_done=True, state=self.state_dict(step), metrics=self.history[-1])
+                # the step is complete: judged for divergence before any save; a crossing or a
+                # signal noted where nothing could stop (update, validation) stops here
+                self.stops.safe_point(step, step_done=True, state=self.state_dict(step), metrics=self.history[-1],
+                                      judge=True)
                 if step != t.max_steps:
                     self.maybe_save(step, metrics)
                 progress.advance(task)
         final = {}
         if self.val_data is not None and t.max_steps:
-            with self.memory.catch(), SIGNALS.catch():
+            with self.stops.stoppable():
                 final = self.validate(step=t.max_steps)
-            self.memory.stop_if_crossed(t.max_steps, step_done=True, state=self.state_dict(t.max_steps),
-                                        metrics=self.history[-1] if self.history else {})
-            self.stop_if_signalled(t.max_steps, step_done=True, state=self.state_dict(t.max_steps),
-                                   metrics=self.history[-1] if self.history else {})
+            self.stops.safe_point(t.max_steps, step_done=True, state=self.state_dict(t.max_steps),
+                                  metrics=self.history[-1] if self.history else {})
         if t.max_steps > self.start_step:
             self.maybe_save(t.max_steps, {**self.history[-1], **final} if self.history else final)
         return self.history
@@ -147,13 +147,12 @@ class RLTrainer:
         """One RL step, its validation when due, and its memory. A guard crossing in a read-only
         phase abandons the step (the run ends here, checkpointed as the previous step)."""
         at_start = self.state_dict(step - 1)
-        with self.memory.catch(), SIGNALS.catch():
+        with self.stops.stoppable():
             metrics = self.train_step(step)
-        self.memory.stop_if_crossed(step, step_done=False, state=at_start)
-        self.stop_if_signalled(step, step_done=False, state=at_start)  # a signal abandoned the step
+        self.stops.safe_point(step, step_done=False, state=at_start)  # a stop here abandons the step
         val_freq = self.cfg.trainer.val_freq
         if val_freq and step % val_freq == 0 and step != self.cfg.trainer.max_steps:
-            with self.memory.catch(), SIGNALS.catch():  # a signal skips the validation; the step is kept
+            with self.stops.stoppable():  # a stop skips the validation; the step is kept
                 metrics.update(self.validate(step))
         mem, events = self.memory.end_step(step)
         metrics.update(mem)
@@ -175,85 +174,10 @@ class RLTrainer:
         return {"actor": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
     def maybe_save(self, step: int, metrics: dict[str, float]) -> None:
-        if self.checkpoints is not None and self.checkpoints.due(step):
-            if self.divergence.pending:  # never replace good checkpoints by weights that may be diverging
-                self.console.print(f"checkpoint of step {step} skipped: divergence suspected: "
-                                   f"{self.divergence.pending}", highlight=False)
-                return
+        # never replace good checkpoints by weights that may be diverging
+        if self.checkpoints is not None and self.checkpoints.due(step) and self.stops.may_save(step):
             with PhaseTimer().phase("checkpoint_save", guarded=False):
                 self.checkpoints.save(step, self.roles(), self.state_dict(step), metrics)
-
-    def emergency_save(self, step: int, state: dict, metrics: dict) -> Optional[Path]:
-        if self.checkpoints is None:
-            return None
-        if self.divergence.pending:
-            self.console.print(f"no emergency checkpoint of step {step}: divergence suspected: "
-                               f"{self.divergence.pending}", highlight=False)
-            return None
-        return self.checkpoints.save(step, self.roles(), state, metrics)
-
-    def resume_text(self) -> str:
-        """Where a next run continues from: this run directory's newest resumable checkpoint."""
-        found = [c for c in layout.list_complete(self.checkpoints.root) if not c.model_only] if self.checkpoints else []
-        if not found:
-            return "no checkpoint to resume: a next run starts at step 0"
-        point = found[-1]
-        how = ("run the same command to continue" if self.cfg.trainer.run_dir and self.cfg.checkpoint.resume == "auto"
-               else f"continue with checkpoint.resume={point.path}")
-        return f"resume point: {point.path} (step {point.step}); {how}"
-
-    def stop_if_diverged(self, step: int, metrics: dict[str, float]) -> None:
-        """Ends the run with :class:`Diverged` when the judge says so (fitrl/trainer/divergence.py):
-        metrics.jsonl keeps the step and an event naming the reason; no checkpoint is written."""
-        reason = self.divergence.observe(metrics)
-        if reason is None:
-            return
-        self.writer.write({"step": step, "event": "divergence", "reason": reason})
-        onset = step - self.divergence.steps_since_onset + 1  # no checkpoint was written from here on
-        found = [c for c in layout.list_complete(self.checkpoints.root)
-                 if not c.model_only and c.step < onset] if self.checkpoints else []
-        if not found:
-            last = "no checkpoint of this run precedes it"
-        elif found[-1].step == onset - 1:  # signs show one step after the update that caused them
-            last = (f"the newest checkpoint, {found[-1].path}, holds step {found[-1].step}, whose own update may have "
-                    "started it" + (f" (the one before: {found[-2].path})" if len(found) > 1 else ""))
-        else:
-            last = f"the newest checkpoint, {found[-1].path} (step {found[-1].step}), is from before it"
-        since = f"since step {onset} " if onset < step else ""
-        raise Diverged(f"diverged at step {step}: {reason}. No checkpoint was written {since}({last}). A lower "
-                       f"actor.optim.lr (now {self.cfg.actor.optim.lr:g}) is the usual cure; trainer.divergence.* sets "
-                       "what counts as divergence")
-
-    def stop_if_signalled(self, step: int, *, step_done: bool, state: Optional[dict],
-                          metrics: Optional[dict] = None) -> None:
-        """After SIGINT/SIGTERM, at a safe point (fitrl/trainer/signals.py): the emergency checkpoint
-        of the last complete step when there is time, a record in metrics.jsonl, and
-        :class:`Interrupted` with one line. ``step_done``: ``step`` is complete (else abandoned,
-        and ``state`` is the driver's state before it); ``state`` None: nothing to save."""
-        if not SIGNALS.requested(step_done=step_done):
-            return
-        if state is None:  # stopped before anything was trained (the validation before the first step)
-            done = self.start_step
-        else:
-            done = step if step_done else step - 1
-        path, why = None, "checkpoints are off"
-        if self.checkpoints is not None:
-            why = why_not_save(done=done, start_step=self.start_step,
-                               checkpointed=(self.checkpoints.root / f"step_{done}" / layout.MARKER).is_file(),
-                               elapsed=SIGNALS.elapsed(), expected_save_s=self.checkpoints.last_save_s,
-                               grace_s=self.cfg.trainer.signal_grace_s, divergence=self.divergence.pending)
-        if why is None:
-            try:
-                with PhaseTimer().phase("checkpoint_save", guarded=False):
-                    path = self.checkpoints.save(done, self.roles(), state, metrics or {})
-            except Exception as e:  # atomic saves: the earlier checkpoints are untouched
-                why = f"it failed: {type(e).__name__}: {e}"
-        name = signal_name(SIGNALS.signum)
-        self.writer.write({"step": step, "event": "signal_stop", "signal": name, "step_done": step_done,
-                           "checkpoint": str(path) if path else None, "no_checkpoint_because": why})
-        where = f"at step {step}" if step_done else f"during step {step} (abandoned before its update: redone on resume)"
-        saved = f"emergency checkpoint of step {done} written" if path else f"no emergency checkpoint ({why})"
-        raise Interrupted(f"stopped by {name} {where}: {saved}; {self.resume_text()}", SIGNALS.signum)
 
     def state_dict(self, step: int) -> dict:
         """The driver's part of a checkpoint (RNG states are added by the manager)."""
@@ -264,7 +188,7 @@ class RLTrainer:
         """Continue after ``point``: roles' weights, optimizers, schedulers, RNGs; data position;
         KL coefficient. With ``trainer.val_only`` only the weights are loaded."""
         state = self.checkpoints.restore(point, self.roles(), weights_only=self.cfg.trainer.val_only)
-        self.start_step = point.step
+        self.stops.start_step = point.step
         if state is None:
             return
         self.writer.resumed_at(point.step)  # the trackers continue their runs

@@ -40,3 +40,19 @@ def test_mismatched_sizes_rejected():
         make(4).update(y=torch.zeros(3))
     with pytest.raises(KeyError, match="not in batch"):
         make(2)["missing"]
+
+
+def test_named_values_travel_as_one_structured_entry():
+    """Reward components: one (B, C) entry with its names, kept through index, split and concat."""
+    b = Batch({"x": torch.arange(4.0)}).put_named("comps", {"exact": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+                                                         "format": torch.tensor([1, 1, 0, 1])})
+    assert b["comps"].shape == (4, 2) and b["comps"].dtype == torch.float32
+    assert list(b.named("comps")) == ["exact", "format"]
+    picked = b.index([2, 3]).named("comps")
+    assert picked["exact"].tolist() == [1.0, 0.0] and picked["format"].tolist() == [0.0, 1.0]
+    joined = Batch.concat(b.split(3))
+    assert torch.equal(joined.named("comps")["format"], torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    assert Batch({"x": torch.zeros(2)}).put_named("comps", {}).named("comps") == {}
+    other = Batch({"x": torch.zeros(1)}).put_named("comps", {"exact": torch.zeros(1), "len": torch.zeros(1)})
+    with pytest.raises(ValueError, match="'comps' name"):
+        Batch.concat([b, other])

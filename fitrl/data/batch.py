@@ -4,10 +4,15 @@ A :class:`Batch` holds per-sample tensors (first dimension = batch) and per-samp
 fields (lists: prompt text, answers, uids ...), plus batch-level ``meta``. It splits into
 micro-batches, concatenates, indexes and moves between devices, so the driver never
 handles a loose tensor and a worker group can scatter/gather without knowing the keys.
+
+A set of named per-sample values (the reward's components) travels as one structured entry:
+a (B, C) tensor with its C names in ``meta`` (:meth:`Batch.put_named`, :meth:`Batch.named`),
+never as string-keyed entries to be parsed back.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -60,6 +65,23 @@ class Batch:
             self.tensors[k] = v
         return self
 
+    def put_named(self, key: str, values: dict[str, torch.Tensor]) -> "Batch":
+        """Store named (B,) tensors as one (B, C) entry ``key`` (their promoted dtype), their names
+        in ``meta`` (nothing when ``values`` is empty)."""
+        if values:
+            dtype = functools.reduce(torch.promote_types, (v.dtype for v in values.values()))
+            self.update(**{key: torch.stack([v.to(dtype) for v in values.values()], dim=1)})
+            self.meta[_names_key(key)] = list(values)
+        return self
+
+    def named(self, key: str) -> dict[str, torch.Tensor]:
+        """The named (B,) tensors stored by :meth:`put_named` (empty when ``key`` is absent)."""
+        if key not in self.tensors:
+            return {}
+        table = self.tensors[key]
+        # contiguous copies: a strided column sums in another order, and means would differ in the last bit
+        return {name: table[:, i].contiguous() for i, name in enumerate(self.meta[_names_key(key)])}
+
     def index(self, idx: Sequence[int] | torch.Tensor | slice) -> "Batch":
         if isinstance(idx, slice):
             return Batch({k: v[idx] for k, v in self.tensors.items()},
@@ -98,6 +120,15 @@ class Batch:
         for b in batches[1:]:
             if set(b.keys()) != set(first.keys()):
                 raise ValueError(f"cannot concat batches with keys {sorted(first.keys())} and {sorted(b.keys())}")
+            for k in first.tensors:
+                if first.meta.get(_names_key(k)) != b.meta.get(_names_key(k)):
+                    raise ValueError(f"cannot concat batches whose {k!r} name {first.meta.get(_names_key(k))} "
+                                     f"and {b.meta.get(_names_key(k))}")
         tensors = {k: torch.cat([b.tensors[k] for b in batches], dim=0) for k in first.tensors}
         fields = {k: [x for b in batches for x in b.fields[k]] for k in first.fields}
         return Batch(tensors, fields, dict(first.meta))
+
+
+def _names_key(key: str) -> str:
+    """Where :meth:`Batch.put_named` keeps the names of entry ``key``'s columns."""
+    return f"{key}:names"

@@ -23,7 +23,10 @@ from fitrl.rewards.answers import is_degenerate
 from fitrl.rewards.functions import RewardError, RewardFunction, read_batch, read_result
 from fitrl.rewards.pool import Outcome, RewardPool
 
-__all__ = ["RewardError", "RewardScorer", "Scored"]
+__all__ = ["REWARD_COMPONENTS", "RewardError", "RewardScorer", "Scored"]
+
+REWARD_COMPONENTS = "reward_components"
+"""The batch entry holding a scored rollout's components (``Batch.put_named``: (B, C) and their names)."""
 
 logger = logging.getLogger("fitrl.rewards")
 MAX_LOGGED_FAILURES = 20

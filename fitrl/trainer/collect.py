@@ -19,7 +19,7 @@ from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.core.errors import RunStopped
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
-from fitrl.roles.reward import RewardScorer, Scored
+from fitrl.roles.reward import REWARD_COMPONENTS, RewardScorer, Scored
 from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.perf import Lengths, sequence_lengths
@@ -105,8 +105,7 @@ class RolloutCollector:
                                        extras=batch["extra"])
             self._add_reward_health(stats, scored)
             batch.update(scores=self._shape(batch, scored.scores))
-            for k, v in scored.components.items():
-                batch.update(**{f"reward_component/{k}": v})
+            batch.put_named(REWARD_COMPONENTS, scored.components)
         if self.needs_baseline:
             with timer.phase("baseline_rollout"):
                 greedy = self.policy.generate(prompts, SamplingConfig(temperature=0.0, n=1,
@@ -129,9 +128,8 @@ class RolloutCollector:
 
     @staticmethod
     def _component(batch: Batch, name: str) -> torch.Tensor:
-        key = f"reward_component/{name}"
-        if key not in batch:
-            comps = [k.split("/", 1)[1] for k in batch.keys() if k.startswith("reward_component/")]
+        comps = batch.named(REWARD_COMPONENTS)
+        if name not in comps:
             raise RunStopped(f"algorithm.filter_groups.metric={name!r} is not a component of the reward "
                              f"(components: score, {', '.join(comps)})")
-        return batch[key]
+        return comps[name]

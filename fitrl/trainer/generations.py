@@ -38,11 +38,6 @@ def pick_samples(uids: list[str], count: int) -> list[int]:
     return (first + rest)[:count]
 
 
-def batch_components(batch: Batch) -> dict[str, torch.Tensor]:
-    """A scored rollout's reward components (``reward_component/<name>`` tensors)."""
-    return {k.split("/", 1)[1]: v for k, v in batch.tensors.items() if k.startswith("reward_component/")}
-
-
 def sample_rows(step: int, split: str, batch: Batch, scores: torch.Tensor, components: dict[str, torch.Tensor],
                 count: int, source_key: Optional[str] = None) -> list[dict[str, Any]]:
     rows = []

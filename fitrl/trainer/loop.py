@@ -26,7 +26,7 @@ from fitrl.config.schema import FitrlConfig
 from fitrl.core.errors import Interrupted
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
-from fitrl.roles.reward import RewardScorer
+from fitrl.roles.reward import REWARD_COMPONENTS, RewardScorer
 from fitrl.telemetry.memory import host_memory
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.collect import RolloutCollector, group_index
@@ -250,7 +250,7 @@ class RLTrainer:
         return rewards, {"kl_in_reward/kl": seq_kl, "kl_in_reward/coef": beta}
 
     def step_metrics(self, step: int, batch: Batch, mask: torch.Tensor, stats) -> dict[str, float]:
-        components = {k.split("/", 1)[1]: v for k, v in batch.tensors.items() if k.startswith("reward_component/")}
+        components = batch.named(REWARD_COMPONENTS)
         lengths, truncated = response_stats(batch)
         m = sequence_metrics(batch["scores"], components, lengths, truncated, prefix="")
         m.update(masked_stats("advantage", batch["advantages"], mask))

@@ -19,10 +19,10 @@ from rich.console import Console
 from fitrl.config import config_to_dict
 from fitrl.config.schema import FitrlConfig
 from fitrl.data.batch import Batch
-from fitrl.roles.reward import Scored
+from fitrl.roles.reward import REWARD_COMPONENTS, Scored
 from fitrl.tracking import TrackerRun, Trackers
 from fitrl.tracking.base import finite_numbers
-from fitrl.trainer.generations import GENERATIONS_FILE, GenerationLog, batch_components, table_rows
+from fitrl.trainer.generations import GENERATIONS_FILE, GenerationLog, table_rows
 from fitrl.trainer.logging import MetricsWriter
 
 
@@ -55,13 +55,13 @@ class RunLog:
 
     def add_samples(self, step: int, split: str, batch: Batch, scored: Optional[Scored] = None) -> None:
         """Samples of a scored rollout (``scored``: its scores and components; None: the batch's
-        own ``scores`` and ``reward_component/*``). Training samples only every
+        own ``scores`` and reward components). Training samples only every
         ``trainer.log_samples_freq`` steps."""
         t = self.cfg.trainer
         if not t.log_samples or (split == "train" and not (t.log_samples_freq and step % t.log_samples_freq == 0)):
             return
         scores = scored.scores if scored is not None else batch["scores"]
-        components = scored.components if scored is not None else batch_components(batch)
+        components = scored.components if scored is not None else batch.named(REWARD_COMPONENTS)
         rows = self.generations.add(step, split, batch, scores, components)
         if rows:
             self.tables.setdefault((step, f"generations/{split}"), []).extend(table_rows(rows))

@@ -16,7 +16,7 @@ import itertools
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jinja2
 import numpy as np
@@ -26,12 +26,23 @@ from fitrl.core.errors import DataError
 from fitrl.data.batch import Batch
 from fitrl.data.images import BadImage, load_image
 from fitrl.data.rows import iter_rows, kind_of
-from fitrl.data.vision import (VisionSpec, expand_placeholders, process_images, process_videos, read_row_media,
-                               video_pixel_limits)
+from fitrl.data.vision import (RowMedia, VisionSpec, expand_placeholders, process_images, process_videos,
+                               read_row_media, video_pixel_limits)
 
 
 # --------------------------------------------------------------------------------------------
 # Building prompts
+
+
+class _Row(NamedTuple):
+    """A data row read and templated, before tokenisation."""
+    source: str
+    row: dict
+    text: str
+    """The prompt as people read it (each image's run of pad tokens written once)."""
+    id_text: str
+    """The text the ids encode (every image token)."""
+    media: Optional[RowMedia]
 
 
 class PromptDataset:
@@ -67,117 +78,137 @@ class PromptDataset:
         max_rows: Optional[int] = None,
     ) -> None:
         """``max_rows``: read only the first this many rows of each file (the memory planner's
-        sample of prompt lengths, fitrl/memory/lengths.py); unset: every row."""
+        sample of prompt lengths, fitrl/memory/lengths.py); unset: every row.
+
+        Built in four steps: the options checked (:meth:`_template`), each row templated and its
+        media read (:meth:`_read_rows`), every prompt tokenised in one call (:meth:`_tokenize`),
+        and the prompts over ``max_prompt_length`` dropped (:meth:`_examples_within`)."""
         if isinstance(files, (str, os.PathLike)):
             files = [files]
         self.files = [str(f) for f in files]
         self.name = name
         self.max_prompt_length = max_prompt_length
+        self.prompt_key, self.answer_key = prompt_key, answer_key
+        self.system_prompt, self.apply_chat_template = system_prompt, apply_chat_template
+        self.vision = vision
+        self.media = media if media is not None else DataConfig()
+        self.bad_image_counts: Counter[str] = Counter()  # rows skipped (data.on_bad_image=skip), by reason
+        template = self._template(tokenizer, prompt_template)
+        rows = self._read_rows(tokenizer, template, max_rows)
+        ids = self._tokenize(tokenizer, rows)
+        self.num_rows = len(rows) + self.num_bad_image_rows
+        self._examples = self._examples_within(rows, ids)
+        self.num_filtered = len(rows) - len(self._examples)
+
+    def _template(self, tokenizer: Any, prompt_template: Optional[str]) -> Optional[jinja2.Template]:
+        """The options checked against each other and the tokenizer; the compiled prompt template."""
         if not self.files:
-            raise DataError(f"{name}: no data files given")
-        if max_prompt_length < 1:
-            raise DataError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
-        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"{self.name}: no data files given")
+        if self.max_prompt_length < 1:
+            raise DataError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        if self.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 "the tokenizer has no chat template; set data.apply_chat_template=false "
                 "(and shape the prompt with data.prompt_template) or use a tokenizer that has one"
             )
-        if system_prompt is not None and not apply_chat_template:
+        if self.system_prompt is not None and not self.apply_chat_template:
             # Without a chat template there is no "system message"; gluing it on in some made-up
             # format would be guessing, and prompt_template already expresses any prefix exactly.
             raise DataError(
                 "data.system_prompt needs data.apply_chat_template=true; "
                 "for a plain-text prefix put it in data.prompt_template instead"
             )
-        template = None
-        if prompt_template is not None:
-            # StrictUndefined: a misspelt column must fail loudly, not render as an empty string.
-            env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-            try:
-                template = env.from_string(prompt_template)
-            except jinja2.TemplateSyntaxError as e:
-                raise DataError(f"data.prompt_template: syntax error at line {e.lineno}: {e.message}") from None
+        if self.vision is not None:
+            self.vision.check_tokenizer(tokenizer)
+        if prompt_template is None:
+            return None
+        # StrictUndefined: a misspelt column must fail loudly, not render as an empty string.
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        try:
+            return env.from_string(prompt_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise DataError(f"data.prompt_template: syntax error at line {e.lineno}: {e.message}") from None
 
-        self.vision = vision
-        self.media = media if media is not None else DataConfig()
-        self.bad_image_counts: Counter[str] = Counter()  # rows skipped (data.on_bad_image=skip), by reason
-        if vision is not None:
-            vision.check_tokenizer(tokenizer)
-        texts, id_texts, rows, row_media = [], [], [], []
+    def _read_rows(self, tokenizer: Any, template: Optional[jinja2.Template], max_rows: Optional[int]) -> list[_Row]:
+        """Every row of the files as the text its prompt is (chat template applied) and, with
+        vision, its media read and checked; bad-image rows skipped or refused (``data.on_bad_image``)."""
+        rows = []
         for path in self.files:
             # Relative image paths: data.image_dir, else the directory of the file (or saved dataset).
             base_dir = self.media.image_dir or (path if Path(path).is_dir() else os.path.dirname(os.path.abspath(path)))
             for source, row in itertools.islice(iter_rows(path), max_rows):
-                # With a template the prompt column is optional: the template names what it uses.
-                required = ([] if template else [(prompt_key, "prompt_key")]) + [(answer_key, "answer_key")]
-                for key, option in required:
-                    if key not in row:
-                        raise DataError(
-                            f"{source}: row has no {key!r} column (columns: {', '.join(map(str, row))}); set data.{option}"
-                        )
-                messages = self._messages(source, row, prompt_key, template, system_prompt)
-                media_of_row = None
-                if vision is None:
-                    self._refuse_media(source, row)
-                else:
-                    try:
-                        messages, media_of_row = read_row_media(source, row, messages, spec=vision,
-                                                                opts=self.media, base_dir=base_dir)
-                    except BadImage as e:
-                        self._bad_row(source, e)
-                        continue
-                if apply_chat_template:
-                    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                elif len(messages) == 1 and messages[0]["role"] == "user":
-                    text = messages[0]["content"]
-                else:
-                    raise DataError(f"{source}: a multi-message conversation needs data.apply_chat_template=true")
-                id_text = text
-                if media_of_row is not None:
-                    try:  # one <|image_pad|> per image token: the ids (and the length filter) count them
-                        id_text = expand_placeholders(text, media_of_row.image_tokens, media_of_row.video_tokens, vision)
-                    except BadImage as e:
-                        self._bad_row(source, e)
-                        continue
-                texts.append(text)
-                id_texts.append(id_text)
-                rows.append((source, row))
-                row_media.append(media_of_row)
+                try:
+                    rows.append(self._read_row(tokenizer, template, source, row, base_dir))
+                except BadImage as e:
+                    self._bad_row(source, e)
         self.num_bad_image_rows = sum(self.bad_image_counts.values())
         if not rows and self.num_bad_image_rows:
-            raise DataError(f"{name}: every row of {', '.join(self.files)} has a bad image and was skipped "
+            raise DataError(f"{self.name}: every row of {', '.join(self.files)} has a bad image and was skipped "
                             f"({self._bad_image_text()}); fix the images or set data.on_bad_image=error to see "
                             f"the first one")
         if not rows:
-            raise DataError(f"{name}: no rows in {', '.join(self.files)}")
+            raise DataError(f"{self.name}: no rows in {', '.join(self.files)}")
+        return rows
 
-        # One batched call: fast tokenizers parallelise it, which matters for 100k-row sets.
-        # The chat template already writes its own BOS/special tokens, so adding the tokenizer's
-        # defaults again would double them; plain text gets the defaults as a base model expects.
-        ids = tokenizer(id_texts, add_special_tokens=not apply_chat_template)["input_ids"]
+    def _read_row(self, tokenizer: Any, template: Optional[jinja2.Template], source: str, row: dict,
+                  base_dir: str) -> _Row:
+        """One row's prompt text (and media); :class:`BadImage` for a row whose media are bad."""
+        # With a template the prompt column is optional: the template names what it uses.
+        required = ([] if template else [(self.prompt_key, "prompt_key")]) + [(self.answer_key, "answer_key")]
+        for key, option in required:
+            if key not in row:
+                raise DataError(
+                    f"{source}: row has no {key!r} column (columns: {', '.join(map(str, row))}); set data.{option}"
+                )
+        messages = self._messages(source, row, self.prompt_key, template, self.system_prompt)
+        media_of_row = None
+        if self.vision is None:
+            self._refuse_media(source, row)
+        else:
+            messages, media_of_row = read_row_media(source, row, messages, spec=self.vision, opts=self.media,
+                                                    base_dir=base_dir)
+        if self.apply_chat_template:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        elif len(messages) == 1 and messages[0]["role"] == "user":
+            text = messages[0]["content"]
+        else:
+            raise DataError(f"{source}: a multi-message conversation needs data.apply_chat_template=true")
+        id_text = text
+        if media_of_row is not None:  # one <|image_pad|> per image token: the ids (and the length filter) count them
+            id_text = expand_placeholders(text, media_of_row.image_tokens, media_of_row.video_tokens, self.vision)
+        return _Row(source, row, text, id_text, media_of_row)
 
-        self.num_rows = len(rows) + self.num_bad_image_rows
-        self._examples: list[dict] = []
+    def _tokenize(self, tokenizer: Any, rows: list[_Row]) -> list[list[int]]:
+        """Every prompt's ids, in one batched call: fast tokenizers parallelise it, which matters
+        for 100k-row sets. The chat template already writes its own BOS/special tokens, so adding
+        the tokenizer's defaults again would double them; plain text gets the defaults as a base
+        model expects."""
+        return tokenizer([r.id_text for r in rows], add_special_tokens=not self.apply_chat_template)["input_ids"]
+
+    def _examples_within(self, rows: list[_Row], ids: list[list[int]]) -> list[dict]:
+        """The examples whose prompts fit ``max_prompt_length`` tokens (``ds[i]``'s dicts)."""
+        examples: list[dict] = []
         # With vision, the media columns travel as references in the example, not in `extra`
         # (which is shipped to the reward with every sample).
-        own = (prompt_key, answer_key) + ((self.media.image_key, self.media.video_key) if vision else ())
-        for (source, row), text, prompt_ids, m in zip(rows, texts, ids, row_media):
-            if len(prompt_ids) > max_prompt_length:
+        own = (self.prompt_key, self.answer_key) + ((self.media.image_key, self.media.video_key) if self.vision else ())
+        for r, prompt_ids in zip(rows, ids):
+            if len(prompt_ids) > self.max_prompt_length:
                 continue
-            extra = {k: v for k, v in row.items() if k not in own}
-            ex = dict(prompt_ids=list(prompt_ids), prompt_text=text, answer=row[answer_key],
-                      extra=extra, source=source, index=len(self._examples))
+            extra = {k: v for k, v in r.row.items() if k not in own}
+            ex = dict(prompt_ids=list(prompt_ids), prompt_text=r.text, answer=r.row[self.answer_key],
+                      extra=extra, source=r.source, index=len(examples))
+            m = r.media
             if m is not None:
                 ex.update(images=m.images, image_sizes=m.image_sizes, videos=m.videos, video_sizes=m.video_sizes)
-            self._examples.append(ex)
-        self.num_filtered = len(rows) - len(self._examples)
-        if not self._examples:
+            examples.append(ex)
+        if not examples:
             lengths = [len(x) for x in ids]
             raise DataError(
-                f"{name}: all {self.num_rows} rows of {', '.join(self.files)} are longer than "
-                f"data.max_prompt_length={max_prompt_length} tokens (shortest {min(lengths)}, longest {max(lengths)}); "
-                f"raise data.max_prompt_length"
+                f"{self.name}: all {self.num_rows} rows of {', '.join(self.files)} are longer than "
+                f"data.max_prompt_length={self.max_prompt_length} tokens (shortest {min(lengths)}, longest "
+                f"{max(lengths)}); raise data.max_prompt_length"
             )
+        return examples
 
     @classmethod
     def from_config(cls, files: list[str], tokenizer: Any, d: DataConfig, *, name: str,

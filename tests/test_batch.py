@@ -53,6 +53,8 @@ def test_named_values_travel_as_one_structured_entry():
     joined = Batch.concat(b.split(3))
     assert torch.equal(joined.named("comps")["format"], torch.tensor([1.0, 1.0, 0.0, 1.0]))
     assert Batch({"x": torch.zeros(2)}).put_named("comps", {}).named("comps") == {}
-    other = Batch({"x": torch.zeros(1)}).put_named("comps", {"exact": torch.zeros(1), "len": torch.zeros(1)})
-    with pytest.raises(ValueError, match="'comps' name"):
-        Batch.concat([b, other])
+    # pieces scored with other components (a reward routed by source): the union, 0 where absent
+    other = Batch({"x": torch.zeros(1)}).put_named("comps", {"exact": torch.ones(1), "len": torch.full((1,), 3.0)})
+    both = Batch.concat([b, other]).named("comps")
+    assert list(both) == ["exact", "format", "len"]
+    assert both["len"].tolist() == [0.0] * 4 + [3.0] and both["format"].tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]

@@ -20,7 +20,7 @@ TYPOS = [
     ("algorithm.kl_in_reward.estimator=kl", "unknown KL estimator algorithm.kl_in_reward.estimator='kl'", "k1, k2"),
     ("critic.loss_agg_mode=token", "unknown loss aggregation critic.loss_agg_mode='token'", "token-mean"),
     ("reward.function=arithm", "unknown reward function reward.function='arithm'; did you mean 'arith'?",
-     "arith, choice, math, r1v, think_format"),
+     "arith, by_source, choice, math, r1v, think_format"),
     ("rollout.engine=vlm", "unknown rollout engine rollout.engine='vlm'; did you mean 'vllm'?", "hf, vllm"),
 ]
 

@@ -120,15 +120,25 @@ class Batch:
         for b in batches[1:]:
             if set(b.keys()) != set(first.keys()):
                 raise ValueError(f"cannot concat batches with keys {sorted(first.keys())} and {sorted(b.keys())}")
-            for k in first.tensors:
-                if first.meta.get(_names_key(k)) != b.meta.get(_names_key(k)):
-                    raise ValueError(f"cannot concat batches whose {k!r} name {first.meta.get(_names_key(k))} "
-                                     f"and {b.meta.get(_names_key(k))}")
         tensors = {k: torch.cat([b.tensors[k] for b in batches], dim=0) for k in first.tensors}
         fields = {k: [x for b in batches for x in b.fields[k]] for k in first.fields}
-        return Batch(tensors, fields, dict(first.meta))
+        meta = dict(first.meta)
+        for k in first.tensors:
+            if _names_key(k) in meta:  # named columns: the union of the names, 0 where a piece has none
+                names = list(dict.fromkeys(n for b in batches for n in b.meta[_names_key(k)]))
+                if any(b.meta[_names_key(k)] != names for b in batches):
+                    tensors[k] = torch.cat([_widened(b, k, names) for b in batches], dim=0)
+                meta[_names_key(k)] = names
+        return Batch(tensors, fields, meta)
 
 
 def _names_key(key: str) -> str:
     """Where :meth:`Batch.put_named` keeps the names of entry ``key``'s columns."""
     return f"{key}:names"
+
+
+def _widened(batch: Batch, key: str, names: list[str]) -> torch.Tensor:
+    """``batch``'s named entry ``key`` with a column per name of ``names`` (zeros where it has none)."""
+    own = batch.named(key)
+    table = batch.tensors[key]
+    return torch.stack([own[n] if n in own else table.new_zeros(len(table)) for n in names], dim=1)

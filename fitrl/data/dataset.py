@@ -25,7 +25,7 @@ from fitrl.config.data import DataConfig
 from fitrl.core.errors import DataError
 from fitrl.data.batch import Batch
 from fitrl.data.images import BadImage, load_image
-from fitrl.data.rows import iter_rows, kind_of
+from fitrl.data.rows import MISSING, iter_rows, kind_of, lookup, missing_key_text
 from fitrl.data.vision import (RowMedia, VisionSpec, expand_placeholders, process_images, process_videos,
                                read_row_media, video_pixel_limits)
 
@@ -156,10 +156,8 @@ class PromptDataset:
         # With a template the prompt column is optional: the template names what it uses.
         required = ([] if template else [(self.prompt_key, "prompt_key")]) + [(self.answer_key, "answer_key")]
         for key, option in required:
-            if key not in row:
-                raise DataError(
-                    f"{source}: row has no {key!r} column (columns: {', '.join(map(str, row))}); set data.{option}"
-                )
+            if lookup(row, key) is MISSING:
+                raise DataError(f"{source}: row has no {key!r} column ({missing_key_text(row, key)}); set data.{option}")
         messages = self._messages(source, row, self.prompt_key, template, self.system_prompt)
         media_of_row = None
         if self.vision is None:
@@ -195,7 +193,7 @@ class PromptDataset:
             if len(prompt_ids) > self.max_prompt_length:
                 continue
             extra = {k: v for k, v in r.row.items() if k not in own}
-            ex = dict(prompt_ids=list(prompt_ids), prompt_text=r.text, answer=r.row[self.answer_key],
+            ex = dict(prompt_ids=list(prompt_ids), prompt_text=r.text, answer=lookup(r.row, self.answer_key),
                       extra=extra, source=r.source, index=len(examples))
             m = r.media
             if m is not None:
@@ -233,7 +231,7 @@ class PromptDataset:
                     f"(columns: {', '.join(map(str, row))})"
                 ) from None
         else:
-            prompt = row[prompt_key]
+            prompt = lookup(row, prompt_key)
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, list) and prompt:

@@ -116,3 +116,37 @@ def _check_object(source: str, row: Any) -> dict:
 def kind_of(value: Any) -> str:
     """A JSON value's kind in words, for error messages."""
     return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+MISSING = object()
+"""What :func:`lookup` returns for a key the row does not hold."""
+
+
+def lookup(row: dict, key: str) -> Any:
+    """The value of column ``key`` in ``row``; a dotted key reaches into nested objects
+    (``reward_model.ground_truth``, veRL's layout) when no column has that exact name.
+    :data:`MISSING` when there is none."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def missing_key_text(row: dict, key: str) -> str:
+    """Which columns (or nested keys) a row has, for the error naming a missing ``key``."""
+    value: Any = row
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(value, dict) or part not in value:
+            break
+        value = value[part]
+        if not isinstance(value, dict):
+            return f"{'.'.join(parts[:i + 1])!r} is {kind_of(value)}, not an object"
+    else:
+        if value is not row and isinstance(value, dict):
+            return f"{'.'.join(parts[:-1])!r} has keys: {', '.join(map(str, value))}"
+    return f"columns: {', '.join(map(str, row))}"

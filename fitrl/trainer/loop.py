@@ -301,13 +301,15 @@ class RLTrainer:
             scores.append(scored.scores); comps.append(scored.components); lengths.append(length)
             truncated.append(trunc)
             splits.add(out, scored)
-        m = sequence_metrics(torch.cat(scores), {k: torch.cat([c[k] for c in comps]) for k in comps[0]},
+        names = list(dict.fromkeys(k for c in comps for k in c))  # (a batch without one scores it 0)
+        m = sequence_metrics(torch.cat(scores), {k: torch.cat([c.get(k, torch.zeros(len(s))) for c, s in
+                                                               zip(comps, scores)]) for k in names},
                              torch.cat(lengths), torch.cat(truncated), prefix="val/")
         m.update({f"val/{k}": v for k, v in health.items()})
         m.update(splits.metrics(prefix="val/"))
         m["val/time"] = time.perf_counter() - start
         self.writer.write({"step": step, **m})
-        parts = ", ".join(f"{k} {m[f'val/reward/{k}']:.3f}" for k in comps[0])
+        parts = ", ".join(f"{k} {m[f'val/reward/{k}']:.3f}" for k in names)
         self.console.print(f"validation @ step {step}: reward {m['val/reward/mean']:.3f} over "
                            f"{len(self.val_data)} prompts ({parts}){validation_summary(m, splits.n)}", highlight=False)
         return m

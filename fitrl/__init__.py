@@ -5,3 +5,14 @@ so the CLI answers ``--help`` and config errors in milliseconds.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``fitrl.train``: the Python API (fitrl/api.py), imported on first use. By module name, not
+    an import statement: every layer reads this package's ``__version__``, and a static import of
+    the top layer here would make each of them import upward (pyproject.toml, the layers contract)."""
+    if name == "train":
+        import importlib
+
+        return importlib.import_module("fitrl.api").train
+    raise AttributeError(f"module 'fitrl' has no attribute {name!r}")

@@ -96,6 +96,30 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_config(args: argparse.Namespace) -> int:
+    from fitrl.config import ConfigError
+    from fitrl.config.loader import config_from_dict
+    from fitrl.config.importer import import_config, nest
+
+    items = [args.source, *args.overrides] if args.source else list(args.overrides)
+    source = items[0] if items and "=" not in items[0] else None
+    imported = import_config(source, items[1:] if source else items, args.format)
+    for line in imported.report():  # (stderr: stdout stays a config to save)
+        print(line, file=sys.stderr)
+    try:
+        config_from_dict(nest(imported.config), source=source or "overrides")
+    except ConfigError as e:
+        raise ConfigError(f"the imported config does not load: {e}") from None
+    text = imported.yaml(source or "command-line overrides")
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}: check the approximated and untranslated keys above, then "
+              f"`fitrl plan {args.output}`", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from fitrl.config import config_to_dict, describe_fields
 
@@ -151,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_command(sub)
     add_plan_command(sub)
     add_report_command(sub)
+
+    p = sub.add_parser("import-config", help="translate a veRL or EasyR1 config, launch script or command line "
+                                             "into a fitrl config, one line per key (docs/switching.md)")
+    p.add_argument("source", nargs="?", help="a veRL/EasyR1 YAML or launch script (.sh), or the first key=value")
+    p.add_argument("overrides", nargs="*", help="key=value as the source's own command line takes them")
+    p.add_argument("-o", "--output", help="write the fitrl YAML here (default: stdout)")
+    p.add_argument("--format", choices=["auto", "verl", "easyr1"], default="auto",
+                   help="the source's framework (default: told from its keys)")
+    p.set_defaults(fn=cmd_import_config)
 
     p = sub.add_parser("config", help="print the resolved config, or every key with its documentation (--doc)")
     p.add_argument("config", nargs="?", help="YAML config (omit for the defaults)")

@@ -26,6 +26,7 @@ from fitrl.core.errors import ConfigError, UserError
 from fitrl.rewards.arith import arith_reward
 from fitrl.rewards.by_source import by_source_reward
 from fitrl.rewards.choice import choice_reward
+from fitrl.rewards.python import PYTHON_REWARDS
 from fitrl.rewards.rules import math_reward, r1v_reward, think_format_reward
 
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
@@ -56,8 +57,12 @@ def canonical_spec(spec: str) -> str:
 def check_reward_spec(spec: str) -> None:
     """The cheap checks of ``reward.function`` (no user code runs): a built-in name, or a
     ``file.py:function`` whose file exists, or ``package.module:function``."""
-    if spec in BUILTIN_REWARDS:
+    if spec in BUILTIN_REWARDS or spec in PYTHON_REWARDS:
         return
+    if spec.startswith("python:"):
+        raise ConfigError(f"reward.function={spec!r} names Python callables given to fitrl.train() in another "
+                          "process; give them again (fitrl.train(reward_funcs=[...])) or name a file: "
+                          "'path/to/file.py:function'")
     if ":" not in spec:
         near = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
@@ -74,6 +79,8 @@ def check_reward_spec(spec: str) -> None:
 def resolve_reward_fn(spec: str) -> Callable[..., Any]:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if spec in PYTHON_REWARDS:
+        return PYTHON_REWARDS[spec]
     if ":" not in spec:
         raise ConfigError(f"reward.function={spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
                           "nor 'path/to/file.py:function' / 'package.module:function'")

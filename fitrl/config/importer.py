@@ -1,0 +1,286 @@
+"""``fitrl import-config``: a veRL or EasyR1 job as a fitrl config, with a line per key.
+
+The source is what those projects' users already have: a YAML config, a launch script (the
+``python3 -m verl.trainer.main_ppo key=value ...`` or ``verl.trainer.main config=... key=value``
+command inside it, with its shell variables), or bare dotted overrides. Every source key is
+reported as translated, approximated (with why) or not translated (with why); the result is a
+fitrl YAML that ``fitrl config``, ``fitrl plan`` and ``fitrl train`` take as it is. The maps are in
+:mod:`fitrl.config.import_maps` (docs/switching.md for people).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from fitrl.config.import_maps import (APPROXIMATED, EASYR1, HUB, NOT_TRANSLATED, REWARD_FILES, SPECIAL, TRANSLATED,
+                                      VERL, VERL_DEFAULTS, VERL_PREFIXES, Rule)
+from fitrl.core.errors import ConfigError
+
+FORMATS = {"verl": VERL, "easyr1": EASYR1}
+PREFIXES = {"verl": VERL_PREFIXES, "easyr1": {}}
+
+
+@dataclass
+class Imported:
+    format: str
+    config: dict[str, Any] = field(default_factory=dict)
+    """Dotted fitrl keys and their values."""
+    lines: list[tuple[str, str, str]] = field(default_factory=list)
+    """(status, source key = value, what it became or why not), one per source key."""
+
+    def count(self, status: str) -> int:
+        return sum(1 for s, _, _ in self.lines if s == status)
+
+    def report(self) -> list[str]:
+        width = max((len(k) for _, k, _ in self.lines), default=0)
+        return [f"{status:<14} {key:<{width}}  {text}" for status, key, text in self.lines]
+
+    def yaml(self, source: str) -> str:
+        """The fitrl config, headed by where it came from and the counts."""
+        head = (f"# imported by `fitrl import-config` from {source} ({self.format}): {self.count(TRANSLATED)} keys "
+                f"translated, {self.count(APPROXIMATED)} approximated, {self.count(NOT_TRANSLATED)} not translated\n")
+        return head + yaml.safe_dump(nest(self.config), sort_keys=False)
+
+
+def import_config(source: Optional[str], overrides: list[str] = (), fmt: str = "auto") -> Imported:
+    """Translate ``source`` (a YAML file, a launch script, or None) plus ``overrides`` (dotted
+    ``key=value``, as the source's own command line takes them)."""
+    flat: dict[str, Any] = {}
+    script_dir: Optional[Path] = None
+    if source is not None:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"{source}: no such file (give a veRL/EasyR1 YAML config or launch script)")
+        if path.suffix in (".yaml", ".yml"):
+            flat.update(flatten(_read_yaml(path)))
+        else:
+            base, script_overrides = read_script(path)
+            if base is not None:
+                flat.update(flatten(_read_yaml(base)))
+            overrides = [*script_overrides, *overrides]
+            script_dir = path.parent
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        flat[key.lstrip("+")] = _value(value)
+    if not flat:
+        raise ConfigError("nothing to import: give a config or script, or key=value overrides")
+    fmt = detect(flat) if fmt == "auto" else fmt
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown source format {fmt!r} (verl, easyr1)")
+    return translate(fmt, flat, script_dir)
+
+
+def detect(flat: dict[str, Any]) -> str:
+    roots = {k.split(".")[0] for k in flat}
+    if "worker" in roots:
+        return "easyr1"
+    if roots & {"actor_rollout_ref", "custom_reward_function", "reward_model", "critic"} or "data.train_batch_size" in flat:
+        return "verl"
+    raise ConfigError(f"cannot tell the source's framework from its keys ({', '.join(sorted(roots))}): "
+                      f"pass --format verl or --format easyr1")
+
+
+def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None) -> Imported:
+    out = Imported(fmt)
+    rules = FORMATS[fmt]
+    given = dict(flat)
+    if fmt == "verl":  # keys left out keep veRL's values, not fitrl's
+        flat = {**VERL_DEFAULTS, **flat}
+        out.config.update({"data.answer_key": "reward_model.ground_truth", "reward.function": "by_source"})
+        out.lines.append((TRANSLATED, "(veRL's dataset layout)",
+                          "data.answer_key=reward_model.ground_truth, reward.function=by_source (the rule reward "
+                          "by each row's data_source)"))
+    for key, value in flat.items():
+        if key in SPECIAL or value is None:  # (a null in the source leaves the key unset)
+            continue
+        rule = rules.get(key) or next((r for p, r in PREFIXES[fmt].items() if key.startswith(p)), None)
+        shown = f"{key}={_text(value)}" + (" (veRL's default)" if key not in given else "")
+        if rule is None:
+            if key in given:
+                out.lines.append((NOT_TRANSLATED, shown, "no fitrl key for it"))
+            continue
+        _apply(out, rule, key, value, flat, shown)
+    _special(out, fmt, flat, script_dir)
+    return out
+
+
+def _apply(out: Imported, rule: Rule, key: str, value: Any, flat: dict, shown: str) -> None:
+    if rule.choose is not None:
+        rule = rule.choose(value)
+    if rule.set is None:
+        out.lines.append((rule.status, shown, rule.why))
+        return
+    pairs = rule.set(value, flat)
+    status, why = rule.status, rule.why
+    hub = [v for k, v in pairs if k in ("actor.model.path", "critic.model.path") and _is_hub_id(v)]
+    hub += [f for k, v in pairs if k in ("data.train_files", "data.val_files") for f in v if _is_hub_dataset(f)]
+    if hub:
+        status, why = APPROXIMATED, f"{hub[0]} is a Hub name: {HUB}; download it and set this key to the local path"
+    for k, v in pairs:
+        out.config[k] = v
+    text = ", ".join(f"{k}={_text(v)}" for k, v in pairs) or "(nothing to set)"
+    out.lines.append((status, shown, text + (f": {why}" if why else "")))
+
+
+def _special(out: Imported, fmt: str, flat: dict, script_dir: Optional[Path]) -> None:
+    """What needs more than one key: EasyR1's reward file and prompt template."""
+    if fmt != "easyr1":
+        return
+    spec = flat.get("worker.reward.reward_function")
+    if spec:
+        file = str(spec).split(":")[0]
+        builtin = REWARD_FILES.get(Path(file).name)
+        if builtin:
+            out.config["reward.function"] = builtin
+            out.lines.append((APPROXIMATED, f"worker.reward.reward_function={spec}",
+                              f"reward.function={builtin}: fitrl's built-in scores the same answers (EasyR1's "
+                              f"function takes a batch of dicts)"))
+        else:
+            out.lines.append((NOT_TRANSLATED, f"worker.reward.reward_function={spec}",
+                              "EasyR1's functions take a batch of dicts: write fn(response, answer) and set "
+                              "reward.function=path.py:fn"))
+    template = flat.get("data.format_prompt")
+    if template:
+        found = _find(str(template), script_dir)
+        if found is None:
+            out.lines.append((NOT_TRANSLATED, f"data.format_prompt={template}",
+                              "file not found here: set data.prompt_template to its text"))
+        else:
+            prompt_key = out.config.get("data.prompt_key", "prompt")
+            text = re.sub(r"\bcontent\b", prompt_key, found.read_text())  # EasyR1 renders the prompt as `content`
+            out.config["data.prompt_template"] = text
+            out.lines.append((TRANSLATED, f"data.format_prompt={template}",
+                              f"data.prompt_template=<{found.name}, its `content` read as the {prompt_key!r} column>"))
+
+
+def read_script(path: Path) -> tuple[Optional[Path], list[str]]:
+    """The launch command of a shell script: its ``config=`` YAML (EasyR1) and its ``key=value``
+    arguments with the script's own variables (``NAME=value``, ``NAME=${1:-default}``) filled in."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    variables: dict[str, str] = {}
+    command: Optional[list[str]] = None
+    for line in text.splitlines():
+        line = line.strip()
+        if re.match(r"(?:export\s+)?[A-Za-z_]\w*=", line):  # NAME=value (quoted values may hold spaces)
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            for word in words:
+                name, sep, value = word.partition("=")
+                if sep and re.fullmatch(r"[A-Za-z_]\w*", name):
+                    variables[name] = _expand(value, variables)
+            continue
+        if re.search(r"\bverl\.trainer\.main(_ppo)?\b|\bmain_ppo\b", line):
+            command = shlex.split(line, comments=True)
+    if command is None:
+        raise ConfigError(f"{path}: no `python3 -m verl.trainer.main_ppo` (or `verl.trainer.main`) command found")
+    base, args = None, []
+    for arg in command:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key, _, value = arg.partition("=")
+        value = _expand(value, variables)
+        if key == "config":
+            base = _find(value, path.parent)
+            if base is None:
+                raise ConfigError(f"{path}: config={value} not found (looked beside the script and in its parent "
+                                  f"folders)")
+        else:
+            args.append(f"{key}={value}")
+    return base, args
+
+
+def _expand(value: str, variables: dict[str, str]) -> str:
+    """Shell variables: ``${NAME:-default}``, ``${NAME}``, ``$NAME`` (script variables, then the environment)."""
+    def sub(m: re.Match) -> str:
+        name, default = m.group(1) or m.group(3), m.group(2)
+        if name.isdigit():  # a script argument: its default
+            return default or ""
+        return variables.get(name, os.environ.get(name, default if default is not None else m.group(0)))
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)", sub, value.strip("'\""))
+
+
+def _find(name: str, start: Optional[Path]) -> Optional[Path]:
+    """``name`` as given, or relative to ``start`` and its parents (a repository's scripts folder)."""
+    candidates = [Path(name)]
+    if start is not None:
+        candidates += [p / name for p in (start, *start.resolve().parents)]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
+
+
+def _value(text: str) -> Any:
+    """A command-line value as Hydra reads it: YAML scalars and lists (``'["console","wandb"]'``)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
+        return float(value)  # 1e-6: a number to Hydra, a string to YAML 1.1
+    return value
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        s = value
+    elif isinstance(value, bool) or value is None:
+        s = {True: "true", False: "false", None: "null"}[value]
+    elif isinstance(value, (int, float)):
+        s = f"{value:g}" if isinstance(value, float) else str(value)
+    else:
+        s = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    s = s.replace("\n", " ")
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _is_hub_id(value: Any) -> bool:
+    return isinstance(value, str) and not Path(value).exists() and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", value))
+
+
+def _is_hub_dataset(value: Any) -> bool:
+    """EasyR1's ``org/name@split``."""
+    return isinstance(value, str) and bool(re.fullmatch(r"[\w.-]+/[\w.-]+@\w+", value))

@@ -104,3 +104,49 @@ def test_missing_config_json_is_a_config_error(tmp_path):
     cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tmp_path}"])
     with pytest.raises(ConfigError, match="no config.json"):
         run_plan(cfg, Hardware.for_config(cfg), recommend_changes=False, console=Console(file=io.StringIO()))
+
+
+def test_plan_plans_this_machine_by_default(capsys):
+    """`fitrl plan` of a trainer.device=auto config plans where `fitrl train` would run; the model's
+    size reads in people's units; the process table has no GPU column on a CPU plan."""
+    import torch
+
+    from fitrl.cli import main
+
+    code = main(["plan", str(ROOT / "examples" / "arith.yaml"), "--no-recommend"])
+    out = capsys.readouterr().out
+    assert code == 0
+    if torch.cuda.is_available():
+        assert out.startswith("planning this machine: ") and "GPU(s) of" in out
+    else:
+        assert out.startswith("planning this machine: CPU only") and " on CPU, 1 rank(s)" in out
+        assert "GPU GiB" not in out
+    assert "qwen2 156K params (2 layers" in out  # the tiny model: 156,224 parameters
+    main(["plan", str(ROOT / "examples" / "arith.yaml"), "--gpu-memory", "80GiB", "--no-recommend"])
+    assert "planning this machine" not in capsys.readouterr().out  # other hardware named: planned as named
+
+
+def test_count_text():
+    from fitrl.planner.report import count_text
+
+    assert [count_text(n) for n in (156_224, 494_032_768, 7_615_616_512, 12)] == ["156K", "494M", "7.62B", "12"]
+
+
+@pytest.mark.slow
+def test_the_flagship_example_fits_its_hardware_with_the_config_only_model(capsys):
+    from fitrl.cli import main
+
+    config = str(ROOT / "examples" / "geo3k_qwen2_5_vl_7b.yaml")
+    assert main(["plan", config, "--no-recommend"]) == 2  # the weights are not here: say where a config-only copy is
+    err = capsys.readouterr().err
+    assert "to plan without the weights, its config.json alone is in" in err and "ref.model.path=" in err
+    model = STORY_MODELS / "qwen2.5-vl-7b-instruct"
+    assert main(["plan", config, f"actor.model.path={model}", f"ref.model.path={model}"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: every device <= 90% of 80.0 GiB" in out and "speed-ups that still fit" in out
+    # its former rollout.micro_batch_size does not fit; the first recommendation lowers the deciding peak
+    assert main(["plan", config, f"actor.model.path={model}", f"ref.model.path={model}",
+                 "rollout.micro_batch_size=128"]) == 1
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│ ") and "->" in line]
+    assert rows[0].startswith("│ rollout.micro_batch_size 128 -> 64") and "data.val_batch_size" in rows[-1]

@@ -8,16 +8,18 @@ status: 0 when the plan fits, 1 when it does not, 2 on a configuration error (ra
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Optional
 
 from fitrl.config import ConfigError, FitrlConfig, load_config
 from fitrl.config.plan import parse_bytes
-from fitrl.memory.model import Hardware
+from fitrl.memory.model import Hardware, machine_ram
 from fitrl.planner.plan import plan_config
 from fitrl.planner.recommend import recommend
 from fitrl.planner.report import print_plan
 from fitrl.models.shape import ModelShape
-from fitrl.models.check import read_model_config
+from fitrl.models.check import ModelDirError, read_model_config
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -34,7 +36,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", help="memory of one device, e.g. 80GiB (default: plan.hardware.gpu_memory, else 80GiB)")
     p.add_argument("--host-memory", help="RAM of one node, e.g. 2TiB (default: plan.hardware.host_memory, else 2TiB)")
     p.add_argument("--device", choices=["cuda", "cpu"],
-                   help="plan a CUDA run (default) or a CPU run (default with trainer.device=cpu; host = this machine's RAM)")
+                   help="plan a CUDA run or a CPU run (default: where `fitrl train` would run: trainer.device, and "
+                        "with auto this machine, unless the flags or plan.hardware name GPUs)")
     p.add_argument("--no-recommend", action="store_true", help="skip the recommendations (faster)")
     p.set_defaults(fn=cmd_plan)
     return p
@@ -47,12 +50,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
+    device, gpu_memory, note = this_machine(cfg, args)
+    if note:
+        print(note)
     hardware = Hardware.for_config(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                                   gpu_memory=_size(args.gpu_memory, "--gpu-memory"),
-                                   host_memory=_size(args.host_memory, "--host-memory"), device=args.device)
+                                   gpu_memory=gpu_memory if args.gpu_memory is None else _size(args.gpu_memory,
+                                                                                                 "--gpu-memory"),
+                                   host_memory=_size(args.host_memory, "--host-memory"), device=device)
     check_hardware(hardware, gpu_source="--gpu-memory" if args.gpu_memory is not None else "plan.hardware.gpu_memory",
                    host_source="--host-memory" if args.host_memory is not None else "plan.hardware.host_memory")
     return run_plan(cfg, hardware, recommend_changes=not args.no_recommend)
+
+
+def this_machine(cfg: FitrlConfig, args: argparse.Namespace) -> tuple[Optional[str], Optional[int], str]:
+    """``(device, device memory, a line saying so)`` when the plan is for this machine: what
+    ``fitrl train`` would use with ``trainer.device=auto`` (a visible GPU and its memory, else the
+    CPU), unless the flags or ``plan.hardware`` describe other hardware (then ``(args.device, None, "")``)."""
+    h = cfg.plan.hardware
+    named = (args.device, args.gpu_memory, args.gpus_per_node, args.nodes, h.device, h.gpu_memory, h.gpus_per_node,
+             h.nodes)
+    if cfg.trainer.device != "auto" or any(v is not None for v in named):
+        return args.device, None, ""
+    import torch
+
+    if torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(0).total_memory
+        return "cuda", memory, (f"planning this machine: {torch.cuda.get_device_name(0)}, "
+                                f"{memory / 2**30:.1f} GiB (trainer.device=auto; --gpu-memory and --nodes plan "
+                                f"other hardware)")
+    return "cpu", None, (f"planning this machine: CPU only, {machine_ram() / 2**30:.1f} GiB of RAM (trainer.device=auto "
+                         f"finds no GPU; --device cuda --gpu-memory 80GiB plans a GPU run)")
+
+
+CONFIG_ONLY_MODELS = Path(__file__).resolve().parents[2] / "examples" / "failure_stories" / "models"
+"""Model directories holding only a config.json: enough for a plan (a checkout's examples)."""
+
+
+def _model_config(cfg: FitrlConfig, path: str, what: str) -> dict:
+    """The model's config.json; a missing directory that has a config-only copy in the examples
+    says how to plan with it."""
+    try:
+        return read_model_config(path, what)
+    except ModelDirError as e:
+        copy = CONFIG_ONLY_MODELS / Path(path).name.lower()
+        if Path(path).exists() or not (copy / "config.json").is_file():
+            raise
+        copy = Path(os.path.relpath(copy)) if not os.path.relpath(copy).startswith("../..") else copy
+        keys = " ".join(f"{k}={copy}" for k in ("actor.model.path", "ref.model.path", "critic.model.path")
+                        if (k == "actor.model.path" and cfg.actor.model.path == path)
+                        or (k != "actor.model.path" and getattr(cfg, k.split(".")[0]).model is not None
+                            and getattr(cfg, k.split(".")[0]).model.path == path))
+        raise ModelDirError(f"{e}; to plan without the weights, its config.json alone is in {copy}: "
+                            f"fitrl plan CONFIG {keys}") from None
 
 
 def _size(text: Optional[str], flag: str) -> Optional[int]:
@@ -79,8 +128,13 @@ def check_hardware(hardware: Hardware, *, gpu_source: str, host_source: str) -> 
 
 
 def run_plan(cfg: FitrlConfig, hardware: Hardware, recommend_changes: bool = True, console=None) -> int:
-    # config.json parsed and its shape keys checked first: one line naming the file, not a KeyError
-    config = read_model_config(cfg.actor.model.path, "actor.model.path")
+    # config.json parsed and its shape keys checked first (the reference's and critic's too): one
+    # line naming the file, not a KeyError
+    config = _model_config(cfg, cfg.actor.model.path, "actor.model.path")
+    for role in ("ref", "critic"):
+        model = getattr(cfg, role).model
+        if model is not None and model.path:
+            _model_config(cfg, model.path, f"{role}.model.path")
     try:
         shape = ModelShape.from_dict(config)
     except (ValueError, KeyError, TypeError) as e:

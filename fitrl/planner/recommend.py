@@ -144,6 +144,11 @@ def _overshoot(plan: Plan) -> int:
     return sum(p.need - p.limit for p in plan.problems())
 
 
+def _worst(plan: Plan) -> int:
+    """Bytes over the limit of the worst problem: the peak that decides the verdict (0 when it fits)."""
+    return max((p.need - p.limit for p in plan.problems()), default=0)
+
+
 def _peaks(plan: Plan) -> tuple[int, int]:
     p = plan.peaks().values()
     return max(g for g, _ in p), max(h for _, h in p)
@@ -170,8 +175,10 @@ def recommend(plan: Plan, limit: int = 8, first_fit: bool = False) -> tuple[list
             if first_fit and failing and rec.fits:
                 break
     combo = None
-    if failing and not any(r.fits for r in shown):
+    if failing and not any(r.fits for r in shown):  # (combined cheapest in speed first)
         combo = _combine(plan, shown, base_gpu, base_host)
+    if failing:  # shown: a change that leaves the worst overshoot where it is (it lowered a lesser peak) goes after
+        shown.sort(key=lambda r: _worst(r.plan) >= _worst(plan))
     cheapest = next((i for i, r in enumerate(shown) if r.fits), None)
     if cheapest is not None and cheapest >= limit:  # the cheapest change that fits is always shown
         return shown[:limit - 1] + [shown[cheapest]], combo

@@ -22,11 +22,19 @@ def signed(n: float) -> str:
     return f"{'+' if n >= 0 else '−'}{abs(n) / C.GIB:,.1f} GiB"
 
 
+def count_text(n: int) -> str:
+    """A parameter count people read: 7.62B, 494M, 156K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}" if unit == "B" else f"{n / size:.0f}{unit}"
+    return str(n)
+
+
 def describe_run(plan: Plan) -> str:
     hw, s, cfg = plan.hardware, plan.shape, plan.cfg
     where = (f"{hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of {gib(hw.gpu_memory)} GiB, "
              if hw.device == "cuda" else f"CPU, {hw.gpus_per_node} rank(s), ")
-    return (f"{s.model_type} {s.num_params / 1e9:.2f}B params ({s.layers} layers, hidden {s.hidden}, vocab {s.vocab:,}) "
+    return (f"{s.model_type} {count_text(s.num_params)} params ({s.layers} layers, hidden {s.hidden}, vocab {s.vocab:,}) "
             f"on {where}{gib(hw.host_memory)} GiB host per node; {cfg.data.rollout_batch_size} prompts x "
             f"{cfg.rollout.n} samples, prompt <= {cfg.data.max_prompt_length:,}, response <= "
             f"{cfg.rollout.max_response_length:,} tokens" + _expected_text(plan))
@@ -78,8 +86,9 @@ def _top(parts: dict[str, int], k: int = 4) -> str:
 
 
 def process_table(plan: Plan) -> Table:
+    cuda = plan.hardware.device == "cuda"
     t = Table(title="per process (peak over phases)", title_justify="left")
-    for col in ("process", "per node", "GPU GiB", "host GiB", "host peak phase"):
+    for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", "host peak phase"):
         t.add_column(col, justify="left" if col.startswith("process") else "right")
     names = {"trainer": "trainer rank", "engine": "rollout engine (vLLM)", "driver": "driver",
              "ref": "reference rank (Ray actor)", "critic": "critic rank (Ray actor)",
@@ -90,7 +99,7 @@ def process_table(plan: Plan) -> Table:
         gpu = max(sum(p.phases[ph].gpu.values()) for ph in phases)
         host = max(sum(p.phases[ph].host.values()) for ph in phases)
         if gpu or host:
-            t.add_row(names.get(p.kind, p.kind), str(p.per_node), gib(gpu), gib(host), peak_phase)
+            t.add_row(names.get(p.kind, p.kind), str(p.per_node), *((gib(gpu),) if cuda else ()), gib(host), peak_phase)
     return t
 
 
@@ -119,10 +128,13 @@ def verdict(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def recommendation_table(recs: list[Recommendation], combo: Optional[Recommendation]) -> Optional[Table]:
+def recommendation_table(recs: list[Recommendation], combo: Optional[Recommendation],
+                         fits: bool = False) -> Optional[Table]:
     if not recs and not combo:
         return None
-    t = Table(title="recommendations (cheapest in speed first)", title_justify="left")
+    title = ("speed-ups that still fit (the plan fits as it is)" if fits
+             else "recommendations (cheapest in speed first; those that lower the deciding peak before the rest)")
+    t = Table(title=title, title_justify="left")
     for col in ("change", "GPU / device", "host / node", "then", "cost"):
         t.add_column(col)
     for r in recs:
@@ -151,7 +163,7 @@ def print_plan(plan: Plan, recs: list[Recommendation], combo: Optional[Recommend
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(verdict(plan))
-    table = recommendation_table(recs, combo)
+    table = recommendation_table(recs, combo, fits=plan.fits)
     if table is not None:
         console.print(table)
         best = next((r for r in recs if r.fits), combo)

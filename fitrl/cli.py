@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from fitrl.core.errors import Interrupted, RunStopped, UserError, WorkerFailed  # standard library only
+from fitrl.core.errors import Hung, Interrupted, RunStopped, UserError, WorkerFailed  # standard library only
 
 # `fitrl demo` variants: the config (its paths are relative to the repository root), the arch of
 # the tiny model it builds when missing, and what writes the data when a data file is missing
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except WorkerFailed as e:
         _one_line("worker failed", e, debug)
+        return 1
+    except Hung as e:  # a phase without progress (fitrl/trainer/watchdog.py): its stacks are printed above
+        print(f"fitrl: hang: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:  # SIGINT/SIGTERM during a run (fitrl/trainer/signals.py): 130 / 143
         print(f"fitrl: {e}", file=sys.stderr)

@@ -88,6 +88,10 @@ class TrainerConfig:
     """Divergence detection: which step metrics stop a run that has diverged."""
     signal_grace_s: float = 25.0
     """After the first SIGINT/SIGTERM the run stops at the next safe point (before the step's next phase, or after its update) and saves an emergency checkpoint if that save ends within this many seconds of the signal (judged by this run's last save; Slurm and Kubernetes send SIGKILL 30 s after SIGTERM by default); otherwise the last complete checkpoint is the resume point. A second signal stops at once. Exit status 130 (SIGINT) or 143 (SIGTERM). 0: never save on a signal."""
+    hang_timeout_s: float = 1800.0
+    """A phase with no progress (no decode step, micro-batch or scored response, on any rank) for this many seconds is a hang: fitrl prints the phase, each rank's idle time and Python stack, records a ``hang`` event and stops (exit 1, the resume point named). Also the collectives' timeout under Ray, so a dead peer surfaces within it. 0: no watchdog (torch's default collective timeout)."""
+    hang_timeouts: dict[str, float] = field(default_factory=dict)
+    """Per-phase limits over ``hang_timeout_s``, e.g. ``{checkpoint_save: 3600}`` (0 turns one phase's watchdog off)."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for ``perf/mfu`` (e.g. ``989e12``); 0: the GPU's datasheet figure from a table, or on CPU a matmul benchmark measured once and cached in fitrl's cache directory (``$FITRL_CACHE_DIR``, default ``~/.cache/fitrl``)."""
 
@@ -101,6 +105,10 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.signal_grace_s) and self.signal_grace_s >= 0):
             raise ConfigError(f"trainer.signal_grace_s must be a number of seconds >= 0, got {self.signal_grace_s}")
+        for key, value in [("hang_timeout_s", self.hang_timeout_s),
+                           *((f"hang_timeouts.{k}", v) for k, v in self.hang_timeouts.items())]:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"trainer.{key} must be a number of seconds >= 0 (0: off), got {value!r}")
         if not (math.isfinite(self.peak_flops) and self.peak_flops >= 0):
             raise ConfigError(f"trainer.peak_flops must be a FLOP/s figure >= 0 (0: detect), got {self.peak_flops}")
 

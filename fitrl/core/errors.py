@@ -97,6 +97,14 @@ class Interrupted(BaseException):
         self.exit_status = 128 + signum
 
 
+class Hung(BaseException):
+    """A phase made no progress for its limit (``trainer.hang_timeout_s``; fitrl/trainer/watchdog.py).
+
+    Raised in the main thread by the watchdog's thread; a ``BaseException`` so that no
+    ``except Exception`` on the way swallows it. The message names the phase, the stuck ranks and
+    the checkpoint a next run continues from; the stacks were printed before it (exit 1)."""
+
+
 class WorkerFailed(RuntimeError):
     """A worker process died (crash, memory kill, lost node): the group cannot go on.
 

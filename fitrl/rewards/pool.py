@@ -33,7 +33,7 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from fitrl.rewards.functions import RewardError
 
@@ -86,9 +86,11 @@ class RewardPool:
         self._workers[self._workers.index(w)] = self._start()
         self.restarts += 1
 
-    def run(self, calls: list[tuple[tuple, dict[str, Any]]]) -> list[Outcome]:
+    def run(self, calls: list[tuple[tuple, dict[str, Any]]],
+            on_result: Callable[[], None] = lambda: None) -> list[Outcome]:
         """Each ``(args, kw)`` called once; outcomes in order. Takes at most about
-        ``ceil(len(calls) / num_workers) * timeout`` seconds once the workers are up."""
+        ``ceil(len(calls) / num_workers) * timeout`` seconds once the workers are up. ``on_result``
+        is called as results arrive (the hang watchdog's heartbeat)."""
         if not self._finalizer.alive:
             raise RuntimeError("the reward pool is closed")  # fitrl's own misuse, not the user's function
         results: list[Optional[Outcome]] = [None] * len(calls)
@@ -113,6 +115,7 @@ class RewardPool:
             for w in waiting:
                 if w.conn in ready:
                     self._receive(w, results)
+                    on_result()
             now = time.monotonic()
             for w in list(self._workers):
                 if w.call is not None and now >= w.deadline:

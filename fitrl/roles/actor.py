@@ -24,6 +24,7 @@ from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, 
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
 
 
 FUSED_DEVICES = ("cpu", "cuda")  # where torch 2.13's fused AdamW kernel exists
@@ -134,6 +135,7 @@ class Actor:
         entropy = torch.zeros_like(logp)
         for ix in self.partition(batch, self.cfg.logprob_micro_batch_size):
             GUARD.check(logp.device)  # safe point (read-only phase; same count on every rank)
+            PROGRESS.beat()
             logp[ix], entropy[ix] = self._forward(batch.index(ix), temperature, with_entropy=True)
             self.after_micro_batch()
         return Batch({"old_logprobs": logp, "entropy": entropy})
@@ -227,6 +229,7 @@ class Actor:
         which serve as the behaviour log-probs when ``mini`` has none."""
         denom = self.denominators(mini)
         for ix in self.partition(mini, self.cfg.micro_batch_size):
+            PROGRESS.beat()  # a micro-batch: progress for the hang watchdog
             micro = mini.index(ix)
             loss, m, logp = self._micro_loss(micro, denom, temperature, own_old_logprobs=folded is not None)
             with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):

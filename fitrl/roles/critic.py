@@ -19,6 +19,7 @@ from fitrl.distributed.collectives import all_reduce_sum
 from fitrl.core.padding import model_positions, trim_padding
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
 from fitrl.roles.actor import WeightedMetrics, apply_configured_lr, build_optimizer, clip_gradients, lr_factor
 
 
@@ -56,6 +57,7 @@ class Critic:
         values = []
         for m in batch.split(self.cfg.values_micro_batch_size):
             GUARD.check(m["response_mask"].device)  # safe point (read-only phase)
+            PROGRESS.beat()
             values.append(response_values(self.model, m, self.inputs) * m["response_mask"])
             self.after_micro_batch()
         return Batch({"values": torch.cat(values)})
@@ -73,6 +75,7 @@ class Critic:
                                      max_response_length=self.max_response_length)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in mini.split(self.cfg.micro_batch_size):
+                    PROGRESS.beat()
                     m_mask = micro["response_mask"].float()
                     loss, m = value_loss(response_values(self.model, micro, self.inputs), micro["values"], micro["returns"],
                                          m_mask, cliprange_value=self.cfg.cliprange_value,

@@ -22,6 +22,7 @@ from fitrl.config.schema import RewardConfig
 from fitrl.rewards.answers import is_degenerate
 from fitrl.rewards.functions import RewardError, RewardFunction, read_batch, read_result
 from fitrl.rewards.pool import Outcome, RewardPool
+from fitrl.telemetry.progress import PROGRESS
 
 __all__ = ["REWARD_COMPONENTS", "RewardError", "RewardScorer", "Scored"]
 
@@ -76,7 +77,8 @@ class RewardScorer:
             calls = [((r, a), {"extra": e} if self.fn.takes_extra else {})
                      for r, a, e in zip(responses, answers, extras)]
         restarts_before = self.pool.restarts if self.pool else 0
-        outcomes = self.pool.run(calls) if self.pool else [_call_here(self.fn, args, kw) for args, kw in calls]
+        outcomes = (self.pool.run(calls, on_result=PROGRESS.beat) if self.pool
+                    else [_beat(_call_here(self.fn, args, kw)) for args, kw in calls])
         if self.options.batched:
             outcomes = self._unbatch(outcomes[0], n)
 
@@ -177,3 +179,9 @@ def _sample(i: int, responses: list[str], answers: list[Any], sources: Optional[
 
 def _first_line(detail: str) -> str:
     return detail.split("\n", 1)[0]
+
+
+def _beat(outcome: Outcome) -> Outcome:
+    """A scored response is progress (the hang watchdog's heartbeat)."""
+    PROGRESS.beat()
+    return outcome

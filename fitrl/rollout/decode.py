@@ -40,6 +40,7 @@ from fitrl.core.errors import Diverged
 from fitrl.core.padding import first_eos_mask, position_ids_from_mask
 from fitrl.ops.shared_prompt import find_prompt_groups
 from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
 
 
 def sample_step(logits: torch.Tensor, sampling: SamplingConfig, eos_ids: Sequence[int] = (),
@@ -202,6 +203,7 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
         # within a long micro-batch the KV cache grows token by token: a (time-limited, local)
         # guard reading here stops it before the OS does
         GUARD.poll()
+        PROGRESS.beat()  # a decode step: progress for the hang watchdog
         scores, logp, seen = sample_step(logits, sampling, eos_ids, never_ids)
         nonfinite = seen if nonfinite is None else nonfinite | seen
         tokens = draw(scores, sampling.greedy).masked_fill(done, pad_id)  # (b,) ended rows: pad, as generate

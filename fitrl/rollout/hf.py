@@ -31,6 +31,7 @@ from fitrl.rollout.decode import decode_loop, loop_unsupported, raise_if_nonfini
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
 from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
 
 
 class SampleAndRecord(LogitsProcessor):
@@ -53,6 +54,7 @@ class SampleAndRecord(LogitsProcessor):
         # within a long micro-batch the KV cache grows token by token: a (time-limited, local)
         # guard reading here stops it before the OS does
         GUARD.poll()
+        PROGRESS.beat()  # a decode step: progress for the hang watchdog
         if self.pending is not None:
             self._gather(input_ids[:, -1])
         # the math both decode paths share; a NaN/+inf logit is noted without a sync and reported in finish()

@@ -18,6 +18,7 @@ import torch
 from fitrl.ops.sharing import SKIPPED_PROMPTS
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.phases import RECORDER, in_phase
+from fitrl.telemetry.progress import PROGRESS
 
 MUTATING_PHASES = frozenset({"update", "critic_update"})
 
@@ -41,6 +42,7 @@ class PhaseTimer:
             for check in SAFE_POINT_CHECKS:
                 check(name)
         previous, GUARD.phase = GUARD.phase, name
+        PROGRESS.enter(name)
         if safe_point:
             GUARD.check()
         self.mutated |= mutating
@@ -53,6 +55,7 @@ class PhaseTimer:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             GUARD.phase = previous
+            PROGRESS.enter(previous)
         if mutating:
             GUARD.note()
 

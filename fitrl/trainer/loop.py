@@ -8,6 +8,7 @@ per-sequence math.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Optional
@@ -35,6 +36,7 @@ from fitrl.trainer.perf import StepPerf, skipped_prompts
 from fitrl.trainer.run_log import RunLog
 from fitrl.trainer.signals import SIGNALS
 from fitrl.trainer.stops import RunStops
+from fitrl.trainer.watchdog import HangWatchdog, write_hang_file
 from fitrl.trainer.validation import ValidationSplits, summary as validation_summary
 from fitrl.workers.group import RoleHandle
 
@@ -96,6 +98,7 @@ class RLTrainer:
                                             **({"critic": critic} if critic else {})},
                               saved=self.roles, writer=self.writer, console=console, checkpoints=checkpoints)
         self.memory = self.stops.memory
+        self.step = 0
 
     @property
     def start_step(self) -> int:
@@ -103,13 +106,28 @@ class RLTrainer:
         return self.stops.start_step
 
     def fit(self) -> list[dict[str, float]]:
-        with SIGNALS.deferred():  # SIGINT/SIGTERM: stop at the next safe point (fitrl/trainer/signals.py)
+        with SIGNALS.deferred(), self.watchdog():  # SIGINT/SIGTERM: stop at the next safe point (trainer/signals.py)
             try:
                 return self._fit()
             except Interrupted as e:
                 if not SIGNALS.stopped_at_once:  # stopped at a safe point: its message is complete
                     raise
                 raise Interrupted(f"{e}; {self.stops.resume_text()}", e.signum) from None
+
+    def watchdog(self):
+        """The hang watchdog over the roles' processes (fitrl/trainer/watchdog.py); nothing when off."""
+        t = self.cfg.trainer
+        if not t.hang_timeout_s and not any(t.hang_timeouts.values()):
+            return contextlib.nullcontext()
+        groups = [self.policy.group] + [h.group for h in (self.ref, self.critic) if h is not None and h is not self.policy]
+
+        def report(text: str, event: dict) -> str:
+            self.console.print(text, highlight=False, markup=False)
+            write_hang_file(self.run_dir, text)
+            self.writer.write({"step": self.step, **event})
+            return self.stops.resume_text()
+        return HangWatchdog(lambda phase: t.hang_timeouts.get(phase, t.hang_timeout_s) if phase else 0.0,
+                            lambda timeout: [r for g in groups for r in g.health(timeout)], report=report)
 
     def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
@@ -146,6 +164,7 @@ class RLTrainer:
     def run_step(self, step: int) -> dict[str, float]:
         """One RL step, its validation when due, and its memory. A guard crossing in a read-only
         phase abandons the step (the run ends here, checkpointed as the previous step)."""
+        self.step = step  # (the step a hang or a stop is recorded at)
         at_start = self.state_dict(step - 1)
         with self.stops.stoppable():
             metrics = self.train_step(step)

@@ -76,9 +76,12 @@ def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack,
 
     ensure_ray(address=t.ray_address)
     SIGNALS.reinstall()  # ray.init replaces the SIGTERM handler with its own sys.exit
+    # collectives time out with the hang watchdog (a dead peer is an error naming the rank, not a
+    # wait for torch's default 30 min); never below a minute, which rendezvous and loading may take
     group = RayWorkerGroup(worker_cls, cfg, world_size=cfg.world_size, nnodes=t.nnodes,
                            devices_per_node=t.devices_per_node, use_gpu=resolve_device(t.device).type == "cuda",
-                           name=name, colocate_with=colocate_with.group if colocate_with else None)
+                           name=name, colocate_with=colocate_with.group if colocate_with else None,
+                           dist_timeout_s=max(60.0, t.hang_timeout_s) if t.hang_timeout_s else None)
     stack.callback(group.shutdown)
     return RoleHandle(group)
 

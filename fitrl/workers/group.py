@@ -43,6 +43,11 @@ class WorkerGroup(ABC):
     def call_all(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
         """Run ``method`` on each rank with its own positional args; results in rank order."""
 
+    def health(self, timeout_s: float) -> list[dict]:
+        """Each rank's progress report (fitrl/telemetry/progress.py) for the hang watchdog; none
+        for workers in the driver's own process (the driver's report covers them)."""
+        return []
+
 
 class InProcessWorkerGroup(WorkerGroup):
     """One worker living in the driver's process (CPU or one GPU)."""

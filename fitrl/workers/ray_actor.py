@@ -18,6 +18,7 @@ from fitrl.distributed.process_group import DistEnv, free_port, init_distributed
 from fitrl.ops.sharing import SKIPPED_PROMPTS
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.phases import RECORDER
+from fitrl.telemetry.progress import PROGRESS
 
 
 class RankActor:
@@ -62,12 +63,19 @@ class RankActor:
         if phase is None:
             return getattr(self.worker, method)(*args, **kwargs)
         GUARD.phase = phase
+        PROGRESS.enter(phase)
         try:
             with RECORDER.phase(phase), SKIPPED_PROMPTS.during(phase):
                 return getattr(self.worker, method)(*args, **kwargs)
         finally:
             GUARD.phase = None
+            PROGRESS.enter(None)
             GUARD.note()  # a crossing no safe point acted on (an update) waits for the step's end
+
+    def health(self) -> dict:
+        """This rank's phase, seconds since its last heartbeat and its main thread's stack. Called
+        in the ``health`` concurrency group (a thread of its own: it answers while ``call`` is stuck)."""
+        return {**PROGRESS.report(), "role": self.role, "rank": self.rank, "pid": os.getpid(), "node_ip": self.node_ip}
 
     def skipped_prompts(self) -> dict[str, list[int]]:
         """The prompt copies this rank's passes did not run since the last call (fitrl/ops/sharing.py)."""
@@ -90,7 +98,8 @@ def remote(name: str):
     if not _REMOTE:
         import ray
 
-        _REMOTE["actor"] = ray.remote(max_restarts=0, max_task_retries=0)(RankActor)
+        # "health": a thread of its own for RankActor.health, so a stuck rank still says where it is
+        _REMOTE["actor"] = ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"health": 1})(RankActor)
         _REMOTE["port"] = ray.remote(num_cpus=0, max_retries=0)(free_port)
     return _REMOTE[name]
 

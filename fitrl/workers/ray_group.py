@@ -213,6 +213,27 @@ class RayWorkerGroup(WorkerGroup):
         phase = current_phase()  # the ranks record their memory under the driver's phase
         return self._collect([a.call.remote(method, x, kwargs, phase) for a, x in zip(self._actors, args)], method)
 
+    def health(self, timeout_s: float) -> list[dict]:
+        """Each rank's phase, idle seconds and main-thread stack, asked in the actors' ``health``
+        thread (it answers while a rank is stuck); a rank that does not answer in ``timeout_s``
+        is reported with ``idle_s`` None and why."""
+        import ray
+
+        refs = [a.health.options(concurrency_group="health").remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    out.append(ray.get(ref))
+                    continue
+                except Exception as e:  # a dead actor: the group's own error reporting names the cause
+                    error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            else:
+                error = "no reply"
+            out.append({"role": self.name, "rank": rank, "idle_s": None, "error": error})
+        return out
+
     def memory_reports(self) -> list[tuple[dict, Any]]:
         """Per rank: (phase -> PhaseMemory since the last report, a pending guard crossing or None)."""
         return self._collect([a.memory_report.remote() for a in self._actors], "memory_report")

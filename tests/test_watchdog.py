@@ -1,0 +1,81 @@
+"""The hang watchdog (fitrl/trainer/watchdog.py): a phase with no progress for its limit stops the
+run with the phase, the stuck process and its stack named, a `hang` event and exit status 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fitrl.config import ConfigError, load_config
+from fitrl.telemetry.progress import PROGRESS, Progress
+from fitrl.trainer.watchdog import HangWatchdog
+from helpers import DATA, EXAMPLE, ROOT
+
+HANGING_REWARD = '''
+import time
+CALLS = [0]
+
+def reward(response, answer):
+    CALLS[0] += 1
+    if CALLS[0] > 64:  # the second step's scoring never returns (a step scores 8 prompts x 8 samples)
+        for _ in range(3000):
+            time.sleep(0.1)
+    return 0.0
+'''
+
+
+def test_progress_reports_its_phase_idle_time_and_stack():
+    p = Progress()
+    p.enter("rollout")
+    report = p.report()
+    assert report["phase"] == "rollout" and report["idle_s"] < 5 and "test_progress_reports" in report["stack"]
+
+
+def test_a_quiet_phase_fires_only_past_its_limit(monkeypatch):
+    fired = []
+    dog = HangWatchdog(lambda phase: 5.0, lambda timeout: [{"role": "policy", "rank": 1, "idle_s": 1.0, "stack": ""}],
+                       report=lambda text, event: fired.append(event) or "resume")
+    monkeypatch.setattr(PROGRESS, "phase", "update")
+    monkeypatch.setattr(PROGRESS, "last", time.monotonic() - 10)
+    assert not dog.check() and not fired  # rank 1 beat a second ago: the phase is working
+    dog.ranks = lambda timeout: [{"role": "policy", "rank": 1, "idle_s": 9.0, "stack": "  File x\n"},
+                                 {"role": "policy", "rank": 0, "idle_s": None, "error": "no reply"}]
+    monkeypatch.setattr(dog, "fire", lambda phase, limit, ranks: fired.append((phase, limit, len(ranks))))
+    assert dog.check() and fired == [("update", 5.0, 2)]
+    monkeypatch.setattr(PROGRESS, "phase", None)
+    assert not dog.check()  # between phases: nothing to judge
+
+
+def test_bad_limits_are_one_line():
+    with pytest.raises(ConfigError, match=r"trainer.hang_timeouts.update must be a number of seconds >= 0"):
+        load_config(str(EXAMPLE), ["trainer.hang_timeouts={update: -1}"])
+
+
+@pytest.mark.slow
+def test_a_hung_reward_stops_the_run_naming_the_phase_and_the_stack(tiny_model_dir, tmp_path):
+    reward = tmp_path / "hanging.py"
+    reward.write_text(HANGING_REWARD)
+    run = tmp_path / "run"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "fitrl.cli", "train", str(EXAMPLE), f"actor.model.path={tiny_model_dir}",
+         f"trainer.run_dir={run}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "data.val_files=[]",
+         f"reward.function={reward}:reward", "reward.num_workers=0", "trainer.max_steps=4",
+         "checkpoint.save_freq=1", "trainer.hang_timeout_s=10", "trainer.progress_bar=false", "memory.plan=off"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    took = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "hang: phase 'reward' made no progress for 10 s (trainer.hang_timeout_s); stuck: the driver" in out
+    assert "hanging.py" in out and "time.sleep(0.1)" in out  # the user's frame, from the main thread's stack
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fitrl: hang: phase 'reward' made no progress for 10 s") and "step_1" in last, last
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    hang = [e for e in events if e.get("event") == "hang"]
+    assert hang and hang[0]["phase"] == "reward" and hang[0]["step"] == 2
+    assert "hanging.py" in (run / "hang.txt").read_text()
+    assert took < 300  # (limit 10 s; the rest is start-up on a loaded machine)

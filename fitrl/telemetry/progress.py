@@ -22,6 +22,7 @@ class Progress:
         self.phase: Optional[str] = None
         self.last = time.monotonic()
         self.beats = 0
+        self.thread: Optional[int] = None  # the thread doing the phase's work (a Ray actor runs calls off its main thread)
 
     def beat(self) -> None:
         self.last = time.monotonic()
@@ -29,6 +30,7 @@ class Progress:
 
     def enter(self, phase: Optional[str]) -> None:
         self.phase = phase
+        self.thread = threading.get_ident()
         self.beat()
 
     def idle_s(self) -> float:
@@ -37,14 +39,15 @@ class Progress:
 
     def report(self) -> dict:
         """What the watchdog asks a process: its phase, its idle time and its main thread's stack."""
-        return {"phase": self.phase, "idle_s": self.idle_s(), "beats": self.beats, "stack": main_thread_stack()}
+        return {"phase": self.phase, "idle_s": self.idle_s(), "beats": self.beats, "stack": thread_stack(self.thread)}
 
 
 PROGRESS = Progress()
 """This process's heartbeats."""
 
 
-def main_thread_stack() -> str:
-    """The Python stack of this process's main thread, innermost call last."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    return "".join(traceback.format_stack(frame)) if frame is not None else "(no main thread)\n"
+def thread_stack(ident: Optional[int] = None) -> str:
+    """The Python stack of thread ``ident`` (default: the main thread), innermost call last."""
+    ident = ident if ident is not None else threading.main_thread().ident
+    frame = sys._current_frames().get(ident)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)\n"

@@ -6,7 +6,7 @@ through each actor's ``health`` method, which runs in a thread of its own and so
 rank's main thread is stuck. When neither the driver nor any rank has beaten for the phase's limit
 (``trainer.hang_timeout_s``, ``trainer.hang_timeouts``), the watchdog
 
-1. prints the phase, each process's idle time and the Python stack of each one's main thread, and
+1. prints the phase, each process's idle time and the Python stack of the thread doing each one's work, and
    writes the same to ``<run_dir>/hang.txt``;
 2. records a ``hang`` event in ``metrics.jsonl``;
 3. raises :class:`~fitrl.core.errors.Hung` in the main thread (which unwinds through the worker
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from fitrl.core.errors import Hung
-from fitrl.telemetry.progress import PROGRESS, main_thread_stack
+from fitrl.telemetry.progress import PROGRESS, thread_stack
 
 EXIT_GRACE_S = 20.0
 """How long the main thread has to unwind after the hang is raised in it."""
@@ -84,16 +84,21 @@ class HangWatchdog:
     def fire(self, phase: str, limit: float, ranks: list[dict]) -> None:
         self.fired = True
         stuck = [r for r in ranks if r.get("idle_s") is None or r["idle_s"] >= limit]
-        names = ", ".join(f"{r['role']} rank {r['rank']}" for r in stuck) or "the driver"
+        # a rank inside a collective waits for the others: the ones elsewhere are where to look
+        waiting = [r for r in stuck if _in_collective(r.get("stack", ""))]
+        culprits = [r for r in stuck if r not in waiting] or waiting
+        names = ", ".join(f"{r['role']} rank {r['rank']}" for r in culprits) or "the driver"
+        if waiting and culprits is not waiting:
+            names += " (" + ", ".join(f"{r['role']} rank {r['rank']}" for r in waiting) + " waiting in a collective)"
         lines = [f"hang: phase {phase!r} made no progress for {limit:g} s (trainer.hang_timeout_s); stuck: {names}",
                  f"--- driver (pid {os.getpid()}), idle {PROGRESS.idle_s():.0f} s, main thread:",
-                 main_thread_stack().rstrip()]
+                 thread_stack().rstrip()]
         for r in ranks:
             where = f"{r['role']} rank {r['rank']} (pid {r.get('pid', '?')}, {r.get('node_ip', '?')})"
             if r.get("idle_s") is None:
                 lines.append(f"--- {where}: did not answer within {HEALTH_TIMEOUT_S:g} s ({r.get('error', 'no reply')})")
             else:
-                lines.append(f"--- {where}, in {r.get('phase')!r}, idle {r['idle_s']:.0f} s, main thread:")
+                lines.append(f"--- {where}, in {r.get('phase')!r}, idle {r['idle_s']:.0f} s, the thread running it:")
                 lines.append(r["stack"].rstrip())
         text = "\n".join(lines)
         event = {"event": "hang", "phase": phase, "limit_s": limit,
@@ -109,6 +114,12 @@ class HangWatchdog:
         print(f"fitrl: hang: the main thread is still stuck {EXIT_GRACE_S:g} s after the stop (in C code); "
               f"exiting. {resume}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _in_collective(stack: str) -> bool:
+    """The innermost frames are a torch.distributed collective's wait."""
+    tail = stack.strip().splitlines()[-4:]
+    return any("torch/distributed/" in line for line in tail)
 
 
 def _raise_in_main(error: BaseException) -> None:

@@ -64,6 +64,7 @@ class RankActor:
             return getattr(self.worker, method)(*args, **kwargs)
         GUARD.phase = phase
         PROGRESS.enter(phase)
+        _injected_hang(self.role, self.rank, phase)
         try:
             with RECORDER.phase(phase), SKIPPED_PROMPTS.during(phase):
                 return getattr(self.worker, method)(*args, **kwargs)
@@ -88,6 +89,27 @@ class RankActor:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+INJECT_HANG = "FITRL_INJECT_HANG"
+"""For the watchdog's tests (tests/test_watchdog.py): ``<role>:<rank>:<phase>:<n>`` makes that
+rank's n-th call in that phase never return, as a rank stuck in user code would."""
+_CALLS: dict[str, int] = {}
+
+
+def _injected_hang(role: str, rank: int, phase: str) -> None:
+    spec = os.environ.get(INJECT_HANG)
+    if not spec:
+        return
+    want_role, want_rank, want_phase, nth = spec.split(":")
+    if (role, str(rank), phase) != (want_role, want_rank, want_phase):
+        return
+    _CALLS[phase] = _CALLS.get(phase, 0) + 1
+    if _CALLS[phase] == int(nth):
+        import time
+
+        while True:  # a hang: no heartbeat from here on
+            time.sleep(0.1)
 
 
 _REMOTE: dict[str, Any] = {}

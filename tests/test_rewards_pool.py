@@ -166,3 +166,22 @@ def test_close_stops_the_workers(tmp_path):
     assert all(p.poll() is not None for p in procs)
     with pytest.raises(RuntimeError, match="closed"):
         s.score(["7"], [7])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_raising_function_shows_its_own_frames_once(tmp_path, caplog, workers):
+    """The user's frames, none of fitrl's worker frames, on the first failure; one line after."""
+    import logging
+
+    from fitrl.config.algorithm import RewardConfig
+    from fitrl.roles.reward import RewardScorer
+
+    f = tmp_path / "raising.py"
+    f.write_text("def helper(x):\n    return 1 / x\n\n\ndef reward(response, answer):\n    return helper(len(response) % 2)\n")
+    caplog.set_level(logging.WARNING, logger="fitrl.rewards")
+    with RewardScorer(RewardConfig(function=f"{f}:reward", num_workers=workers, max_error_fraction=1.0)) as scorer:
+        assert scorer.score(["ab", "abc", "abcd"], ["1"] * 3).scores.tolist() == [0.0, 1.0, 0.0]
+    first, second = [r.getMessage() for r in caplog.records if "raised on" in r.getMessage()]
+    assert f'File "{f}", line 2, in helper' in first and "return 1 / x" in first
+    assert "fitrl/rewards" not in first and "fitrl/roles" not in first
+    assert second.endswith("ZeroDivisionError: division by zero") and "\n" not in second

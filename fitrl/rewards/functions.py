@@ -203,3 +203,16 @@ def read_batch(out: Any, n: int, name: str) -> list[Any]:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+
+
+FITRL_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+def user_traceback(error: BaseException) -> str:
+    """The traceback of ``error`` in the user's own frames: fitrl's worker and call frames
+    (everything under the fitrl package) left out, innermost last."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(FITRL_DIR)]
+    return "".join(traceback.format_list(frames))

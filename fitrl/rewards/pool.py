@@ -28,14 +28,13 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from fitrl.rewards.functions import RewardError
+from fitrl.rewards.functions import RewardError, user_traceback
 
 START_TIMEOUT_S = 120.0
 """A worker that has not loaded the reward function after this long is an error, not a wait."""
@@ -194,7 +193,7 @@ def worker_main(fd: int, driver_pid: int) -> None:
         try:
             reply = (i, "ok", fn(*args, **kw), "")
         except BaseException as e:  # noqa: BLE001 -- a user function's sys.exit() is an error too
-            reply = (i, "error", None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}")
+            reply = (i, "error", None, f"{type(e).__name__}: {e}\n{user_traceback(e)}")
         try:
             conn.send(reply)
         except Exception as e:  # noqa: BLE001 -- an unpicklable return value

@@ -20,7 +20,7 @@ import torch
 
 from fitrl.config.schema import RewardConfig
 from fitrl.rewards.answers import is_degenerate
-from fitrl.rewards.functions import RewardError, RewardFunction, read_batch, read_result
+from fitrl.rewards.functions import RewardError, RewardFunction, read_batch, read_result, user_traceback
 from fitrl.rewards.pool import Outcome, RewardPool
 from fitrl.telemetry.progress import PROGRESS
 
@@ -60,6 +60,7 @@ class RewardScorer:
                                    num_workers=self.options.num_workers, timeout=self.options.timeout)
         self._logged: dict[str, set] = {"timeout": set(), "error": set()}
         self._warned_degenerate = False
+        self._shown_frames = False  # a failure's traceback (the user's frames) was logged
 
     def score(self, responses: list[str], answers: list[Any], sources: Optional[list[str]] = None, *,
               extras: Optional[list[dict]] = None) -> Scored:
@@ -128,8 +129,12 @@ class RewardScorer:
         on = _sample(i, responses, answers, sources)
         if self.options.batched:
             on = f"a batch of {len(responses)} responses (the first: {on})"
+        detail = out.detail.rstrip()
+        if self._shown_frames:  # the user's frames once; later failures their one line
+            detail = detail.splitlines()[0] if detail else detail
+        self._shown_frames = self._shown_frames or "\n" in detail
         logger.warning("reward function %s %s on %s; scored reward.fallback_score=%g: %s", self.name, what, on,
-                       self.options.fallback_score, out.detail.rstrip())
+                       self.options.fallback_score, detail)
 
     def _measure(self, totals: list[float], responses: list[str], failed: dict[str, list[int]],
                  restarts_before: int) -> dict[str, float]:
@@ -169,7 +174,7 @@ def _call_here(fn: RewardFunction, args: tuple, kw: dict[str, Any]) -> Outcome:
     try:
         return Outcome("ok", fn(*args, **kw))
     except Exception as e:  # noqa: BLE001 -- counted, logged, and fatal past max_error_fraction
-        return Outcome("error", detail=f"{type(e).__name__}: {e}")
+        return Outcome("error", detail=f"{type(e).__name__}: {e}\n{user_traceback(e)}")
 
 
 def _sample(i: int, responses: list[str], answers: list[Any], sources: Optional[list[str]]) -> str:

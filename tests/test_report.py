@@ -122,6 +122,19 @@ def test_load_died_run(died_run):
     assert run.max_steps == 20 and len(run.samples) == 2
 
 
+def test_a_hung_run_is_marked(tmp_path):
+    from fitrl.report.figures import memory_overview_figure
+
+    records = [{"step": s, "reward/mean": 0.1 * s, "mem/host_peak_gib": 1.0} for s in range(1, 4)]
+    records.append({"step": 4, "event": "hang", "phase": "update", "limit_s": 15,
+                    "ranks": {"policy.rank0": 16.0, "policy.rank1": 16.0}})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = load_run(tmp_path)
+    assert run.status().startswith("stopped by the hang watchdog at step 4 (phase update, no progress for 15 s")
+    fig = memory_overview_figure(run)
+    assert any("hang in update" in (a.text or "") for a in fig.layout.annotations)
+
+
 def test_a_resumed_step_recorded_twice_keeps_the_later_record(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.1}) + "\n"
                                             + json.dumps({"step": 1, "reward/mean": 0.3}) + "\n")

@@ -172,6 +172,10 @@ def _event_lines(fig: go.Figure, run: RunData, process: Optional[str] = None, re
         fig.add_vline(x=step, line=dict(color=GUARD_COLOR, width=2), **span)
         text = f"guard stop: {e.get('kind') or ''} memory" + (f" in {e['phase']}" if e.get("phase") else "")
         label(text, step, GUARD_COLOR, "right", first, y=0.88)  # below a leak label near it
+    for e in run.hangs():
+        step = e.get("step")
+        fig.add_vline(x=step, line=dict(color=GUARD_COLOR, width=2, dash="dot"), **span)
+        label(f"hang in {e.get('phase')}", step, GUARD_COLOR, "right", first, y=0.76)
 
 
 def memory_overview_figure(run: RunData) -> Optional[go.Figure]:

@@ -168,6 +168,9 @@ class RunData:
     def guard_stops(self) -> list[dict]:
         return [e for e in self.events if e.get("event") == "memory_guard_stop"]
 
+    def hangs(self) -> list[dict]:
+        return [e for e in self.events if e.get("event") == "hang"]
+
     def leak_warnings(self) -> list[dict]:
         return [e for e in self.events if e.get("event") == "memory_leak"]
 
@@ -179,6 +182,10 @@ class RunData:
             s = stops[-1]
             where = ", ".join(f"{k} {s[k]}" for k in ("kind", "phase", "process") if s.get(k))
             return f"stopped by the memory guard at step {s.get('step')} ({where}); {ckpt}"
+        if self.hangs():
+            h = self.hangs()[-1]
+            return (f"stopped by the hang watchdog at step {h.get('step')} (phase {h.get('phase')}, no progress for "
+                    f"{h.get('limit_s')} s; the stacks are in hang.txt); {ckpt}")
         if self.max_steps is not None and self.last_step >= self.max_steps:
             return f"finished: {self.last_step} of {self.max_steps} steps; {ckpt}"
         ago = _ago(time.time() - self.metrics_mtime)

@@ -87,7 +87,7 @@ def test_a_rank_hung_in_its_update_is_named_with_its_stack(tiny_model_dir, tmp_p
     update's collective: the watchdog names both, rank 1's stack shows where it is stuck."""
     pytest.importorskip("ray")
     run = tmp_path / "run"
-    env = {**__import__("os").environ, "FITRL_INJECT_HANG": "policy:1:update:2"}
+    env = {**__import__("os").environ, "FITRL_INJECT_FAULT": "policy:1:update:2:hang"}
     proc = subprocess.run(
         [sys.executable, "-m", "fitrl.cli", "train", str(EXAMPLE), f"actor.model.path={tiny_model_dir}",
          f"trainer.run_dir={run}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "data.val_files=[]",
@@ -99,8 +99,47 @@ def test_a_rank_hung_in_its_update_is_named_with_its_stack(tiny_model_dir, tmp_p
     assert proc.returncode == 1, out[-3000:]
     assert ("hang: phase 'update' made no progress for 15 s (trainer.hang_timeout_s); stuck: policy rank 1 "
             "(policy rank 0 waiting in a collective)") in out
-    assert "_injected_hang" in out  # rank 1's own main-thread stack, from its health thread
+    assert "_injected_fault" in out  # rank 1's own main-thread stack, from its health thread
     assert "step_1" in proc.stderr.strip().splitlines()[-1]  # the resume point: the last complete checkpoint
     hang = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"hang"' in line]
     assert hang[0]["phase"] == "update" and hang[0]["step"] == 2 and set(hang[0]["ranks"]) == {"policy.rank0",
                                                                                               "policy.rank1"}
+
+
+def ray_run(tiny_model_dir, run, *extra, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "fitrl.cli", "train", str(EXAMPLE), f"actor.model.path={tiny_model_dir}",
+         f"trainer.run_dir={run}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "data.val_files=[]",
+         "data.rollout_batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
+         "trainer.device=cpu", "trainer.backend=ray", "trainer.devices_per_node=2", "checkpoint.save_freq=1",
+         "trainer.progress_bar=false", "memory.plan=off", *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=900, env={**__import__("os").environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_the_run_reads_as_one(tiny_model_dir, tmp_path):
+    """Rank 1 is SIGKILLed in its 3rd update of each process: at step 3, then (its new process
+    counting again from the resume at step 3) at step 5. With trainer.max_restarts=2 the run
+    finishes its 6 steps, each recorded once, with the same metrics as a run never killed
+    (checkpoints every step, exact resume on CPU)."""
+    pytest.importorskip("ray")
+    killed = ray_run(tiny_model_dir, tmp_path / "killed", "trainer.max_steps=6", "trainer.max_restarts=2",
+                     env={"FITRL_INJECT_FAULT": "policy:1:update:3:kill"})
+    assert killed.returncode == 0, (killed.stdout + killed.stderr)[-3000:]
+    assert killed.stdout.count("restart ") == 2 and "restart 2 of trainer.max_restarts=2" in killed.stdout
+    records = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]  # none lost, none twice
+    restarts = [r for r in records if r.get("event") == "restart"]
+    assert [(r["step"], r["restart"]) for r in restarts] == [(2, 1), (4, 2)]
+    assert "policy" in restarts[0]["cause"] and "rank 1" in restarts[0]["cause"]
+    plain = ray_run(tiny_model_dir, tmp_path / "plain", "trainer.max_steps=6")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    same = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    same = [r for r in same if "reward/mean" in r]
+    for a, b in zip(steps, same):
+        for key in ("reward/mean", "actor/grad_norm", "actor/entropy", "response/length_mean"):
+            assert a[key] == b[key], (a["step"], key)
+    stopped = ray_run(tiny_model_dir, tmp_path / "stopped", "trainer.max_steps=6",
+                      env={"FITRL_INJECT_FAULT": "policy:1:update:3:kill"})
+    assert stopped.returncode == 1 and "fitrl: worker failed" in stopped.stderr  # max_restarts=0: as before

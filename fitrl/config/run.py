@@ -90,6 +90,8 @@ class TrainerConfig:
     """After the first SIGINT/SIGTERM the run stops at the next safe point (before the step's next phase, or after its update) and saves an emergency checkpoint if that save ends within this many seconds of the signal (judged by this run's last save; Slurm and Kubernetes send SIGKILL 30 s after SIGTERM by default); otherwise the last complete checkpoint is the resume point. A second signal stops at once. Exit status 130 (SIGINT) or 143 (SIGTERM). 0: never save on a signal."""
     hang_timeout_s: float = 1800.0
     """A phase with no progress (no decode step, micro-batch or scored response, on any rank) for this many seconds is a hang: fitrl prints the phase, each rank's idle time and Python stack, records a ``hang`` event and stops (exit 1, the resume point named). Also the collectives' timeout under Ray, so a dead peer surfaces within it. 0: no watchdog (torch's default collective timeout)."""
+    max_restarts: int = 0
+    """After a dead worker (a Ray rank killed or crashed) or a hang, start again up to this many times: the worker groups rebuilt, the run resumed from its newest complete checkpoint in the same run directory (``metrics.jsonl`` reads as one run, with a ``restart`` event). A config, data or reward error, a divergence or a memory-guard stop is never retried."""
     hang_timeouts: dict[str, float] = field(default_factory=dict)
     """Per-phase limits over ``hang_timeout_s``, e.g. ``{checkpoint_save: 3600}`` (0 turns one phase's watchdog off)."""
     peak_flops: float = 0.0
@@ -105,6 +107,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.signal_grace_s) and self.signal_grace_s >= 0):
             raise ConfigError(f"trainer.signal_grace_s must be a number of seconds >= 0, got {self.signal_grace_s}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"trainer.max_restarts must be >= 0, got {self.max_restarts}")
         for key, value in [("hang_timeout_s", self.hang_timeout_s),
                            *((f"hang_timeouts.{k}", v) for k, v in self.hang_timeouts.items())]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):

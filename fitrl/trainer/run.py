@@ -14,7 +14,7 @@ from fitrl.config import ConfigError, FitrlConfig, save_config
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_batch_numbers
 from fitrl.core.device import resolve_device
-from fitrl.core.errors import DataError
+from fitrl.core.errors import DataError, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
 from fitrl.data.vision import VisionSpec
 from fitrl.models.check import check_model_configs, check_run_models
@@ -87,7 +87,28 @@ def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack,
 
 
 def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, float]]:
+    """Run ``cfg``; after a dead worker or a hang, start again from the newest checkpoint up to
+    ``trainer.max_restarts`` times (the same run directory: its metrics read as one run)."""
     console = console or Console(soft_wrap=True)
+    restarts, event, where = 0, None, {}
+    while True:
+        try:
+            return _train_once(cfg, console, where, restart_event=event)
+        except (WorkerFailed, Hung) as e:
+            if restarts >= cfg.trainer.max_restarts or "run_dir" not in where:
+                raise
+            restarts += 1
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            console.print(f"[yellow]restart {restarts} of trainer.max_restarts={cfg.trainer.max_restarts}[/]: {cause}; "
+                          f"the worker groups are rebuilt and the run resumes from its newest checkpoint in "
+                          f"{where['run_dir']}", highlight=False)
+            # the same directory, resumed from its newest complete checkpoint (none: from step 0)
+            cfg.trainer.run_dir, cfg.checkpoint.resume = str(where["run_dir"]), "auto"
+            event = {"event": "restart", "restart": restarts, "cause": cause}
+
+
+def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: dict | None = None
+                ) -> list[dict[str, float]]:
     _quiet_transformers()
     seed_everything(cfg.trainer.seed)
     if cfg.trainer.num_threads:
@@ -98,7 +119,7 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
         # The run directory first: created, proven writable and locked (for the whole run, released
         # last) before anything loads; nothing in it is read or written before the lock is held.
         lock = stack.enter_context(open_run_dir(cfg.trainer, notice=lambda line: console.print(line, highlight=False)))
-        run_dir = lock.path
+        run_dir = where["run_dir"] = lock.path
         check_model_configs(cfg)  # config.json of every model: what the memory plan reads
         plan = preflight(cfg, console)  # memory.plan: stops a run predicted not to fit before anything loads
         # Cheap checks before any model is loaded: a typo in the reward, a broken model directory
@@ -154,6 +175,8 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
         stack.callback(trainer.close)
         if resume is not None:
             trainer.restore(resume)
+        if restart_event is not None:  # (after the resume rewrote metrics.jsonl to the checkpoint's step)
+            trainer.writer.write({"step": resume.step if resume is not None else 0, **restart_event})
         history = trainer.fit()
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return history

@@ -64,7 +64,7 @@ class RankActor:
             return getattr(self.worker, method)(*args, **kwargs)
         GUARD.phase = phase
         PROGRESS.enter(phase)
-        _injected_hang(self.role, self.rank, phase)
+        _injected_fault(self.role, self.rank, phase)
         try:
             with RECORDER.phase(phase), SKIPPED_PROMPTS.during(phase):
                 return getattr(self.worker, method)(*args, **kwargs)
@@ -91,25 +91,31 @@ class RankActor:
             dist.destroy_process_group()
 
 
-INJECT_HANG = "FITRL_INJECT_HANG"
-"""For the watchdog's tests (tests/test_watchdog.py): ``<role>:<rank>:<phase>:<n>`` makes that
-rank's n-th call in that phase never return, as a rank stuck in user code would."""
+INJECT_FAULT = "FITRL_INJECT_FAULT"
+"""For the tests of hangs and restarts (tests/test_watchdog.py): ``<role>:<rank>:<phase>:<n>:<hang|kill>``
+makes that rank's n-th call in that phase never return (as a rank stuck in user code would), or
+kills its process (as the kernel's OOM killer or a lost node would). Counted per process."""
 _CALLS: dict[str, int] = {}
 
 
-def _injected_hang(role: str, rank: int, phase: str) -> None:
-    spec = os.environ.get(INJECT_HANG)
+def _injected_fault(role: str, rank: int, phase: str) -> None:
+    spec = os.environ.get(INJECT_FAULT)
     if not spec:
         return
-    want_role, want_rank, want_phase, nth = spec.split(":")
+    want_role, want_rank, want_phase, nth, fault = spec.split(":")
     if (role, str(rank), phase) != (want_role, want_rank, want_phase):
         return
     _CALLS[phase] = _CALLS.get(phase, 0) + 1
-    if _CALLS[phase] == int(nth):
-        import time
+    if _CALLS[phase] != int(nth):
+        return
+    if fault == "kill":
+        import signal
 
-        while True:  # a hang: no heartbeat from here on
-            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    import time
+
+    while True:  # a hang: no heartbeat from here on
+        time.sleep(0.1)
 
 
 _REMOTE: dict[str, Any] = {}

@@ -82,12 +82,13 @@ def test_a_hung_reward_stops_the_run_naming_the_phase_and_the_stack(tiny_model_d
 
 
 @pytest.mark.slow
-def test_a_rank_hung_in_its_update_is_named_with_its_stack(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("phase", ["update", "rollout"])
+def test_a_rank_hung_in_its_update_is_named_with_its_stack(tiny_model_dir, tmp_path, phase):
     """Two Ray ranks (gloo, FSDP2); rank 1's second update never returns, so rank 0 waits in the
     update's collective: the watchdog names both, rank 1's stack shows where it is stuck."""
     pytest.importorskip("ray")
     run = tmp_path / "run"
-    env = {**__import__("os").environ, "FITRL_INJECT_FAULT": "policy:1:update:2:hang"}
+    env = {**__import__("os").environ, "FITRL_INJECT_FAULT": f"policy:1:{phase}:2:hang"}
     proc = subprocess.run(
         [sys.executable, "-m", "fitrl.cli", "train", str(EXAMPLE), f"actor.model.path={tiny_model_dir}",
          f"trainer.run_dir={run}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "data.val_files=[]",
@@ -97,12 +98,13 @@ def test_a_rank_hung_in_its_update_is_named_with_its_stack(tiny_model_dir, tmp_p
         capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
-    assert ("hang: phase 'update' made no progress for 15 s (trainer.hang_timeout_s); stuck: policy rank 1 "
-            "(policy rank 0 waiting in a collective)") in out
+    waiting = " (policy rank 0 waiting in a collective)" if phase == "update" else ""  # (generation has none)
+    assert (f"hang: phase {phase!r} made no progress for 15 s (trainer.hang_timeout_s); stuck: policy rank 1"
+            + waiting) in out
     assert "_injected_fault" in out  # rank 1's own main-thread stack, from its health thread
     assert "step_1" in proc.stderr.strip().splitlines()[-1]  # the resume point: the last complete checkpoint
     hang = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"hang"' in line]
-    assert hang[0]["phase"] == "update" and hang[0]["step"] == 2 and set(hang[0]["ranks"]) == {"policy.rank0",
+    assert hang[0]["phase"] == phase and hang[0]["step"] == 2 and set(hang[0]["ranks"]) == {"policy.rank0",
                                                                                               "policy.rank1"}
 
 

@@ -92,9 +92,11 @@ class RankActor:
 
 
 INJECT_FAULT = "FITRL_INJECT_FAULT"
-"""For the tests of hangs and restarts (tests/test_watchdog.py): ``<role>:<rank>:<phase>:<n>:<hang|kill>``
-makes that rank's n-th call in that phase never return (as a rank stuck in user code would), or
-kills its process (as the kernel's OOM killer or a lost node would). Counted per process."""
+"""For the tests of hangs and restarts (tests/test_watchdog.py, bench/restart_soak.py):
+``<role>:<rank>:<phase>:<n>:<hang|kill>`` makes that rank's n-th call in that phase never return
+(as a rank stuck in user code would), or kills its process (as the kernel's OOM killer or a lost
+node would); counted per process. ``<n>`` written ``p0.05`` instead: each call, with that
+probability."""
 _CALLS: dict[str, int] = {}
 
 
@@ -106,7 +108,12 @@ def _injected_fault(role: str, rank: int, phase: str) -> None:
     if (role, str(rank), phase) != (want_role, want_rank, want_phase):
         return
     _CALLS[phase] = _CALLS.get(phase, 0) + 1
-    if _CALLS[phase] != int(nth):
+    if nth.startswith("p"):
+        import random
+
+        if random.random() >= float(nth[1:]):
+            return
+    elif _CALLS[phase] != int(nth):
         return
     if fault == "kill":
         import signal

@@ -35,6 +35,7 @@ from fitrl.checkpoint import layout, rng
 from fitrl.checkpoint.layout import Checkpoint, CheckpointError
 from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
 from fitrl.core.errors import CheckpointUsageError
+from fitrl.core.nested import flatten
 from fitrl.config.schema import LoRAConfig, RolloutCorrectionConfig
 
 # Settings that may change between a checkpoint and its resume without changing what the run
@@ -151,11 +152,11 @@ class CheckpointManager:
         path = point.path / "config.yaml"
         if not path.is_file():
             raise CheckpointError(f"checkpoint {point.path} has no config.yaml")
-        saved = _flatten(yaml.safe_load(path.read_text()) or {})
+        saved = flatten(yaml.safe_load(path.read_text()) or {})
         for section, schema in ADDED_SECTIONS.items():
             if not any(k.startswith(section + ".") for k in saved):
-                saved.update(_flatten(config_to_dict(schema()), section + "."))
-        now = _flatten(config_to_dict(self.cfg))
+                saved.update(flatten(config_to_dict(schema()), section + "."))
+        now = flatten(config_to_dict(self.cfg))
         changed = [(k, saved.get(k, "(unset)"), now.get(k, "(unset)")) for k in sorted(set(saved) | set(now))
                    if not _same(k, saved.get(k, "(unset)"), now.get(k, "(unset)"))
                    # a resume-safe key added since the checkpoint was saved is no change worth a line
@@ -310,13 +311,3 @@ def _same(key: str, old: Any, new: Any) -> bool:
     if key.endswith("_files") and isinstance(old, list) and isinstance(new, list):
         return [os.path.realpath(p) for p in old] == [os.path.realpath(p) for p in new]
     return False
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

@@ -22,6 +22,7 @@ import yaml
 from fitrl.config.import_maps import (APPROXIMATED, EASYR1, HUB, NOT_TRANSLATED, REWARD_FILES, SPECIAL, TRANSLATED,
                                       VERL, VERL_DEFAULTS, VERL_PREFIXES, Rule)
 from fitrl.core.errors import ConfigError
+from fitrl.core.nested import flatten, nest
 
 FORMATS = {"verl": VERL, "easyr1": EASYR1}
 PREFIXES = {"verl": VERL_PREFIXES, "easyr1": {}}
@@ -226,28 +227,6 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return data
-
-
-def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = out
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return out
 
 
 def _value(text: str) -> Any:

@@ -50,6 +50,7 @@ from fitrl.rollout.layout import assemble_rollout, eos_ids
 from fitrl.rollout.vllm_build import (SUPPORTED_VLLM, build_llm, engine_layout, trainer_group_kept,
                                       vllm_version)
 from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
 
 PUSH_BUCKET_BYTES = 128 << 20
 """TP worker processes (layout ``workers``): full tensors per weight-push call at most (one larger
@@ -204,7 +205,7 @@ class VllmRollout(RolloutEngine):
         else:
             if self.layout.mode == "workers":  # TP workers draw from their own RNGs: seeded from this process's
                 self.llm.collective_rpc("fitrl_seed", args=(int(torch.randint(0, 2**62, ())),))
-            outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=False)
+            outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=heartbeat_bar)
         responses, logprobs = [], []
         for out in outputs:
             for sample in sorted(out.outputs, key=lambda s: s.index):
@@ -237,7 +238,7 @@ class VllmRollout(RolloutEngine):
         devices = [torch.cuda.current_device()] if self.cuda else []
         with torch.random.fork_rng(devices=devices):  # the trainer's own stream resumes after
             torch.manual_seed(gathered[0][1])
-            outputs = self.llm.generate(everyone, self._params(sampling), use_tqdm=False)
+            outputs = self.llm.generate(everyone, self._params(sampling), use_tqdm=heartbeat_bar)
         return outputs[start:start + len(requests)]
 
     def _request(self, prompts: Batch, i: int) -> dict[str, Any]:
@@ -301,7 +302,7 @@ class VllmRollout(RolloutEngine):
         if self.stale or not self.awake:
             self.wake()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], params, use_tqdm=heartbeat_bar)
         result = []
         for ids, out in zip(token_ids, outs):
             entries = out.prompt_logprobs[1:]  # the first token has none
@@ -319,3 +320,18 @@ def shared_groups(layout) -> Any:
         if layout.rank in ranks:
             mine = group
     return mine
+
+
+def heartbeat_bar(*args, **kwargs):
+    """vLLM's progress bar, writing nowhere: each finished request is a heartbeat for the hang
+    watchdog (fitrl/telemetry/progress.py), which otherwise hears nothing while vLLM generates."""
+    import io
+
+    from tqdm import tqdm
+
+    class Beats(tqdm):
+        def update(self, n=1):
+            PROGRESS.beat()
+            return super().update(n)
+
+    return Beats(*args, **{**kwargs, "file": io.StringIO()})

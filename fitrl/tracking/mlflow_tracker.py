@@ -23,6 +23,7 @@ import time
 import warnings
 from typing import Any
 
+from fitrl.core.nested import flatten as flatten_nested
 from fitrl.tracking.base import TRACKERS, Tracker, TrackerRun, cell_text, table_columns
 
 METRICS_PER_CALL = 1000  # MLflow's batch limits
@@ -35,15 +36,9 @@ def mlflow_name(key: str) -> str:
     return _REFUSED.sub("_", key)
 
 
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[mlflow_name(name)] = str(value)[:MAX_PARAM_LENGTH]
-    return out
+def flatten(config: dict[str, Any]) -> dict[str, str]:
+    """The config as MLflow parameters: dotted names in MLflow's alphabet, values as bounded text."""
+    return {mlflow_name(k): str(v)[:MAX_PARAM_LENGTH] for k, v in flatten_nested(config).items()}
 
 
 @TRACKERS.register("mlflow")

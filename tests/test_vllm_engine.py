@@ -44,6 +44,15 @@ def test_sampled_logprobs_equal_the_trainers(worker):
     assert max_logprob_gap(worker, out) <= 1e-4
 
 
+def test_each_finished_request_is_a_heartbeat(worker):
+    """The hang watchdog hears vLLM's generation: one beat per finished request (its progress bar)."""
+    from fitrl.telemetry.progress import PROGRESS
+
+    before = PROGRESS.beats
+    worker.generate(prompts_from(worker, 4), worker.cfg.rollout.sampling())
+    assert PROGRESS.beats - before >= 4
+
+
 def test_push_after_update_makes_engine_follow_trainer(worker):
     seq = prompts_from(worker, 1)["prompt_ids"][0] + [7, 8, 9, 10]
     before = worker.rollout.sequence_logprobs([seq])[0]

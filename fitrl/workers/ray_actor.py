@@ -9,6 +9,7 @@ versions on first use, so importing this module needs no ray.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Optional
 
 import torch
@@ -29,6 +30,8 @@ class RankActor:
         import ray  # here, not at module level: see remote()
 
         self.role, self.rank = role, env.rank
+        self.num_threads, self.device_index = num_threads, None
+        self._bound = {threading.get_ident()}  # threads whose per-thread torch state is this rank's
         GUARD.process = f"{role}.rank{env.rank}"  # thresholds come from the worker's config
         self.node_ip = ray.util.get_node_ip_address()
         self.worker = None
@@ -43,7 +46,7 @@ class RankActor:
                 # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is then device 0;
                 # with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every GPU stays visible.
                 ids = ray.get_gpu_ids()
-                device_index = int(ids[0]) if ids and torch.cuda.device_count() > 1 else 0
+                device_index = self.device_index = int(ids[0]) if ids and torch.cuda.device_count() > 1 else 0
             init_distributed(env, backend, device_index=device_index, timeout_s=dist_timeout_s)
             self.worker = worker_cls(*args, rank=env.rank, world_size=env.world_size, **kwargs)
         except Exception as e:
@@ -55,11 +58,26 @@ class RankActor:
     def ready(self) -> dict:
         if self.init_error is not None:
             raise self.init_error
+        self._bind_thread()
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return {"node_ip": self.node_ip, "pid": os.getpid(), "device": device}
 
+    def _bind_thread(self) -> None:
+        """Ray runs this actor's calls on a thread of its own (the ``health`` concurrency group
+        makes it a threaded actor), not the one ``__init__`` ran on: the per-thread state set
+        there (torch's intra-op threads, which vLLM's CPU attention checks; the current CUDA
+        device) is set again on a thread's first call."""
+        ident = threading.get_ident()
+        if ident in self._bound:
+            return
+        torch.set_num_threads(self.num_threads)
+        if self.device_index is not None:
+            torch.cuda.set_device(self.device_index)
+        self._bound.add(ident)
+
     def call(self, method: str, args: tuple, kwargs: dict, phase: Optional[str] = None) -> Any:
         """Run a worker method; within a driver phase, record its memory and let the guard name it."""
+        self._bind_thread()
         if phase is None:
             return getattr(self.worker, method)(*args, **kwargs)
         GUARD.phase = phase

@@ -106,14 +106,14 @@ def test_missing_config_json_is_a_config_error(tmp_path):
         run_plan(cfg, Hardware.for_config(cfg), recommend_changes=False, console=Console(file=io.StringIO()))
 
 
-def test_plan_plans_this_machine_by_default(capsys):
+def test_plan_plans_this_machine_by_default(capsys, tiny_model_dir):
     """`fitrl plan` of a trainer.device=auto config plans where `fitrl train` would run; the model's
     size reads in people's units; the process table has no GPU column on a CPU plan."""
     import torch
 
     from fitrl.cli import main
 
-    code = main(["plan", str(ROOT / "examples" / "arith.yaml"), "--no-recommend"])
+    code = main(["plan", str(ROOT / "examples" / "arith.yaml"), f"actor.model.path={tiny_model_dir}", "--no-recommend"])
     out = capsys.readouterr().out
     assert code == 0
     if torch.cuda.is_available():
@@ -122,7 +122,8 @@ def test_plan_plans_this_machine_by_default(capsys):
         assert out.startswith("planning this machine: CPU only") and " on CPU, 1 rank(s)" in out
         assert "GPU GiB" not in out
     assert "qwen2 156K params (2 layers" in out  # the tiny model: 156,224 parameters
-    main(["plan", str(ROOT / "examples" / "arith.yaml"), "--gpu-memory", "80GiB", "--no-recommend"])
+    main(["plan", str(ROOT / "examples" / "arith.yaml"), f"actor.model.path={tiny_model_dir}", "--gpu-memory", "80GiB",
+          "--no-recommend"])
     assert "planning this machine" not in capsys.readouterr().out  # other hardware named: planned as named
 
 

@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
-from fitrl.config import ConfigError, FitrlConfig, load_config
+from fitrl.config import ConfigError, load_config
+from fitrl.core.nested import flatten
 
 Rows = Union[Sequence[Mapping[str, Any]], Any]
 
@@ -63,15 +64,9 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
     return run(cfg)
 
 
-def _dotted(values: Mapping[str, Any], prefix: str = "") -> list[str]:
+def _dotted(values: Mapping[str, Any]) -> list[str]:
     """``{"rollout": {"n": 4}}`` or ``{"rollout.n": 4}`` -> ``["rollout.n=4"]``."""
-    out = []
-    for key, value in values.items():
-        if isinstance(value, Mapping) and value:
-            out += _dotted(value, f"{prefix}{key}.")
-        else:
-            out.append(f"{prefix}{key}={json.dumps(value) if not isinstance(value, str) else value}")
-    return out
+    return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in flatten(values).items()]
 
 
 def _write_rows(rows: Rows, folder: Path, split: str) -> Path:

@@ -216,8 +216,9 @@ def test_crash_mid_collective_raises_worker_failed_promptly(cluster):
     e = info.value
     assert (e.role, e.rank, e.phase, e.kind) == ("policy", 1, "exit_on", "crashed")
     assert str(e).startswith(f"policy rank 1 on node {g.node_ips[1]} died during 'exit_on': crashed")
-    # ~2-5 s when quiet; 10x slack for a loaded CI machine still tells "noticed" from "hung"
-    assert elapsed < 60, f"took {elapsed:.1f} s to notice the death"
+    # ~2-5 s when quiet; 20x slack for a loaded CI machine still tells "noticed" from "hung"
+    # (a hung collective waits torch's 30 min default)
+    assert elapsed < 120, f"took {elapsed:.1f} s to notice the death"
     with pytest.raises(RuntimeError, match="shut down"):                # the group is gone, says so
         g.call_all("whoami", [()] * 2, {})
     assert _cpus_free_back(free)                                      # its bundles were released

@@ -1,6 +1,12 @@
 """Every extension owns its whole footprint (fitrl/planner/complete.py): a registered rollout
 engine has its memory planner beside it, under the same name, and a plan of a run on it includes
-what its planner says it holds. A dummy engine shows the check can fail, then pass."""
+what its planner says it holds; a vision-language family describes its tower (memory, FLOPs) and
+its media processing. A dummy engine and a dummy family show the check can fail, then pass."""
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
 
 import pytest
 
@@ -12,6 +18,11 @@ from fitrl.planner import Hardware, plan_config
 from fitrl.config import ConfigError
 from fitrl.planner.complete import missing_counterparts
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
+from fitrl.core.model_types import MODEL_TYPES, ModelType
+from fitrl.data.media import RowMedia
+from fitrl.models.families import CAUSAL_LM, MODEL_FAMILIES, QWEN_VL, ModelFamily
+from fitrl.models.flops import FlopsShape
+from fitrl.models.shape import ModelShape, VisualInput, numel
 from helpers import toy_config
 
 
@@ -85,3 +96,128 @@ def test_an_engine_without_a_planner_fails_the_check_then_plans_with_one(dummy_e
     node = plan.node_host("rollout")  # what the verdict reads: the node's peak holds both
     assert node["dummy cache"] == C.GIB and node["dummy server"] == 2 * C.GIB
     assert plan.peaks()["rollout"][1] == sum(node.values()) > 3 * C.GIB
+
+
+# ------------------------------------------------------------------------------------------------
+# A vision-language family: its tower (memory plan, FLOPs) and media processing live beside it
+
+
+@dataclass(frozen=True)
+class DummyTower:
+    """A tower of one linear layer over each patch, and a merger."""
+    kind: str = "dummy_vl"
+    depth: int = 1
+    hidden: int = 256
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    in_chans: int = 3
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+    def tensors(self):
+        per_patch = self.in_chans * self.temporal_patch * self.patch * self.patch
+        return [("visual.embed.weight", (self.hidden, per_patch)), ("visual.merger.weight", (64, self.hidden * 4))]
+
+    def forward_flops(self, patches: int) -> int:
+        return 2 * patches * sum(numel(s) for _, s in self.tensors())
+
+    def activation_widths(self, grad, checkpointing):
+        return ((3, self.hidden),) if grad else ((1, self.hidden),)
+
+    def largest_image(self, max_pixels: int, min_pixels: int = 0) -> VisualInput:
+        side = max(1, math.isqrt(max_pixels) // self.factor) * self.factor
+        return VisualInput(self, 1, side, side)
+
+
+class DummyMedia:
+    """Text-only rows pass through unchanged."""
+    model_type, supports_video = "dummy_vl", False
+
+    def check_tokenizer(self, tokenizer):
+        pass
+
+    def read_row_media(self, source, row, messages, *, opts, base_dir):
+        return messages, RowMedia()
+
+    def expand_placeholders(self, text, image_tokens, video_tokens):
+        return text
+
+    def model_inputs(self, images, videos, media, opts, source):
+        return {}
+
+
+class HalfFamily(ModelFamily):
+    """Builds and shards (borrowed from the causal LM) but has no planner or media twins."""
+    name = "dummy_vl"
+    model_types = frozenset({"dummy_vl"})
+
+    def builders(self, head, model):
+        return CAUSAL_LM.builders(head, model)
+
+    def blocks_to_shard(self, model):
+        return CAUSAL_LM.blocks_to_shard(model)
+
+
+class WholeFamily(HalfFamily):
+    def vision_tower(self, config):
+        return DummyTower(hidden=config["vision_config"]["hidden_size"])
+
+    def media_spec(self, model_path):
+        return DummyMedia()
+
+
+@pytest.fixture
+def dummy_vl_row(monkeypatch):
+    monkeypatch.setitem(MODEL_TYPES, "dummy_vl", ModelType("dummy_vl", "qwen2", vision=True))
+    yield
+    if "dummy_vl" in MODEL_FAMILIES:
+        MODEL_FAMILIES.remove("dummy_vl")
+
+
+def test_every_builtin_family_has_its_tower_and_media():
+    assert missing_counterparts() == []
+    assert {n for n, t in MODEL_TYPES.items() if t.vision} == set(QWEN_VL.model_types)
+
+
+def test_a_vision_language_family_without_twins_fails_the_check_then_plans_with_them(dummy_vl_row, tiny_model_dir,
+                                                                                      tmp_path):
+    model = tmp_path / "dummy-vl"
+    shutil.copytree(tiny_model_dir, model)
+    text = json.loads((model / "config.json").read_text())
+    config = {**text, "model_type": "dummy_vl", "text_config": {**text, "model_type": "qwen2"},
+              "vision_config": {"hidden_size": 256}}
+    (model / "config.json").write_text(json.dumps(config))
+    cfg = toy_config(model, tmp_path / "run", "trainer.device=cpu", "trainer.val_before_train=false")
+    hw = Hardware.cpu(host_memory=64 * C.GIB)
+
+    assert missing_counterparts() == ["vision-language model type 'dummy_vl' is claimed by no model family "
+                                      "(fitrl/models/families/, ModelFamily.model_types)"]
+    with pytest.raises(ValueError, match="'dummy_vl' is a vision-language model whose family describes no vision"):
+        plan_config(cfg, hw)  # never a plan without the tower's memory
+
+    MODEL_FAMILIES.add("dummy_vl", HalfFamily())
+    assert missing_counterparts() == [
+        "model family 'dummy_vl' describes no vision tower (its tensors and FLOPs, for the memory plan) of "
+        "'dummy_vl' (ModelFamily.vision_tower)",
+        "model family 'dummy_vl' describes no media processing (images to model inputs, for the data path) of "
+        "'dummy_vl' (ModelFamily.media_spec)"]
+
+    MODEL_FAMILIES.remove("dummy_vl")
+    MODEL_FAMILIES.add("dummy_vl", WholeFamily())
+    assert missing_counterparts() == []
+    plan = plan_config(cfg, hw)
+    tower = sum(numel(s) for _, s in DummyTower().tensors())
+    assert plan.shape.num_params == ModelShape.from_dict(text).num_params + tower
+    text_plan = plan_config(toy_config(tiny_model_dir, tmp_path / "run2", "trainer.device=cpu",
+                                       "trainer.val_before_train=false"), hw)
+    update, text_update = (p.process("trainer").phases["update"].host for p in (plan, text_plan))
+    # the tower's fp32 weights, gradients and AdamW moments (and a step count per tensor) are in the
+    # plan, and its activations
+    steps = 4 * len(DummyTower().tensors())
+    assert [update[k] - text_update[k] for k in ("params", "grads", "optimizer")] == [4 * tower, 4 * tower,
+                                                                                       8 * tower + steps]
+    assert plan.peaks()["update"][1] > text_plan.peaks()["update"][1] + 16 * tower
+    assert FlopsShape.of(plan.shape).vision_flops([16]) == DummyTower().forward_flops(16)

@@ -53,7 +53,7 @@ def test_every_model_type_is_described_once_for_memory_and_flops(model_type):
 
 @pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
 def test_every_model_type_has_a_family_and_vision_language_ones_a_vision_spec(model_type, tmp_path):
-    from fitrl.data.vision import VL_MODEL_TYPES
+    from fitrl.models.families.qwen_vl.media import VL_MODEL_TYPES
     from fitrl.models.families import CAUSAL_LM, QWEN_VL, family_for
     from fitrl.models.vl_types import auto_class_name
 

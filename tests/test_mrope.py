@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL rotary positions (fitrl/models/families/mrope.py): hand-computed runs, the
+"""Qwen2-VL / Qwen2.5-VL rotary positions (fitrl/models/families/qwen_vl/mrope.py): hand-computed runs, the
 same numbers as transformers' ``get_rope_index`` wherever transformers follows the released
 layout, and the released layout where it does not (text after a long video)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fitrl.models.families.mrope import rope_index, sequence_positions, vision_run_positions
+from fitrl.models.families.qwen_vl.mrope import rope_index, sequence_positions, vision_run_positions
 
 T, I, V = 0, 1, 2  # token types: text, image pad, video pad
 
@@ -59,7 +59,7 @@ def backbone_of(request, tmp_path_factory):
 
 def test_equals_transformers_where_transformers_follows_the_released_layout(backbone_of):
     """Images, and videos whose temporal positions stay within their width: transformers' numbers."""
-    from fitrl.models.families.qwen_vl import use_released_positions
+    from fitrl.models.families.qwen_vl.family import use_released_positions
 
     inner = backbone_of
     cfg = inner.config

@@ -99,7 +99,7 @@ def test_largest_image_bounds_every_smart_resize(patch, max_pixels):
     """No image comes out of the processor's resize larger than ``largest_image``, which one does reach."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from fitrl.models.shape import VisionShape
+    from fitrl.models.families.qwen_vl.tower import VisionShape
 
     v = VisionShape("qwen2_5_vl", 1, 8, 8, 8, patch=patch)
     big = v.largest_image(max_pixels, 3136)
@@ -151,7 +151,7 @@ def test_frozen_vision_tower_has_no_gradients_or_adamw_states():
     (built over the parameters that require grad) cover the language model only."""
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
 
-    from fitrl.models.families.qwen_vl import freeze_vision_tower
+    from fitrl.models.families.qwen_vl.family import freeze_vision_tower
 
     cfg = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

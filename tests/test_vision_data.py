@@ -1,5 +1,5 @@
 """Tests for the vision-language data path: fitrl.data.images (loading, checks, the pixel budget),
-fitrl.data.vision (spec, processing, placeholders); PromptDataset with images and videos is in
+fitrl/models/families/qwen_vl/media.py (spec, processing, placeholders); PromptDataset with images and videos is in
 tests/test_vision_dataset.py.
 
 Pixel budgets and token counts are computed by hand; processing is compared with transformers'
@@ -18,8 +18,8 @@ from PIL import Image
 
 from fitrl.core.errors import DataError, ModelDirError
 from fitrl.data.images import BadImage, image_tokens, load_image, smart_resize
-from fitrl.data.vision import (VisionSpec, expand_placeholders, frames_from_pixels, images_from_pixels,
-                               insert_vision_markers, process_images, process_videos, sample_frames)
+from fitrl.models.families.qwen_vl.media import (VisionSpec, expand_placeholders, frames_from_pixels, images_from_pixels,
+                                                  insert_vision_markers, process_images, process_videos, sample_frames)
 from vision_helpers import CHATML, MARK, QWEN2, QWEN3, QWEN25, encode, gif_animated, png_header, rgb, tokenizer  # noqa: F401
 
 # ------------------------------------------------------------------------------ pixel budget

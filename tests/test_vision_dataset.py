@@ -13,7 +13,7 @@ from PIL import Image
 from fitrl.config.data import DataConfig
 from fitrl.core.errors import DataError
 from fitrl.data.dataset import PromptDataset
-from fitrl.data.vision import VisionSpec, process_images
+from fitrl.models.families.qwen_vl.media import VisionSpec, process_images
 from vision_helpers import CHATML, MARK, QWEN2, QWEN3, QWEN25, encode, gif_animated, png_header, rgb, tokenizer  # noqa: F401 (fixture)
 
 # ------------------------------------------------------------------------------ the dataset

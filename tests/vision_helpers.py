@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fitrl.data.vision import VisionSpec
+from fitrl.models.families.qwen_vl.media import VisionSpec
 
 QWEN25 = VisionSpec("qwen2_5_vl")
 QWEN2 = VisionSpec("qwen2_vl")

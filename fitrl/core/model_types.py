@@ -1,9 +1,10 @@
 """Every ``config.json`` ``model_type`` fitrl runs, in one table: its decoder family and whether it
 is a vision-language model (and takes videos).
 
-The model-directory checks, the loaders, the vision data path, the model shape (memory plan and
-FLOPs) all read this table, so a new family is one row here plus what its own module needs
-(``tests/test_model_types.py`` checks each reader knows every row). Standard library only: the
+The model-directory checks, the loaders, the model shape (memory plan and FLOPs) all read this
+table: a new text model type is one row here; a new vision-language family its rows here plus its
+own folder (fitrl/models/families/, docs/architecture.md). ``tests/test_model_types.py`` and
+``tests/test_extension_points.py`` check each reader knows every row. Standard library only: the
 CLI builds its parser from modules that import this.
 """
 

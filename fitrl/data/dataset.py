@@ -26,8 +26,7 @@ from fitrl.core.errors import DataError
 from fitrl.data.batch import Batch
 from fitrl.data.images import BadImage, load_image
 from fitrl.data.rows import MISSING, iter_rows, kind_of, lookup, missing_key_text
-from fitrl.data.vision import (RowMedia, VisionSpec, expand_placeholders, process_images, process_videos,
-                               read_row_media, video_pixel_limits)
+from fitrl.data.media import MediaSpec, RowMedia
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,8 +51,9 @@ class PromptDataset:
     ids encode), ``answer`` (passed to the reward), ``extra`` (the row's other columns),
     ``source`` (``file:line`` / ``file: row i``) and ``index`` (``i``).
 
-    With ``vision`` (a Qwen-VL policy; docs/vision.md) each row's images and videos
-    (``media``: the ``data.*`` image and video keys) are checked and decoded once here and kept
+    With ``vision`` (a vision-language policy's media spec, :class:`fitrl.data.media.MediaSpec`;
+    docs/vision.md) each row's images and videos (``media``: the ``data.*`` image and video
+    keys) are checked and decoded once here and kept
     as references only: ``ds[i]`` also has ``images`` (resolved path or bytes per image),
     ``image_sizes`` (resized ``(h, w)``), ``videos`` (per video, its sampled frames) and
     ``video_sizes`` (``(frames, h, w)``); ``prompt_ids`` hold every image token, while
@@ -73,7 +73,7 @@ class PromptDataset:
         apply_chat_template: bool = True,
         max_prompt_length: int,
         name: str = "train",
-        vision: Optional[VisionSpec] = None,
+        vision: Optional[MediaSpec] = None,
         media: Optional[DataConfig] = None,
         max_rows: Optional[int] = None,
     ) -> None:
@@ -163,8 +163,8 @@ class PromptDataset:
         if self.vision is None:
             self._refuse_media(source, row)
         else:
-            messages, media_of_row = read_row_media(source, row, messages, spec=self.vision, opts=self.media,
-                                                    base_dir=base_dir)
+            messages, media_of_row = self.vision.read_row_media(source, row, messages, opts=self.media,
+                                                                base_dir=base_dir)
         if self.apply_chat_template:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         elif len(messages) == 1 and messages[0]["role"] == "user":
@@ -173,7 +173,7 @@ class PromptDataset:
             raise DataError(f"{source}: a multi-message conversation needs data.apply_chat_template=true")
         id_text = text
         if media_of_row is not None:  # one <|image_pad|> per image token: the ids (and the length filter) count them
-            id_text = expand_placeholders(text, media_of_row.image_tokens, media_of_row.video_tokens, self.vision)
+            id_text = self.vision.expand_placeholders(text, media_of_row.image_tokens, media_of_row.video_tokens)
         return _Row(source, row, text, id_text, media_of_row)
 
     def _tokenize(self, tokenizer: Any, rows: list[_Row]) -> list[list[int]]:
@@ -210,7 +210,7 @@ class PromptDataset:
 
     @classmethod
     def from_config(cls, files: list[str], tokenizer: Any, d: DataConfig, *, name: str,
-                    vision: Optional[VisionSpec], max_rows: Optional[int] = None) -> "PromptDataset":
+                    vision: Optional[MediaSpec], max_rows: Optional[int] = None) -> "PromptDataset":
         """The prompts of ``files`` built as the run builds them from ``data.*`` (the trainer's
         datasets, and the planner's sample of prompt lengths: both must see the same prompts)."""
         return cls(files, tokenizer, name=name, prompt_key=d.prompt_key, answer_key=d.answer_key,
@@ -278,35 +278,20 @@ class PromptDataset:
         Keys (tensors on CPU): ``pixel_values`` (float32, ``(patches, C*tp*p*p)``) and
         ``image_grid_thw`` (int64, ``(images, 3)``) when the row has images;
         ``pixel_values_videos``, ``video_grid_thw`` and, for Qwen2.5-VL, ``second_per_grid_ts``
-        (float32, ``(videos,)``) when it has videos (:mod:`fitrl.data.vision`).
+        (float32, ``(videos,)``) when it has videos (the family's media spec, :mod:`fitrl.data.media`).
         """
         ex = self._examples[i]
         if not ex.get("images") and not ex.get("videos"):
             return None
-        m, spec = self.media, self.vision
+        m = self.media
         try:
             images = [load_image(r, max_side=m.max_image_side) for r in ex["images"]]
             videos = [[load_image(r, max_side=m.max_image_side) for r in frames] for frames in ex["videos"]]
         except BadImage as e:
             raise DataError(f"{ex['source']}: an image of this row cannot be read any more ({e}); "
                             f"it changed since start-up") from None
-        out: dict = {}
-        if images:
-            out.update(process_images(images, spec, m.min_pixels, m.max_pixels))
-            expected = [[1, h // spec.patch_size, w // spec.patch_size] for h, w in ex["image_sizes"]]
-            if out["image_grid_thw"].tolist() != expected:
-                raise DataError(f"{ex['source']}: an image of this row changed size since start-up; its image "
-                                f"tokens no longer match the prompt")
-        if videos:
-            vmin, vmax = video_pixel_limits(m)
-            out.update(process_videos(videos, spec, fps=m.video_fps, max_frames=m.max_frames,
-                                      max_pixels=vmax, min_pixels=vmin))
-            expected = [[t // spec.temporal_patch_size, h // spec.patch_size, w // spec.patch_size]
-                        for t, h, w in ex["video_sizes"]]
-            if out["video_grid_thw"].tolist() != expected:
-                raise DataError(f"{ex['source']}: a video frame of this row changed size since start-up; its "
-                                f"tokens no longer match the prompt")
-        return out
+        media = RowMedia(image_sizes=ex.get("image_sizes", []), video_sizes=ex.get("video_sizes", []))
+        return self.vision.model_inputs(images, videos, media, m, ex["source"])
 
     def image_stats(self) -> list[list[int]]:
         """Per prompt, the pixels of each image after resizing (``h' * w'``): what the memory

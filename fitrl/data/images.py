@@ -221,7 +221,7 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
 def image_tokens(height: int, width: int, spec: Any, min_pixels: int, max_pixels: int) -> int:
     """Language-model tokens of one image of ``height x width`` pixels (before resizing):
     ``(h'/patch) * (w'/patch) / merge**2`` with ``(h', w')`` from :func:`smart_resize`.
-    ``spec``: anything with ``patch_size`` and ``merge_size`` (a :class:`fitrl.data.vision.VisionSpec`).
+    ``spec``: anything with ``patch_size`` and ``merge_size`` (a Qwen-VL ``VisionSpec``).
 
     >>> from types import SimpleNamespace
     >>> image_tokens(100, 200, SimpleNamespace(patch_size=14, merge_size=2), 3136, 28 * 28 * 16)

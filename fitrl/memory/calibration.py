@@ -287,15 +287,15 @@ IMAGE_DECODED_BYTES_PER_PIXEL = 4 + 3
 (PIL keeps an RGB image as 4 bytes per pixel, RGBX: +16.3 MiB RSS for a 2048 x 2048 PNG), and the
 processor's uint8 numpy copy of it (3 B), which its input list holds to the end (tracemalloc)."""
 IMAGE_PROCESSING_BYTES_PER_PIXEL = 36
-"""Measured: the working copies of transformers' ``Qwen2VLImageProcessorPil`` (fitrl/data/vision.py,
-``process_images``) while it turns one image into pixel values, per resized pixel, on top of the
-24 B/px of the pixel values it returns. Its traced peak (``tracemalloc``) is at the final
-``np.concatenate``: the normalised float32 image (12 B/px), the patchified copy (24 B/px), the
-concatenated output (the pixel values) and the numpy copy of the source (counted per source
-pixel above): 251.1 MiB for a 2048 x 2048 source at max_pixels=4194304 (2044 x 2044), 36.0 B
-per resized pixel (the earlier figure, 39, counted the source copy here). Together with the
-decoded source: 187 MiB of RSS over the pixel values in a fresh process (planned 171: the rest is
-glibc's; ``bench/vl_image_memory.py``). A source larger than the budget peaks at the resize
-instead: ~14 B per source pixel (the RGBX image, the numpy copy, its channels-last copy and the
-RGBX image PIL resizes), 35-67 MiB for a 2048 x 2048 source at max_pixels=12544; the plan counts
-sources at the budget. Videos: assumed the same per frame (not measured)."""
+"""Measured: the working copies of transformers' ``Qwen2VLImageProcessorPil``
+(fitrl/models/families/qwen_vl/media.py, ``process_images``) while it turns one image into pixel
+values, per resized pixel, on top of the 24 B/px of the pixel values it returns. Its traced peak
+(``tracemalloc``) is at the final ``np.concatenate``: the normalised float32 image (12 B/px), the
+patchified copy (24 B/px), the concatenated output (the pixel values) and the numpy copy of the
+source (counted per source pixel above): 251.1 MiB for a 2048 x 2048 source at max_pixels=4194304
+(2044 x 2044), 36.0 B per resized pixel (the earlier figure, 39, counted the source copy here).
+Together with the decoded source: 187 MiB of RSS over the pixel values in a fresh process (planned
+171: the rest is glibc's; ``bench/vl_image_memory.py``). A source larger than the budget peaks at
+the resize instead: ~14 B per source pixel (the RGBX image, the numpy copy, its channels-last copy
+and the RGBX image PIL resizes), 35-67 MiB for a 2048 x 2048 source at max_pixels=12544; the plan
+counts sources at the budget. Videos: assumed the same per frame (not measured)."""

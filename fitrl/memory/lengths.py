@@ -98,7 +98,7 @@ def sample_prompt_length(cfg: FitrlConfig) -> tuple[int, int]:
     the run builds them (prompts over ``data.max_prompt_length`` are dropped by the run, and here)."""
     # lazy: fitrl.data imports torch, transformers the tokenizer: neither for `fitrl --help`
     from fitrl.data.dataset import PromptDataset
-    from fitrl.data.vision import VisionSpec
+    from fitrl.models.families import media_spec_of
     from fitrl.models.check import load_local_tokenizer
 
     d, model = cfg.data, cfg.actor.model
@@ -107,7 +107,7 @@ def sample_prompt_length(cfg: FitrlConfig) -> tuple[int, int]:
     missing = [f for f in d.train_files if not Path(f).exists()]
     if missing:  # before the tokenizer: the plan of a reported run (a model's config.json only) says this first
         raise FileNotFoundError(f"not on this machine: {missing[0]}")
-    vision = VisionSpec.from_model_dir(model.path)
+    vision = media_spec_of(model.path)
     rows = VISION_SAMPLE_ROWS if vision is not None else SAMPLE_ROWS
     tokenizer = load_local_tokenizer(model.tokenizer_path or model.path)
     ds = PromptDataset.from_config(d.train_files, tokenizer, d, name="train", vision=vision,

@@ -40,46 +40,28 @@ def bf16_widening(run: Run, head_rows: int, tokens: int) -> int:
 
 
 def vision_activations(run: Run, seqs: int, grad: bool, checkpointing: bool, mapped_only: bool = False) -> int:
-    """The vision tower over a micro-batch's images (analytic, at the tower's width e and MLP width
-    I). Every sequence brings its prompt's images (the forward concatenates each sample's pixel
-    values, shared prompt or not): ``seqs * images_per_prompt * patches`` tokens. Per token, in the
-    compute dtype: saved for backward ``(14e + 4I)`` per block, or with checkpointing ``2e`` per
-    block plus one block's ``14e + 4I`` recomputed in backward; without grad (log-probs, generation,
-    or a frozen tower, ``actor.model.freeze_vision_tower``, whose forward autograd does not record)
-    one block's working set ``4e + 2I``.
-
-    ``14e + 4I`` is measured: the distinct tensors a Qwen2.5-VL vision block saves for backward
-    (transformers' block, SDPA; ``bench/vl_image_memory.py --vision-block``), per patch: 932,
-    3718 and 30338 elements in fp32 and 1000, 3980 and 32916 in bf16 at (e, I) = (32, 128),
-    (128, 512) and (1280, 3420) (Qwen2.5-VL-7B's), within 4.2% of 14e + 4I (norms, qkv, rotary
-    q and k, attention output, projection input; the SwiGLU MLP's gate, up, activation and
-    product). The earlier ``12e + 8I`` counted the MLP twice (+30-41% at the 7B's widths). On CPU
-    (``bench/vl_image_memory.py``, 2048 x 2048 pictures, ``MALLOC_MMAP_THRESHOLD_``) an update's
-    tower measured 0.70 GiB for 0.61 planned: the patch embedding, rotary tables and merger outside
-    the blocks (5-6e per patch, measured) are not counted. With checkpointing a block saves its
-    input only (e per patch, measured) besides what its backward recomputes: ``2e`` is kept as a
-    margin for the gradient flowing through (not measured as a peak).
+    """The vision tower over a micro-batch's images, in the compute dtype. Every sequence brings
+    its prompt's images (the forward concatenates each sample's pixel values, shared prompt or
+    not): ``seqs * images_per_prompt * patches`` tokens; what each token holds is the tower's own
+    description (``VisionTower.activation_widths``; the Qwen-VL towers' measured counts are in
+    fitrl/models/families/qwen_vl/tower.py). A frozen tower (``actor.model.freeze_vision_tower``)
+    is a pass without gradients: autograd records nothing of its forward.
 
     ``mapped_only``: the part held in tensors of at least
-    :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX` (``tokens x e`` or ``tokens x I``
-    each), which glibc maps and unmaps: what a CPU process's heap cannot keep after the update."""
+    :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX` (each ``tokens x width``), which
+    glibc maps and unmaps: what a CPU process's heap cannot keep after the update."""
     v, visual = run.shape.vision, run.visual
     if visual is None:
         return 0
     tokens = seqs * run.images_per_prompt * visual.patches
     b = DTYPE_BYTES[run.compute_dtype]
-    if not grad or run.cfg.actor.model.freeze_vision_tower:
-        per_e, per_i = 4, 2
-    elif checkpointing:
-        per_e, per_i = 2 * v.depth + 14, 4
-    else:
-        per_e, per_i = 14 * v.depth, 4 * v.depth
-    parts = ((per_e, tokens * v.hidden * b), (per_i, tokens * v.intermediate * b))  # (count, bytes of one tensor)
+    grad = grad and not run.cfg.actor.model.freeze_vision_tower
+    parts = [(k, tokens * width * b) for k, width in v.activation_widths(grad, checkpointing)]  # (count, bytes of one)
     return sum(k * one for k, one in parts if not mapped_only or one >= C.GLIBC_MMAP_THRESHOLD_MAX)
 
 
 def micro_images(run: Run, seqs: int) -> int:
-    """A forward's pixel values: ``concat_multi_modal`` (fitrl/models/families/qwen_vl.py)
+    """A forward's pixel values: ``concat_multi_modal`` (fitrl/models/families/qwen_vl/family.py)
     concatenates the micro-batch's ``seqs`` samples' fp32 ``pixel_values`` (a copy per sample, shared
     prompt or not) and moves them to the device (on CUDA via a host tensor of the same size, freed
     after the copy)."""

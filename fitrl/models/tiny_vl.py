@@ -55,7 +55,8 @@ _CHATML_VL_TEMPLATE = _CHATML_TEMPLATE.replace(_CONTENT, _VL_CONTENT)
 @dataclass(frozen=True)
 class TinyVisionArch:
     """How a tiny vision-language arch is built (its processor, tower config, multimodal rope); the
-    vision side of a real model directory, as the data path reads it, is fitrl/data/vision.py's VisionSpec."""
+    vision side of a real model directory, as the data path reads it, is the family's
+    ``VisionSpec`` (fitrl/models/families/qwen_vl/media.py)."""
 
     processor_class: str  # the transformers processor AutoProcessor builds for this model_type
     video_processor: str  # its video processor class (torchvision only, in transformers 5.23)

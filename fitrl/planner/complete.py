@@ -1,13 +1,19 @@
 """Every extension owns its whole footprint: the completeness check behind
 ``tests/test_extension_points.py``.
 
-A rollout engine is registered twice, beside itself (fitrl/rollout/): its runtime in
-:data:`fitrl.rollout.engine.ROLLOUT_ENGINES` and its memory planner in
-:data:`fitrl.memory.engines.ENGINE_PLANNERS`, under the same name. A name with only one of the two
-would run unplanned or plan what cannot run; :func:`missing_counterparts` names each such gap, so
-a new engine without its planner fails a test rather than a user's plan. The config's
-``rollout.engine`` is checked against the engines' registry when it loads
-(fitrl/core/registry.py, ``CHECKED_ON_LOAD``).
+- A rollout engine is registered twice, beside itself (fitrl/rollout/): its runtime in
+  :data:`fitrl.rollout.engine.ROLLOUT_ENGINES` and its memory planner in
+  :data:`fitrl.memory.engines.ENGINE_PLANNERS`, under the same name. A name with only one of the
+  two would run unplanned or plan what cannot run. The config's ``rollout.engine`` is checked
+  against the engines' registry when it loads (fitrl/core/registry.py, ``CHECKED_ON_LOAD``).
+- A vision-language model type (a ``vision`` row of fitrl/core/model_types.py) is claimed by a
+  model family (fitrl/models/families/) that describes its vision tower (tensors and FLOPs: what
+  the memory plan and the FLOP counter read, ``ModelFamily.vision_tower``) and its media
+  processing (what the data path and the engines call, ``ModelFamily.media_spec``); every type a
+  family claims is a row of the table.
+
+:func:`missing_counterparts` names each gap, so a new engine or family without its counterparts
+fails a test rather than a user's plan.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from __future__ import annotations
 
 def missing_counterparts() -> list[str]:
     """One line per registered name that lacks a counterpart (empty: every extension is complete)."""
+    return _engine_gaps() + _family_gaps()
+
+
+def _engine_gaps() -> list[str]:
     import fitrl.rollout  # noqa: F401  (registers the built-in engines and their planners)
     from fitrl.memory.engines import ENGINE_PLANNERS
     from fitrl.rollout.engine import ROLLOUT_ENGINES
@@ -26,4 +36,29 @@ def missing_counterparts() -> list[str]:
     for name in ENGINE_PLANNERS:
         if name not in ROLLOUT_ENGINES:
             out.append(f"engine planner {name!r} plans an engine that is not registered (ROLLOUT_ENGINES)")
+    return out
+
+
+def _family_gaps() -> list[str]:
+    from fitrl.core.model_types import MODEL_TYPES
+    from fitrl.models.families import CAUSAL_LM, MODEL_FAMILIES, ModelFamily, family_of_type
+
+    out = []
+    for row in MODEL_TYPES.values():
+        if not row.vision:
+            continue
+        family = family_of_type(row.name)
+        if family is CAUSAL_LM:
+            out.append(f"vision-language model type {row.name!r} is claimed by no model family "
+                       f"(fitrl/models/families/, ModelFamily.model_types)")
+            continue
+        for method, what in (("vision_tower", "vision tower (its tensors and FLOPs, for the memory plan)"),
+                             ("media_spec", "media processing (images to model inputs, for the data path)")):
+            if getattr(type(family), method) is getattr(ModelFamily, method):
+                out.append(f"model family {family.name!r} describes no {what} of {row.name!r} "
+                           f"(ModelFamily.{method})")
+    for name in MODEL_FAMILIES:
+        for kind in sorted(MODEL_FAMILIES.get(name).model_types - set(MODEL_TYPES)):
+            out.append(f"model family {name!r} claims model type {kind!r}, which has no row in "
+                       f"fitrl/core/model_types.py")
     return out

@@ -29,7 +29,7 @@ import torch
 from fitrl.config.plan import parse_bytes
 from fitrl.config.schema import RolloutConfig
 from fitrl.core.errors import ConfigError, EngineError
-from fitrl.data.vision import VisionSpec
+from fitrl.data.media import MediaSpec
 from fitrl.rollout.engine import EngineContext
 
 SUPPORTED_VLLM = ("0.32.",)
@@ -79,7 +79,7 @@ def engine_layout(tp: int) -> EngineLayout:
 
 
 def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module, layout: EngineLayout, *, cuda: bool,
-              sleep: bool, vision: Optional[VisionSpec] = None):
+              sleep: bool, vision: Optional[MediaSpec] = None):
     """The vLLM ``LLM`` for this rank, or one line saying why it cannot be built. ``shared``: a
     collective over the policy's process group (every rank builds at the same point). ``vision``:
     the model's vision settings (None for a text model)."""

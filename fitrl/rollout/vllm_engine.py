@@ -43,7 +43,7 @@ from fitrl.config.schema import RolloutConfig, SamplingConfig
 from fitrl.core.errors import ConfigError, Diverged, EngineError
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
-from fitrl.data.vision import VisionSpec, frames_from_pixels, images_from_pixels
+from fitrl.models.families import media_spec_of
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
@@ -72,7 +72,7 @@ class VllmRollout(RolloutEngine):
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.sleeps = self.cuda and cfg.sleep_level > 0  # vLLM's sleep mode needs CUDA's allocator
-        self.vision = VisionSpec.from_model_dir(context.model_path)  # None for a text model
+        self.vision = media_spec_of(context.model_path)  # the family's media handling; None for a text model
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.vision.image_token) if self.vision else None
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.vision.video_token) if self.vision else None
         self.layout = engine_layout(cfg.tensor_parallel_size)
@@ -255,11 +255,11 @@ class VllmRollout(RolloutEngine):
         data: dict[str, Any] = {}
         kwargs: dict[str, Any] = {}
         if media.get("pixel_values") is not None:
-            data["image"] = images_from_pixels(media["pixel_values"], media["image_grid_thw"], self.vision)
+            data["image"] = self.vision.images_from_pixels(media["pixel_values"], media["image_grid_thw"])
             pixels = [im.width * im.height for im in data["image"]]
             kwargs.update(min_pixels=min(pixels), max_pixels=max(pixels))
         if media.get("pixel_values_videos") is not None:
-            videos = frames_from_pixels(media["pixel_values_videos"], media["video_grid_thw"], self.vision)
+            videos = self.vision.frames_from_pixels(media["pixel_values_videos"], media["video_grid_thw"])
             # Qwen2.5-VL's temporal positions step by second_per_grid_ts = temporal patch / fps:
             # the frame rate the trainer's positions were built with (Qwen2-VL reads none)
             steps = media.get("second_per_grid_ts")
@@ -267,7 +267,7 @@ class VllmRollout(RolloutEngine):
             data["video"] = [(frames, {"fps": rate, "total_num_frames": len(frames), "duration": len(frames) / rate,
                                        "frames_indices": list(range(len(frames))), "video_backend": "fitrl"})
                              for frames, rate in zip(videos, fps)]
-            # frames are already sampled, padded and resized (fitrl.data.vision.process_videos);
+            # frames are already sampled, padded and resized (fitrl/models/families/qwen_vl/media.py);
             # images too are at their resized size, so no resize is right for both
             kwargs.update(do_resize=False, do_sample_frames=False)
         return {"prompt_token_ids": collapsed, "multi_modal_data": data, "mm_processor_kwargs": kwargs}

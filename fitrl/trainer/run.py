@@ -16,8 +16,8 @@ from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_b
 from fitrl.core.device import resolve_device
 from fitrl.core.errors import DataError, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
-from fitrl.data.vision import VisionSpec
 from fitrl.models.check import check_model_configs, check_run_models
+from fitrl.models.families import media_spec_of
 from fitrl.roles.reward import RewardScorer
 from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker
 from fitrl.tracking import check_installed
@@ -36,8 +36,8 @@ def seed_everything(seed: int) -> None:
 
 def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, PromptDataset | None]:
     d = cfg.data
-    # a Qwen-VL policy (None for a text model): image rows, pixel budget, tokenizer check
-    vision = VisionSpec.from_model_dir(cfg.actor.model.path)
+    # a vision-language policy (None for a text model): image rows, pixel budget, tokenizer check
+    vision = media_spec_of(cfg.actor.model.path)
     train = None
     if not cfg.trainer.val_only:
         if not d.train_files:

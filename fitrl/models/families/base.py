@@ -7,7 +7,10 @@ A family knows, for the checkpoints it claims (by ``config.json``'s ``model_type
 - which blocks become FSDP units (decoder layers; a vision-language family adds vision blocks);
 - what a model instance takes besides ids and mask (:class:`ModelInputs`: position ids and extra
   inputs; a causal LM counts real tokens, a Qwen-VL family computes multimodal rope indices from
-  the image grids and passes the pixel values).
+  the image grids and passes the pixel values);
+- for a vision-language family, its vision tower (tensors, FLOPs, image geometry: what the memory
+  plan and the FLOP counter read) and its media processing (what the data path and the engines
+  call), each from the model directory.
 
 Families are stateless singletons registered in :data:`MODEL_FAMILIES`;
 :func:`fitrl.models.families.family_for` picks one for a checkpoint.
@@ -16,6 +19,7 @@ Families are stateless singletons registered in :data:`MODEL_FAMILIES`;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -24,6 +28,8 @@ from torch import nn
 from fitrl.config.schema import ModelConfig
 from fitrl.core.padding import position_ids_from_mask
 from fitrl.core.registry import Registry
+from fitrl.data.media import MediaSpec
+from fitrl.models.shape import VisionTower
 
 HEADS = ("causal_lm", "value")
 """What :meth:`ModelFamily.builders` can build: ``causal_lm`` (policy, reference), ``value`` (critic)."""
@@ -55,6 +61,17 @@ class ModelFamily(ABC):
         """What this model instance takes besides ids and mask: its positions and extra inputs
         (a vision-language model's image tensors). Text families: :data:`TEXT_INPUTS`."""
         return TEXT_INPUTS
+
+    def vision_tower(self, config: dict[str, Any]) -> Optional[VisionTower]:
+        """The vision tower of a ``config.json`` (as a dict) this family claims: its tensors, FLOPs
+        and image geometry, for the memory plan and the FLOP counter. Text families: None; a
+        vision-language family must describe it (fitrl/planner/complete.py checks)."""
+        return None
+
+    def media_spec(self, model_path: str | Path) -> Optional[MediaSpec]:
+        """How the data path and the engines turn a row's images into this model's inputs
+        (:class:`fitrl.data.media.MediaSpec`), read from the model directory. Text families: None."""
+        return None
 
     def __repr__(self) -> str:
         return f"<model family {self.name!r}>"

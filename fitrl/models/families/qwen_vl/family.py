@@ -4,7 +4,7 @@
 What differs from a text model, and where it is handled:
 
 - **Positions** are (3, B, T) (temporal, height, width) from the backbone's ``get_rope_index``,
-  which for Qwen2-VL and Qwen2.5-VL is replaced by :func:`fitrl.models.families.mrope.rope_index`
+  which for Qwen2-VL and Qwen2.5-VL is replaced by :func:`fitrl.models.families.qwen_vl.mrope.rope_index`
   (the released models' layout after a video, which transformers 5.x departs from; Qwen3-VL keeps
   transformers'), called once per rollout on the whole prompt+response; the batch carries them
   as (B, 3, T) so that every tensor's first dimension is the batch, and the same tensor feeds
@@ -13,7 +13,7 @@ What differs from a text model, and where it is handled:
   within 1e-5).
 - **Extra inputs**: each prompt's processed images travel as one per-sample field,
   ``multi_modal_inputs`` (a dict of ``pixel_values`` (patches, C*t*p*p), ``image_grid_thw`` (k, 3)
-  and the video counterparts, or None for a text-only prompt, made by :mod:`fitrl.data.vision`);
+  and the video counterparts, or None for a text-only prompt, made by :mod:`.media`);
   a micro-batch's forward concatenates its samples' dicts in batch order, which is the order in
   which the model matches image features to image pad tokens.
 - **Sharding**: every vision block and every decoder layer is its own FSDP unit.
@@ -25,6 +25,7 @@ What differs from a text model, and where it is handled:
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional
 
@@ -34,7 +35,9 @@ from torch import nn
 from fitrl.config.schema import ModelConfig
 from fitrl.core.padding import position_ids_from_mask
 from fitrl.models.families.base import HEADS, MODEL_FAMILIES, Builder, ModelFamily, ModelInputs, auto_builders
-from fitrl.models.families.mrope import rope_index
+from fitrl.models.families.qwen_vl.mrope import rope_index
+from fitrl.models.families.qwen_vl.media import VisionSpec
+from fitrl.models.families.qwen_vl.tower import VisionShape, tower_from_config
 from fitrl.models.vl_types import VISION_LANGUAGE_TYPES
 
 
@@ -171,6 +174,12 @@ class QwenVLFamily(ModelFamily):
 
     def inputs_for(self, model: nn.Module) -> ModelInputs:
         return QwenVLInputs(model)
+
+    def vision_tower(self, config: dict[str, Any]) -> VisionShape:
+        return tower_from_config(config)
+
+    def media_spec(self, model_path: str | Path) -> Optional[VisionSpec]:
+        return VisionSpec.from_model_dir(model_path)
 
 
 def freeze_vision_tower(model: nn.Module) -> nn.Module:

@@ -1,28 +1,36 @@
-"""Every extension owns its whole footprint (fitrl/planner/complete.py): a registered rollout
+"""Every extension owns its whole footprint (fitrl/trainer/complete.py): a registered rollout
 engine has its memory planner beside it, under the same name, and a plan of a run on it includes
 what its planner says it holds; a vision-language family describes its tower (memory, FLOPs) and
-its media processing. A dummy engine and a dummy family show the check can fail, then pass."""
+its media processing; a model-holding role has its memory planner. A dummy engine, family and
+role show the check can fail, then pass."""
 
+import io
 import json
 import math
 import shutil
 from dataclasses import dataclass
 
 import pytest
+from rich.console import Console
 
 import fitrl.rollout  # noqa: F401  (registers the built-in engines)
 from fitrl.memory import calibration as C
 from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner
 from fitrl.memory.model import PHASES, ProcessPlan, Usage
 from fitrl.planner import Hardware, plan_config
+from fitrl.planner.report import process_table
 from fitrl.config import ConfigError
-from fitrl.planner.complete import missing_counterparts
+from fitrl.trainer.complete import missing_counterparts
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.core.model_types import MODEL_TYPES, ModelType
 from fitrl.data.media import RowMedia
 from fitrl.models.families import CAUSAL_LM, MODEL_FAMILIES, QWEN_VL, ModelFamily
 from fitrl.models.flops import FlopsShape
+from fitrl.memory.roles import ROLE_PLANNERS, RolePlanner
+from fitrl.memory.states import States
 from fitrl.models.shape import ModelShape, VisualInput, numel
+from fitrl.roles.workers import ROLES
+from fitrl.trainer.run import make_group
 from helpers import toy_config
 
 
@@ -221,3 +229,57 @@ def test_a_vision_language_family_without_twins_fails_the_check_then_plans_with_
                                                                                        8 * tower + steps]
     assert plan.peaks()["update"][1] > text_plan.peaks()["update"][1] + 16 * tower
     assert FlopsShape.of(plan.shape).vision_flops([16]) == DummyTower().forward_flops(16)
+
+
+# ------------------------------------------------------------------------------------------------
+# A model-holding role: its workers and its memory planner under one name
+
+
+class DummyRolePlanner(RolePlanner):
+    """A frozen 64 MiB model of its own in every run, computing in the update."""
+    name, title = "dummy", "dummy rank (Ray actor)"
+
+    def built(self, run):
+        return True
+
+    def states(self, run):
+        return States(64 * 2**20), run.cfg.ref.fsdp
+
+    def active_phases(self, run):
+        return {"update"}
+
+
+@pytest.fixture
+def dummy_role():
+    ROLES.add("dummy", object)
+    yield
+    ROLES.remove("dummy")
+    if "dummy" in ROLE_PLANNERS:
+        ROLE_PLANNERS.remove("dummy")
+
+
+def test_every_builtin_role_has_its_planner():
+    assert missing_counterparts() == []
+    assert ROLES.names() == ROLE_PLANNERS.names() == ["actor", "critic", "ref"]
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "ray"])
+def test_a_role_without_a_planner_fails_the_check_then_plans_with_one(dummy_role, backend, tiny_model_dir, tmp_path):
+    assert missing_counterparts() == ["role 'dummy' has no memory planner (fitrl/memory/roles.py, ROLE_PLANNERS)"]
+    with pytest.raises(ValueError, match="role 'dummy' has no memory planner"):
+        make_group("dummy", None, "dummy", None)  # never run unplanned
+
+    ROLE_PLANNERS.add("dummy", DummyRolePlanner())
+    assert missing_counterparts() == []
+    cfg = toy_config(tiny_model_dir, tmp_path, "trainer.device=cpu", f"trainer.backend={backend}",
+                     "trainer.val_before_train=false")
+    plan = plan_config(cfg, Hardware.cpu(host_memory=64 * C.GIB))
+    if backend == "ray":  # a process of its own on each device, beside the trainer rank
+        held = plan.process("dummy").phases
+        assert "dummy params" not in plan.process("trainer").phases["update"].host
+        table = Console(width=200, record=True, file=io.StringIO())
+        table.print(process_table(plan))
+        assert "dummy rank (Ray actor)" in table.export_text()
+    else:  # in one process the trainer holds it
+        held = plan.process("trainer").phases
+    assert all(held[ph].host["dummy params"] == 64 * 2**20 for ph in plan.phases)

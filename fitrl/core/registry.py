@@ -62,6 +62,10 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._items)
 
+    def in_order(self) -> list[T]:
+        """The items in the order they were registered (where that order means something)."""
+        return list(self._items.values())
+
     def __contains__(self, name: object) -> bool:
         return name in self._items
 

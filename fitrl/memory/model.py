@@ -38,8 +38,17 @@ PHASES = ("load", "rollout", "weight_sync", "old_logprob", "ref_logprob", "updat
 ACTOR_PHASES = {"rollout", "weight_sync", "old_logprob", "update", "validation", "checkpoint_save"}
 
 
-DEVICE_KINDS = ("trainer", "ref", "critic", "engine")
-"""Process kinds with one process per device: their device entries are that device's."""
+DEVICE_KINDS = ("trainer", "engine")
+"""Process kinds with one process per device: their device entries are that device's; so are
+those of a role with a process of its own (the reference's and the critic's ranks:
+:func:`per_device`)."""
+
+
+def per_device(kind: str) -> bool:
+    """Whether a process of ``kind`` is one per device (so its device entries are that device's)."""
+    from fitrl.memory.roles import ROLE_PLANNERS  # (roles imports this module's phases)
+
+    return kind in DEVICE_KINDS or (kind in ROLE_PLANNERS and ROLE_PLANNERS.get(kind).own_process)
 
 
 def machine_ram() -> int:
@@ -174,13 +183,13 @@ class Plan:
 
     def device(self, phase: str) -> dict[str, int]:
         """One device's memory in ``phase``: everything that shares it, by component: one process
-        of each :data:`DEVICE_KINDS` kind (the trainer rank, under Ray the reference and critic
-        ranks on its bundle, the engine). The engine's entries are per device already: a vLLM
+        of each per-device kind (:func:`per_device`: the trainer rank, under Ray the reference and
+        critic ranks on its bundle, the engine). The engine's entries are per device already: a vLLM
         engine with tensor parallelism takes ``gpu_memory_utilization`` of every device in its
         group, not 1/tp of it."""
         out: dict[str, int] = {}
         for p in self.processes:
-            if p.kind in DEVICE_KINDS and phase in p.phases:
+            if per_device(p.kind) and phase in p.phases:
                 for k, v in p.phases[phase].gpu.items():
                     out[k] = out.get(k, 0) + v
         return out

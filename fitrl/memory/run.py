@@ -15,9 +15,10 @@ from fitrl.config.batch_sizes import BatchSizes
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
-from fitrl.memory.model import ACTOR_PHASES, Hardware, active_phases
+from fitrl.memory.model import Hardware, active_phases
+from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.models.shape import ModelShape, VisualInput
-from fitrl.memory.states import States, frozen_states, lora_states, trained_states
+from fitrl.memory.states import States
 
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
     from fitrl.algo import AlgorithmSpec
@@ -194,47 +195,29 @@ class Run:
 
 
 def role_states(run: Run) -> dict[str, tuple[States, object]]:
-    """Per-rank states of each role the algorithm builds, with its fsdp config."""
-    cfg, pin = run.cfg, run.cuda
-    roles: dict[str, tuple[States, object]] = {}
-    a = cfg.actor.fsdp
-    n = run.shard_world(a.strategy)
-    pinned = pin and a.cpu_offload and run.fsdp
-    if run.lora:  # the frozen base and the adapters; the adapters alone have gradients and AdamW states
-        roles["actor"] = (lora_states(run.shape, run.lora.rank, run.lora_targets, n, cfg.actor.model.dtype, pinned), a)
-    else:
-        roles["actor"] = (trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pinned,
-                                         frozen_vision=cfg.actor.model.freeze_vision_tower), a)
-    if run.spec.reference and not run.lora:  # with LoRA the reference is the policy with its adapters off
-        r = cfg.ref.fsdp
-        dtype = (cfg.ref.model or cfg.actor.model).dtype
-        roles["ref"] = (frozen_states(run.ref_shape or run.shape, run.shard_world(r.strategy), dtype,
-                                      pinned=pin and r.cpu_offload and run.fsdp), r)
-    if run.spec.critic:
-        c = cfg.critic.fsdp
-        roles["critic"] = (trained_states(run.shape, run.shard_world(c.strategy), "float32",
-                                          pinned=pin and c.cpu_offload and run.fsdp), c)
-    return roles
+    """Per-rank states of each role the run builds, with its fsdp config (the roles' planners,
+    fitrl/memory/roles.py, in their registration order)."""
+    return {p.name: p.states(run) for p in ROLE_PLANNERS.in_order() if p.built(run)}
 
 
 def process_roles(run: Run) -> dict[str, tuple[str, ...]]:
     """The roles (keys of :func:`role_states`) each per-device process kind holds. In one process
     (``trainer.backend=inprocess``) the trainer holds every role. Under Ray each role is a
-    ``RayWorkerGroup`` of its own (fitrl/trainer/run.py, ``make_group``): the reference's and the
-    critic's ranks are Ray actors colocated rank by rank on the policy's bundles (same node, same
-    device), each a process with its own runtime (and CUDA context); with LoRA the reference is
-    the policy with its adapters off, no process of its own (:func:`role_states` has no "ref")."""
+    ``RayWorkerGroup`` of its own (fitrl/trainer/run.py, ``make_group``): a role with a process of
+    its own (the reference's and the critic's ranks) is a Ray actor colocated rank by rank on the
+    policy's bundles (same node, same device), a process with its own runtime (and CUDA context);
+    with LoRA the reference is the policy with its adapters off, no process of its own
+    (:func:`role_states` has no "ref")."""
     roles = tuple(role_states(run))
     if not run.fsdp:
         return {"trainer": roles}
-    return {"trainer": ("actor",), **{r: (r,) for r in ("ref", "critic") if r in roles}}
+    own = [r for r in roles if ROLE_PLANNERS.get(r).own_process]
+    return {"trainer": tuple(r for r in roles if r not in own), **{r: (r,) for r in own}}
 
 
 def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
     """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
     if not run.cuda or (fsdp.cpu_offload and run.fsdp):
         return False, False
-    actor = ACTOR_PHASES | ({"ref_logprob"} if run.lora else set())  # LoRA: the policy computes the reference
-    active = {"actor": actor, "ref": {"ref_logprob"}, "critic": {"old_logprob", "update"}}[role]
-    on = phase in active or not fsdp.offload_params
+    on = phase in ROLE_PLANNERS.get(role).active_phases(run) or not fsdp.offload_params
     return on, phase == "update" or not fsdp.offload_optimizer

@@ -15,6 +15,7 @@ from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import ProcessPlan, Usage
 from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, traced_transient,
                                  vision_activations)
+from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.memory.run import Run, process_roles, resident, role_states
 from fitrl.models.shape import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
@@ -36,21 +37,19 @@ def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
     process): only its states, its gradients in ``update`` where it is the process's largest
     trained role (one role updates at a time)."""
     roles = role_states(run)
-    held = process_roles(run)
-    ref_kind = "ref" if "ref" in held else "trainer"  # who computes the reference log-probs
-    plans = [_rank_plan(run, kind, {r: roles[r] for r in names}, notes, ref_kind) for kind, names in held.items()]
+    plans = [_rank_plan(run, kind, {r: roles[r] for r in names}, notes) for kind, names in process_roles(run).items()]
     if run.lora:
         notes.append(_lora_note(run))
     notes.extend(engine_planner(run.cfg).notes(run))
     return plans
 
 
-def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str], ref_kind: str) -> ProcessPlan:
+def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPlan:
     """One per-device process of ``kind`` holding ``roles`` (name -> (states, fsdp config))."""
     cfg, cuda, dev = run.cfg, run.cuda, "gpu" if run.cuda else "host"
     trainer = kind == "trainer"
-    # the passes this process runs (the in-process trainer runs the reference's too)
-    passes = ({"old_logprob", "update"} if trainer else set()) | ({"ref_logprob"} if kind == ref_kind else set())
+    # the passes this process runs: its roles' (the in-process trainer runs the reference's too)
+    passes = set().union(*(ROLE_PLANNERS.get(r).passes(run) for r in roles))
     cb = DTYPE_BYTES[run.compute_dtype]
     engine = engine_planner(cfg)
     phases = {}

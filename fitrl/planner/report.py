@@ -11,6 +11,7 @@ from rich.table import Table
 
 from fitrl.memory import calibration as C
 from fitrl.memory.model import Plan
+from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.planner.recommend import Recommendation, as_overrides
 
 
@@ -91,7 +92,7 @@ def process_table(plan: Plan) -> Table:
     for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", "host peak phase"):
         t.add_column(col, justify="left" if col.startswith("process") else "right")
     names = {"trainer": "trainer rank", "engine": "rollout engine (vLLM)", "driver": "driver",
-             "ref": "reference rank (Ray actor)", "critic": "critic rank (Ray actor)",
+             **{p.name: p.title for p in ROLE_PLANNERS.in_order() if p.own_process},
              "node": "node services (Ray, object store, reward workers)", "rank0": "rank 0 extra (load, save)"}
     for p in plan.processes:
         phases = [ph for ph in plan.phases if ph in p.phases]

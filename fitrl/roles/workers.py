@@ -17,6 +17,7 @@ from fitrl.checkpoint.sharded import load_role, save_role
 from fitrl.config.batch_sizes import BatchSizes
 from fitrl.config.schema import FitrlConfig, FSDPConfig, SamplingConfig
 from fitrl.core.device import autocast, resolve_device
+from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
 from fitrl.models.families import family_for
@@ -31,6 +32,12 @@ from fitrl.rollout.layout import gather_rollouts
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.memory import trim_heap
 from fitrl.workers.group import dispatch
+
+ROLES: Registry[type] = Registry("role", "")
+"""The model-holding roles by name, each a worker class (one instance per rank). A role's memory
+planner is registered under the same name (fitrl/memory/roles.py, ``ROLE_PLANNERS``); a role
+without one never runs (fitrl/trainer/run.py, ``make_group``) and fails
+``tests/test_extension_points.py``."""
 
 
 class OffloadBetweenPhases:
@@ -252,3 +259,7 @@ class CriticWorker:
                           what=f"critic.model.path={model.path}")
         if extra is not None and not weights_only:
             self.critic.load_state_dict(extra)
+
+
+for _name, _worker in (("actor", PolicyWorker), ("ref", ReferenceWorker), ("critic", CriticWorker)):
+    ROLES.add(_name, _worker)

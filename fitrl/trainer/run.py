@@ -19,7 +19,8 @@ from fitrl.data.dataset import PromptDataset
 from fitrl.models.check import check_model_configs, check_run_models
 from fitrl.models.families import media_spec_of
 from fitrl.roles.reward import RewardScorer
-from fitrl.roles.workers import CriticWorker, PolicyWorker, ReferenceWorker
+from fitrl.memory.roles import ROLE_PLANNERS
+from fitrl.roles.workers import ROLES
 from fitrl.tracking import check_installed
 from fitrl.trainer.loop import RLTrainer
 from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
@@ -62,13 +63,19 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def make_group(worker_cls: type, cfg: FitrlConfig, name: str, stack: ExitStack,
+def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
                colocate_with: RoleHandle | None = None) -> RoleHandle:
-    """One role's workers on the configured backend; torn down when ``stack`` closes.
+    """The workers of ``role`` (a name in ``ROLES``) on the configured backend; torn down when
+    ``stack`` closes. A role without a memory planner (fitrl/memory/roles.py) is refused: it would
+    run unplanned.
 
     Under Ray, the reference and critic ranks share the policy's slots rank by rank (same node,
     same GPU): the roles take turns, and the planner counts their memory per phase.
     """
+    if role not in ROLE_PLANNERS:
+        raise ValueError(f"role {role!r} has no memory planner (fitrl/memory/roles.py, ROLE_PLANNERS): "
+                         f"its memory would not be planned")
+    worker_cls = ROLES.get(role)
     t = cfg.trainer
     if t.backend == "inprocess":
         return RoleHandle(InProcessWorkerGroup(worker_cls, cfg))
@@ -146,14 +153,14 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
             checkpoints.restart_metrics()
 
         needs = algorithm_needs(cfg)
-        policy = make_group(PolicyWorker, cfg, "policy", stack)
+        policy = make_group("actor", cfg, "policy", stack)
         ref = None
         if needs.reference:  # with LoRA the policy's frozen base is the reference: no second model
-            ref = policy if cfg.actor.lora.enabled else make_group(ReferenceWorker, cfg, "ref", stack, colocate_with=policy)
+            ref = policy if cfg.actor.lora.enabled else make_group("ref", cfg, "ref", stack, colocate_with=policy)
         critic = None
         if needs.critic:
             check_critic_batch_sizes(cfg, world_size=cfg.world_size)
-            critic = make_group(CriticWorker, cfg, "critic", stack, colocate_with=policy)
+            critic = make_group("critic", cfg, "critic", stack, colocate_with=policy)
 
         numbers = derived_batch_numbers(cfg, world_size=policy.world_size)
         console.print(f"[bold]fitrl[/] run dir: {run_dir}")

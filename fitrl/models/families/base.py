@@ -65,7 +65,7 @@ class ModelFamily(ABC):
     def vision_tower(self, config: dict[str, Any]) -> Optional[VisionTower]:
         """The vision tower of a ``config.json`` (as a dict) this family claims: its tensors, FLOPs
         and image geometry, for the memory plan and the FLOP counter. Text families: None; a
-        vision-language family must describe it (fitrl/planner/complete.py checks)."""
+        vision-language family must describe it (fitrl/trainer/complete.py checks)."""
         return None
 
     def media_spec(self, model_path: str | Path) -> Optional[MediaSpec]:

@@ -11,7 +11,11 @@
   the memory plan and the FLOP counter read, ``ModelFamily.vision_tower``) and its media
   processing (what the data path and the engines call, ``ModelFamily.media_spec``); every type a
   family claims is a row of the table.
+- A model-holding role is registered twice as well: its workers in :data:`fitrl.roles.workers.ROLES`
+  and its memory planner in :data:`fitrl.memory.roles.ROLE_PLANNERS`, under the same name (a role
+  without a planner is also refused when a run builds it: fitrl/trainer/run.py, ``make_group``).
 
+It lives in the trainer layer, the lowest that sees the roles, the engines and the planners.
 :func:`missing_counterparts` names each gap, so a new engine or family without its counterparts
 fails a test rather than a user's plan.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 def missing_counterparts() -> list[str]:
     """One line per registered name that lacks a counterpart (empty: every extension is complete)."""
-    return _engine_gaps() + _family_gaps()
+    return _engine_gaps() + _family_gaps() + _role_gaps()
 
 
 def _engine_gaps() -> list[str]:
@@ -61,4 +65,15 @@ def _family_gaps() -> list[str]:
         for kind in sorted(MODEL_FAMILIES.get(name).model_types - set(MODEL_TYPES)):
             out.append(f"model family {name!r} claims model type {kind!r}, which has no row in "
                        f"fitrl/core/model_types.py")
+    return out
+
+
+def _role_gaps() -> list[str]:
+    from fitrl.memory.roles import ROLE_PLANNERS
+    from fitrl.roles.workers import ROLES
+
+    out = [f"role {name!r} has no memory planner (fitrl/memory/roles.py, ROLE_PLANNERS)"
+           for name in ROLES if name not in ROLE_PLANNERS]
+    out += [f"role planner {name!r} plans a role that is not registered (fitrl/roles/workers.py, ROLES)"
+            for name in ROLE_PLANNERS if name not in ROLES]
     return out

@@ -37,7 +37,8 @@ def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
     process): only its states, its gradients in ``update`` where it is the process's largest
     trained role (one role updates at a time)."""
     roles = role_states(run)
-    plans = [_rank_plan(run, kind, {r: roles[r] for r in names}, notes) for kind, names in process_roles(run).items()]
+    held = process_roles(run)
+    plans = [_rank_plan(run, kind, {r: roles[r] for r in names}, notes) for kind, names in held.items()]
     if run.lora:
         notes.append(_lora_note(run))
     notes.extend(engine_planner(run.cfg).notes(run))

@@ -71,13 +71,17 @@ def check_path(path: str, what: str) -> Path:
     return p
 
 
-def read_model_config(path: str, what: str = "actor.model.path") -> dict[str, Any]:
-    """The parsed ``config.json`` of the model directory ``path``, with its shape keys checked."""
-    root = check_path(path, what)
-    file = root / "config.json"
-    if not file.is_file():
-        raise ModelDirError(f"{what}={path!r} is not a model directory (no config.json there); fitrl loads local "
-                            "Hugging Face checkpoints only")
+def read_config_json(path: str | Path, what: str = "actor.model.path") -> dict[str, Any]:
+    """The parsed ``config.json`` of the model directory ``path`` (or that file itself): the one
+    reader of it (the model shape, the families and the checks all come here), each failure a
+    one-line :class:`ModelDirError` naming the file."""
+    if Path(path).is_file():
+        file = Path(path)
+    else:
+        file = check_path(str(path), what) / "config.json"
+        if not file.is_file():
+            raise ModelDirError(f"{what}={str(path)!r} is not a model directory (no config.json there); fitrl loads "
+                                "local Hugging Face checkpoints only")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -87,6 +91,14 @@ def read_model_config(path: str, what: str = "actor.model.path") -> dict[str, An
         raise ModelDirError(f"cannot read {file}: {e}") from None
     if not isinstance(config, dict):
         raise ModelDirError(f"{file} holds a JSON {type(config).__name__}, not the object of a model config")
+    return config
+
+
+def read_model_config(path: str, what: str = "actor.model.path") -> dict[str, Any]:
+    """The parsed ``config.json`` of the model directory ``path``, with its shape keys checked."""
+    root = check_path(path, what)  # (a file given here is a mistake: the directory is asked for)
+    config = read_config_json(root, what)
+    file = root / "config.json"
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     missing = [k for k in SHAPE_KEYS if k not in config and k not in text]
     if missing:

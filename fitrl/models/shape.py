@@ -16,12 +16,12 @@ pixels within the pixel budget, cut into patches of ``temporal_patch x patch x p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from fitrl.core.model_types import MODEL_TYPES, decoder_family
+from fitrl.models.check import read_config_json
 
 
 class VisionTower(Protocol):
@@ -116,9 +116,9 @@ class ModelShape:
 
     @staticmethod
     def read_config(path: str | Path) -> dict[str, Any]:
-        """The ``config.json`` of a model directory (or that file itself), as a dict."""
-        p = Path(path)
-        return json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        """The ``config.json`` of a model directory (or that file itself), as a dict
+        (:func:`fitrl.models.check.read_config_json`: a ModelDirError when it cannot be read)."""
+        return read_config_json(path, what="model directory")
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], strict: bool = True) -> "ModelShape":

@@ -2,8 +2,10 @@
 
 ``PolicyWorker`` = a policy model + an :class:`Actor` (training) + the rollout engine that
 ``rollout.engine`` names (:class:`~fitrl.rollout.engine.RolloutEngine`; the default ``hf`` engine
-shares the trained module, so generation sees the latest weights without a copy). ``ReferenceWorker`` = a frozen model computing log-probs. ``CriticWorker`` = a value
-model + a :class:`Critic`. No role flags. Under the Ray backend each rank's model is an
+shares the trained module, so generation sees the latest weights without a copy).
+``ReferenceWorker`` = a frozen model computing log-probs. ``CriticWorker`` = a value model + a
+:class:`Critic`. No role flags; each is registered in :data:`ROLES` with its memory planner
+beside it (fitrl/memory/roles.py). Under the Ray backend each rank's model is an
 FSDP2-sharded module (:func:`fitrl.models.loading.build_model`); the code here is the same.
 """
 

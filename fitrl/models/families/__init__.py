@@ -9,10 +9,9 @@ builders, its tower's tensors and FLOPs, its media processing) that subclasses
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from fitrl.core.errors import ConfigError
+from fitrl.models.check import read_config_json
 from fitrl.data.media import MediaSpec
 from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, TEXT_INPUTS, ModelFamily, ModelInputs
 from fitrl.models.families.causal_lm import CAUSAL_LM, CausalLMFamily
@@ -26,14 +25,7 @@ __all__ = ["CAUSAL_LM", "DTYPES", "HEADS", "MODEL_FAMILIES", "QWEN_VL", "TEXT_IN
 
 def model_type(model_path: str | Path) -> str:
     """``model_type`` from a local checkpoint's ``config.json`` ("" when it has none)."""
-    path = Path(model_path) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{model_path!s} is not a model directory (no config.json there)") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from None
-    return str(config.get("model_type", ""))
+    return str(read_config_json(model_path, what="model path").get("model_type", ""))
 
 
 def family_for(model_path: str | Path, name: str = "auto") -> ModelFamily:

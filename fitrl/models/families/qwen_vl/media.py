@@ -29,6 +29,7 @@ from fitrl.core.errors import DataError, ModelDirError
 from fitrl.core.model_types import VIDEO_TYPES, VISION_LANGUAGE_NAMES
 from fitrl.data.images import BadImage, image_bytes_or_path, load_image, smart_resize
 from fitrl.data.media import RowMedia, video_pixel_limits
+from fitrl.models.check import read_config_json
 from fitrl.models.families.qwen_vl.pixels import (check_video_support, frames_from_pixels, images_from_pixels,
                                                   process_images, process_videos, sample_frames)
 
@@ -80,7 +81,7 @@ class VisionSpec:
         the two disagreeing on the patching, is a :class:`ModelDirError` naming the file.
         """
         path = Path(path)
-        config = _read_json(path / "config.json")
+        config = read_config_json(path, what="model directory")
         model_type = config.get("model_type")
         if model_type not in VL_MODEL_TYPES:
             return None

@@ -20,7 +20,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.fitrl-installed
 
-.PHONY: demo demo-vl test test-fast test-vllm gpu-check bench bench-trl install browser clean
+.PHONY: demo demo-vl test test-unit test-fast test-vllm gpu-check bench bench-trl install browser clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,9 @@ test: $(STAMP) $(VLLM_STAMP) browser
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -m vllm
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit $(addprefix tests/,$(shell grep '^test_' tests/unit_files.txt))
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

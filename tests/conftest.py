@@ -3,8 +3,22 @@ a Ray cluster per module for the multi-process tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+
+UNIT_FILES = {line.strip() for line in (Path(__file__).parent / "unit_files.txt").read_text().splitlines()
+              if line.startswith("test_")}
+MODEL_FIXTURES = {"tiny_model_dir", "tiny_llama_dir"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The unit tier: the tests of tests/unit_files.txt that build no model and start no process."""
+    for item in items:
+        if (item.path.name in UNIT_FILES and not MODEL_FIXTURES & set(item.fixturenames)
+                and not any(item.get_closest_marker(m) for m in ("cli", "slow", "gpu", "vllm"))):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _load(args.config, args.overrides)
+    from fitrl.trainer.run import train
+
+    train(cfg, supervised=True)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Make the tiny model (and the data) if missing, train GRPO on the toy task, judge the reward curve."""
     config, arch, write_data = DEMOS["vl" if args.vl else "text"]
@@ -146,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config, e.g. examples/arith.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=20 actor.optim.lr=1e-5")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning on the data's answers (the warm start before RL), "
+                                    "from the same YAML config; export its checkpoint to start `train` from it")
+    p.add_argument("config", help="YAML config, e.g. examples/arith.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=20 actor.optim.lr=1e-4")
+    p.set_defaults(fn=cmd_sft)
 
     p = sub.add_parser("demo", help="GRPO on a toy task with a tiny local model (CPU, minutes): arithmetic, "
                                      "or with --vl questions about pictures")

@@ -33,6 +33,12 @@ class BatchSizes:
         return cls(cfg.data.rollout_batch_size, cfg.rollout.n, r.mini_batch_size, r.micro_batch_size,
                    r.ppo_epochs, world_size)
 
+    @classmethod
+    def supervised(cls, cfg: Any, world_size: int = 1) -> "BatchSizes":
+        """Supervised fine-tuning's (``fitrl sft``): one target sequence per prompt, one pass."""
+        a = cfg.actor
+        return cls(cfg.data.rollout_batch_size, 1, a.mini_batch_size, a.micro_batch_size, 1, world_size)
+
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt

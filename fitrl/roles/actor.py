@@ -174,19 +174,25 @@ class Actor:
                             max_response_length=self.max_response_length)
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float,
-               old_logprobs_from: str = "batch") -> dict[str, float]:
+               old_logprobs_from: str = "batch", supervised: bool = False) -> dict[str, float]:
         """One RL step of optimisation over ``batch`` (needs advantages, ref_logprobs when KL is in
         the loss, and rollout_logprobs with ``algorithm.rollout_correction``). ``old_logprobs_from``
         (FitrlConfig.old_logprob_source, said by the caller): ``batch``, the batch's old_logprobs
         (a pass before the update, or the engine's); ``update``, this update's own forward,
-        detached: one optimizer step on fresh samples, whose weights are the behaviour policy."""
+        detached: one optimizer step on fresh samples, whose weights are the behaviour policy.
+
+        ``supervised``: a step of supervised fine-tuning instead (``fitrl sft``): the responses
+        are the targets and the loss their negative log-likelihood (:meth:`_micro_nll`), with the
+        same mini-batches, micro-batches, clipping, schedule and metrics."""
         self.model.train()
         metrics = WeightedMetrics()
         grad_norms, skipped = [], 0
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.num_updates)
         # the update's own forward is the behaviour policy: it fills `folded`, (B, R)
         folded = None
-        if old_logprobs_from == "update":
+        if supervised:
+            pass
+        elif old_logprobs_from == "update":
             if self.cfg.ppo_epochs != 1 or len(batch) > sequences_per_mini_batch:
                 raise RuntimeError("the update needs old_logprobs when it takes more than one optimizer step")
             folded = torch.zeros_like(batch["responses"], dtype=torch.float32)
@@ -198,7 +204,7 @@ class Actor:
                      else torch.arange(len(batch)))
             for mini in batch.index(order).split(sequences_per_mini_batch):
                 self.optimizer.zero_grad(set_to_none=True)
-                self.accumulate_gradients(mini, temperature, metrics, folded=folded)
+                self.accumulate_gradients(mini, temperature, metrics, folded=folded, supervised=supervised)
                 grad_norm = self._clip_grad()
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
@@ -223,7 +229,7 @@ class Actor:
         return out
 
     def accumulate_gradients(self, mini: Batch, temperature: float, metrics: WeightedMetrics,
-                             folded: torch.Tensor | None = None) -> None:
+                             folded: torch.Tensor | None = None, supervised: bool = False) -> None:
         """Backward over ``mini`` in micro-batches; the grads equal those of the whole mini-batch
         loss. ``folded`` (rows in ``mini``'s order): receives the forward's detached log-probs,
         which serve as the behaviour log-probs when ``mini`` has none."""
@@ -231,7 +237,10 @@ class Actor:
         for ix in self.partition(mini, self.cfg.micro_batch_size):
             PROGRESS.beat()  # a micro-batch: progress for the hang watchdog
             micro = mini.index(ix)
-            loss, m, logp = self._micro_loss(micro, denom, temperature, own_old_logprobs=folded is not None)
+            if supervised:
+                loss, m, logp = self._micro_nll(micro, denom)
+            else:
+                loss, m, logp = self._micro_loss(micro, denom, temperature, own_old_logprobs=folded is not None)
             with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):
                 loss.backward()
             if folded is not None:
@@ -290,6 +299,20 @@ class Actor:
             kl = self.kl_fn(logp, micro["ref_logprobs"])
             loss = loss + self.algo.kl_coef * aggregate(kl, mask, mode, denom)
             m["actor/kl_loss"] = aggregate(kl.detach(), mask, "token-mean", local)
+        return loss, m, logp.detach()
+
+    def _micro_nll(self, micro: Batch, denom: Denominators):
+        """Supervised fine-tuning's (loss, metrics, detached log-probs): the targets' negative
+        log-likelihood at temperature 1, aggregated as ``algorithm.loss_agg_mode`` says (its
+        ``token-mean`` default weighs every target token alike, over the whole mini-batch)."""
+        mask = micro["response_mask"].float()
+        logp, entropy = self._forward(micro, 1.0, with_entropy=True)
+        loss = aggregate(-logp, mask, self.algo.loss_agg_mode, denom)
+        local = Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(len(micro)),
+                             max_response_length=denom.max_response_length)
+        with torch.no_grad():
+            m = {"sft/nll": aggregate(-logp.detach(), mask, "token-mean", local),
+                 "actor/entropy": aggregate(entropy.detach(), mask, "token-mean", local)}
         return loss, m, logp.detach()
 
     def _clip_grad(self) -> float:

@@ -21,6 +21,7 @@ from fitrl.config.schema import FitrlConfig, FSDPConfig, SamplingConfig
 from fitrl.core.device import autocast, resolve_device
 from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
+from fitrl.data.supervised import supervised_batch, target_ids
 from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
@@ -30,7 +31,7 @@ from fitrl.roles.actor import Actor
 from fitrl.roles.critic import Critic
 from fitrl.rollout import build_engine
 from fitrl.rollout.engine import EngineContext
-from fitrl.rollout.layout import gather_rollouts
+from fitrl.rollout.layout import eos_ids, gather_rollouts
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.memory import trim_heap
 from fitrl.workers.group import dispatch
@@ -148,6 +149,25 @@ class PolicyWorker:
         return Batch({"ref_logprobs": out["old_logprobs"]}).to("cpu")
 
     @dispatch("dp")
+    def sft_update(self, prompts: Batch) -> dict[str, float]:
+        """One step of supervised fine-tuning (``fitrl sft``) on this rank's share of the
+        prompts: each row's answer, as text, then the token that ends a response, is the target
+        (fitrl/data/supervised.py); the loss is its negative log-likelihood (``Actor.update``,
+        ``supervised``), in ``actor.mini_batch_size`` prompts per optimizer step."""
+        end = eos_ids(self.model, self.tokenizer)[0]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else end
+        targets = target_ids(prompts["answer"], self.tokenizer, end, self.cfg.rollout.max_response_length)
+        batch = supervised_batch(prompts, targets, pad)
+        batch.update(position_ids=self.actor.inputs.positions(batch["input_ids"], batch["attention_mask"], batch))
+        seqs = BatchSizes.supervised(self.cfg, self.world_size).mini_batch_per_rank
+        with self.offload.phase(needs_optimizer=True):
+            metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs, temperature=1.0,
+                                        supervised=True)
+        self.rollout.push_weights()  # validation samples from the updated policy
+        metrics["sft/target_tokens"] = float(batch["response_mask"].sum())
+        return metrics
+
+    @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
         seqs = BatchSizes.of(self.cfg, self.world_size).mini_batch_per_rank
         own = self.cfg.old_logprob_source == "update"  # else the batch carries them (a pass, or the engine's)
@@ -242,6 +262,25 @@ class CriticWorker:
     def compute_values(self, batch: Batch) -> Batch:
         with self.offload.phase():
             return self.critic.compute_values(batch.to(self.device)).to("cpu")
+
+    @dispatch("dp")
+    def sft_update(self, prompts: Batch) -> dict[str, float]:
+        """One step of supervised fine-tuning (``fitrl sft``) on this rank's share of the
+        prompts: each row's answer, as text, then the token that ends a response, is the target
+        (fitrl/data/supervised.py); the loss is its negative log-likelihood (``Actor.update``,
+        ``supervised``), in ``actor.mini_batch_size`` prompts per optimizer step."""
+        end = eos_ids(self.model, self.tokenizer)[0]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else end
+        targets = target_ids(prompts["answer"], self.tokenizer, end, self.cfg.rollout.max_response_length)
+        batch = supervised_batch(prompts, targets, pad)
+        batch.update(position_ids=self.actor.inputs.positions(batch["input_ids"], batch["attention_mask"], batch))
+        seqs = BatchSizes.supervised(self.cfg, self.world_size).mini_batch_per_rank
+        with self.offload.phase(needs_optimizer=True):
+            metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs, temperature=1.0,
+                                        supervised=True)
+        self.rollout.push_weights()  # validation samples from the updated policy
+        metrics["sft/target_tokens"] = float(batch["response_mask"].sum())
+        return metrics
 
     @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:

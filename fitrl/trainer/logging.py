@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 CONSOLE_FIELDS = [  # (metric, label, format)
     ("reward/mean", "reward", "{:.3f}"),
+    ("sft/nll", "nll", "{:.3f}"),
     ("response/length_mean", "len", "{:.1f}"),
     ("actor/kl_loss", "kl", "{:.4f}"),
     ("actor/entropy", "ent", "{:.2f}"),

@@ -25,6 +25,7 @@ from fitrl.tracking import check_installed
 from fitrl.trainer.loop import RLTrainer
 from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
 from fitrl.trainer.rundir import open_run_dir
+from fitrl.trainer.sft import SFTTrainer, supervised_config
 from fitrl.trainer.signals import SIGNALS
 from fitrl.workers.group import InProcessWorkerGroup, RoleHandle
 
@@ -93,14 +94,18 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
     return RoleHandle(group)
 
 
-def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, float]]:
+def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = False) -> list[dict[str, float]]:
     """Run ``cfg``; after a dead worker or a hang, start again from the newest checkpoint up to
-    ``trainer.max_restarts`` times (the same run directory: its metrics read as one run)."""
+    ``trainer.max_restarts`` times (the same run directory: its metrics read as one run).
+    ``supervised``: supervised fine-tuning on the answers instead of RL (``fitrl sft``,
+    fitrl/trainer/sft.py)."""
     console = console or Console(soft_wrap=True)
     restarts, event, where = 0, None, {}
+    if supervised:
+        where["notes"] = supervised_config(cfg)
     while True:
         try:
-            return _train_once(cfg, console, where, restart_event=event)
+            return _train_once(cfg, console, where, restart_event=event, supervised=supervised)
         except (WorkerFailed, Hung) as e:
             if restarts >= cfg.trainer.max_restarts or "run_dir" not in where:
                 raise
@@ -114,8 +119,8 @@ def train(cfg: FitrlConfig, console: Console | None = None) -> list[dict[str, fl
             event = {"event": "restart", "restart": restarts, "cause": cause}
 
 
-def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: dict | None = None
-                ) -> list[dict[str, float]]:
+def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: dict | None = None,
+                supervised: bool = False) -> list[dict[str, float]]:
     _quiet_transformers()
     seed_everything(cfg.trainer.seed)
     if cfg.trainer.num_threads:
@@ -172,10 +177,10 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
             if ds is not None:
                 console.print(ds.summary(), highlight=False)
         console.print("batch: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), highlight=False)
-        for note in adjustments(cfg):
+        for note in where.get("notes", []) + adjustments(cfg):
             console.print(f"note: {note}", highlight=False)
 
-        trainer = RLTrainer(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
+        trainer = (SFTTrainer if supervised else RLTrainer)(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
                             reward=reward, run_dir=run_dir, console=console,
                             pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
                             checkpoints=checkpoints, history=history)

@@ -72,8 +72,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
         getattr(importlib.import_module(module), name)(data_files[0].parent, seed=0)
     history = train(cfg, console)
     verdict = judge_rise([h["reward/mean"] for h in history])
+    collapse = collapsed(history, cfg.rollout.max_response_length)
+    if collapse and verdict.get("rose"):  # a rise to a degenerate policy is not learning
+        verdict["message"] = verdict["message"].replace("rose beyond noise", "rose") + (
+            f", but the policy collapsed: {collapse}; it has not learned the task")
     console.print(verdict["message"], highlight=False)
-    return 1 if verdict.get("judged") and not verdict["rose"] else 0
+    return 1 if verdict.get("judged") and (not verdict["rose"] or collapse) else 0
+
+
+def collapsed(history: list[dict], max_response_length: int, window: int = 10) -> str | None:
+    """How the policy of the last ``window`` steps is degenerate, or None: (nearly) every response
+    runs to the length limit without ending, or the step's responses are one or two answers."""
+    import statistics
+
+    last = history[-window:]
+    if len(last) < window:
+        return None
+    clip = statistics.fmean(h.get("response/clip_ratio", 0.0) for h in last)
+    if clip >= 0.9:
+        return (f"{clip:.0%} of the last {window} steps' responses ran to the length limit "
+                f"(rollout.max_response_length={max_response_length}) without ending")
+    distinct = [h["response/distinct"] for h in last if "response/distinct" in h]
+    if distinct and statistics.fmean(distinct) <= 2:
+        return f"the last {window} steps' responses are {statistics.fmean(distinct):.1f} distinct answers on average"
+    return None
 
 
 def judge_rise(rewards: list[float], window: int = 10) -> dict:

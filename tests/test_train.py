@@ -73,6 +73,20 @@ def test_judge_rise():
     assert not judge_rise([0.1] * 5)["rose"]
 
 
+def test_a_collapsed_policy_is_called_that():
+    """The demo's verdict: a rise to responses that all run to the length limit, or to one
+    constant answer, is not learning (fitrl/cli.py, ``collapsed``)."""
+    from fitrl.cli import collapsed
+
+    healthy = [{"response/clip_ratio": 0.1, "response/distinct": 20.0}] * 10
+    assert collapsed(healthy, 8) is None and collapsed(healthy[:5], 8) is None  # too few steps to judge
+    at_limit = [{"response/clip_ratio": 1.0, "response/distinct": 30.0}] * 10
+    assert collapsed(at_limit, 8) == ("100% of the last 10 steps' responses ran to the length limit "
+                                      "(rollout.max_response_length=8) without ending")
+    constant = [{"response/clip_ratio": 0.0, "response/distinct": 1.0}] * 10
+    assert collapsed(constant, 8) == "the last 10 steps' responses are 1.0 distinct answers on average"
+
+
 def run_cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "fitrl.cli", *args], capture_output=True, text=True, cwd=cwd)
 

@@ -272,6 +272,8 @@ class RLTrainer:
         components = batch.named(REWARD_COMPONENTS)
         lengths, truncated = response_stats(batch)
         m = sequence_metrics(batch["scores"], components, lengths, truncated, prefix="")
+        if "response_text" in batch:  # one answer everywhere is a collapse, whatever the reward says
+            m["response/distinct"] = float(len(set(batch["response_text"])))
         m.update(masked_stats("advantage", batch["advantages"], mask))
         m.update(masked_stats("returns", batch["returns"], mask))
         # groups whose samples all scored the same: under a group baseline they carry no signal

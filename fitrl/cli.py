@@ -15,12 +15,15 @@ from pathlib import Path
 from fitrl.core.errors import Hung, Interrupted, RunStopped, UserError, WorkerFailed  # standard library only
 
 # `fitrl demo` variants: the config (its paths are relative to the repository root), the arch of
-# the tiny model it builds when missing, and what writes the data when a data file is missing
-# ("module:function(out_dir, seed)"; None: the data is committed only).
+# the tiny model it builds when missing, what writes the data when a data file is missing
+# ("module:function(out_dir, seed)"; None: the data is committed only), and the supervised warm
+# start run before GRPO (None: GRPO from the random model).
 DEMOS = {
-    "text": ("examples/arith.yaml", "qwen2", None),
-    "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "fitrl.data.toy_images:write_shapes_data"),
+    "text": ("examples/arith_demo.yaml", "qwen2", None, "examples/arith_sft.yaml"),
+    "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "fitrl.data.toy_images:write_shapes_data", None),
 }
+# overrides of the demo that the warm start takes too (the rest are GRPO's)
+WARM_START_KEYS = ("trainer.seed=", "trainer.device=", "trainer.num_threads=", "trainer.progress_bar=")
 
 
 def _load(config: str | None, overrides: list[str]):
@@ -47,8 +50,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Make the tiny model (and the data) if missing, train GRPO on the toy task, judge the reward curve."""
-    config, arch, write_data = DEMOS["vl" if args.vl else "text"]
+    """Make the tiny model (and the data) if missing, warm-start it with supervised steps on the
+    answers, train GRPO from there, and judge validation accuracy before and after GRPO and the
+    reward curve (a collapse to a degenerate policy is called that)."""
+    config, arch, write_data, warm_start = DEMOS["vl" if args.vl else "text"]
     root = Path(__file__).resolve().parent.parent
     if not Path(config).is_file() and (root / config).is_file():
         os.chdir(root)  # the demo's data and model paths are relative to the repository root
@@ -70,14 +75,63 @@ def cmd_demo(args: argparse.Namespace) -> int:
         module, name = write_data.split(":")
         console.print(f"writing the toy data to {data_files[0].parent} ({write_data})")
         getattr(importlib.import_module(module), name)(data_files[0].parent, seed=0)
-    history = train(cfg, console)
+    if warm_start and args.warm_start_steps != 0:
+        cfg.actor.model.path = _warm_start(warm_start, model_dir, args, console, cfg.trainer.run_dir)
+    where: dict = {}
+    history = train(cfg, console, where=where)
     verdict = judge_rise([h["reward/mean"] for h in history])
     collapse = collapsed(history, cfg.rollout.max_response_length)
     if collapse and verdict.get("rose"):  # a rise to a degenerate policy is not learning
         verdict["message"] = verdict["message"].replace("rose beyond noise", "rose") + (
             f", but the policy collapsed: {collapse}; it has not learned the task")
     console.print(verdict["message"], highlight=False)
-    return 1 if verdict.get("judged") and (not verdict["rose"] or collapse) else 0
+    gain = accuracy_gain(Path(where["run_dir"]) / "metrics.jsonl")
+    if gain is not None:
+        console.print(gain["message"], highlight=False)
+    if collapse:
+        return 1
+    if gain is not None:  # validation accuracy says whether GRPO made the policy better
+        return 0 if gain["after"] > gain["before"] else 1
+    return 1 if verdict.get("judged") and not verdict["rose"] else 0
+
+
+def _warm_start(config: str, model_dir: Path, args: argparse.Namespace, console, run_dir: str | None) -> str:
+    """``fitrl sft`` on ``config`` from ``model_dir``, exported: the directory GRPO starts from.
+    ``run_dir``: GRPO's, when given (the warm start's is beside it, ``<run_dir>-sft``)."""
+    from fitrl.checkpoint.export import export_checkpoint
+    from fitrl.trainer.run import train
+
+    overrides = [f"actor.model.path={model_dir}", *(o for o in args.overrides if o.startswith(WARM_START_KEYS))]
+    if args.warm_start_steps is not None:
+        overrides.append(f"trainer.max_steps={args.warm_start_steps}")
+    if run_dir:
+        overrides.append(f"trainer.run_dir={run_dir}-sft")
+    cfg = _load(config, overrides)
+    console.print(f"[bold]warm start[/]: {cfg.trainer.max_steps} supervised steps on the answers ({config}, "
+                  f"fitrl sft), then GRPO from the result", highlight=False)
+    where: dict = {}
+    train(cfg, console, supervised=True, where=where)
+    out = Path(where["run_dir"]) / "hf"
+    export_checkpoint(str(where["run_dir"]), str(out))
+    console.print(f"warm start exported to {out}", highlight=False)
+    return str(out)
+
+
+def accuracy_gain(metrics_file: Path) -> dict | None:
+    """Validation accuracy (the reward's ``exact`` component, else the mean reward) at the first
+    and the last validation of a run: what GRPO did to the policy it started from."""
+    import json
+
+    vals = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if "val/reward/mean" in r]
+    if len(vals) < 2:
+        return None
+    key = "val/reward/exact" if "val/reward/exact" in vals[0] else "val/reward/mean"
+    name = "exact-match accuracy" if key.endswith("exact") else "mean reward"
+    before, after = vals[0][key], vals[-1][key]
+    ratio = f" ({after / before:.2f}x)" if before > 0 else ""
+    return {"before": before, "after": after, "message":
+            f"validation {name}: {before:.3f} at step {vals[0]['step']}, {after:.3f} at step {vals[-1]['step']}"
+            f"{ratio}: " + ("GRPO raised it" if after > before else "GRPO did NOT raise it")}
 
 
 def collapsed(history: list[dict], max_response_length: int, window: int = 10) -> str | None:
@@ -183,11 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=20 actor.optim.lr=1e-4")
     p.set_defaults(fn=cmd_sft)
 
-    p = sub.add_parser("demo", help="GRPO on a toy task with a tiny local model (CPU, minutes): arithmetic, "
-                                     "or with --vl questions about pictures")
+    p = sub.add_parser("demo", help="a tiny local model on a toy task (CPU, minutes): arithmetic, warm-started "
+                                     "by supervised steps then GRPO; or with --vl questions about pictures")
     p.add_argument("--vl", action="store_true", help="a tiny vision-language model (Qwen2.5-VL architecture) on "
                                                      "pictures of shapes: examples/shapes_vl.yaml")
-    p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith.yaml (--vl: examples/shapes_vl.yaml)")
+    p.add_argument("--warm-start-steps", type=int, default=None,
+                   help="supervised steps before GRPO (text demo; default: examples/arith_sft.yaml's; 0: none)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith_demo.yaml (--vl: examples/shapes_vl.yaml)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("make-tiny-model", help="write a random-initialised HF model + locally trained tokenizer")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,28 @@ def test_two_fsdp_ranks_match_one_process(ray_cluster, tiny_model_dir, tmp_path)
     terms = len(prompts) * (max(map(len, prompts["prompt_ids"])) + 3)  # the input_ids: targets of <= 2 digits + end
     assert_same_adam_step(state, one.state_dict(), before, lr=1e-4, eps=1e-8, grad_norm=ref["actor/grad_norm"],
                           terms=terms, unit_roundoff=FP32_UNIT_ROUNDOFF, label="sft 2 ranks")
+
+
+@pytest.mark.slow
+def test_the_demo_warm_starts_then_judges_validation_accuracy(tiny_model_dir, tmp_path):
+    """``fitrl demo``: supervised steps, their export, GRPO from it, and the accuracy line read
+    from the GRPO run's first and last validations (shortened: the figures are docs/sft.md's)."""
+    import json
+
+    from helpers import ROOT
+
+    run = tmp_path / "grpo"
+    proc = subprocess.run([sys.executable, "-m", "fitrl.cli", "demo", "--warm-start-steps", "6",
+                           f"actor.model.path={tiny_model_dir}", f"trainer.run_dir={run}", "trainer.max_steps=3",
+                           "trainer.val_freq=0", "trainer.progress_bar=false"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "warm start: 6 supervised steps" in proc.stdout
+    hf = Path(f"{run}-sft") / "hf"
+    assert (hf / "config.json").is_file()
+    import yaml
+    assert yaml.safe_load((run / "config.yaml").read_text())["actor"]["model"]["path"] == str(hf)
+    vals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val/reward/exact" in r]
+    before, after = vals[0]["val/reward/exact"], vals[-1]["val/reward/exact"]
+    assert f"validation exact-match accuracy: {before:.3f} at step 0, {after:.3f} at step 3" in proc.stdout
+    assert proc.returncode == (0 if after > before else 1)

@@ -64,7 +64,9 @@ class BatchSizes:
 
     @property
     def grad_accumulation_steps(self) -> int:
-        return self.mini_batch_per_rank // self.micro_batch
+        """Forward/backward passes per optimizer step on a rank (a micro-batch larger than the
+        mini-batch is the whole mini-batch: one)."""
+        return max(1, -(-self.mini_batch_per_rank // self.micro_batch))
 
     def printout(self) -> dict[str, int]:
         """The numbers printed at start-up so nobody has to derive them by hand."""

@@ -94,13 +94,15 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
     return RoleHandle(group)
 
 
-def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = False) -> list[dict[str, float]]:
+def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = False,
+          where: dict | None = None) -> list[dict[str, float]]:
     """Run ``cfg``; after a dead worker or a hang, start again from the newest checkpoint up to
     ``trainer.max_restarts`` times (the same run directory: its metrics read as one run).
     ``supervised``: supervised fine-tuning on the answers instead of RL (``fitrl sft``,
-    fitrl/trainer/sft.py)."""
+    fitrl/trainer/sft.py). ``where``: receives ``run_dir``, the run's directory."""
     console = console or Console(soft_wrap=True)
-    restarts, event, where = 0, None, {}
+    restarts, event = 0, None
+    where = {} if where is None else where
     if supervised:
         where["notes"] = supervised_config(cfg)
     while True:

@@ -264,25 +264,6 @@ class CriticWorker:
             return self.critic.compute_values(batch.to(self.device)).to("cpu")
 
     @dispatch("dp")
-    def sft_update(self, prompts: Batch) -> dict[str, float]:
-        """One step of supervised fine-tuning (``fitrl sft``) on this rank's share of the
-        prompts: each row's answer, as text, then the token that ends a response, is the target
-        (fitrl/data/supervised.py); the loss is its negative log-likelihood (``Actor.update``,
-        ``supervised``), in ``actor.mini_batch_size`` prompts per optimizer step."""
-        end = eos_ids(self.model, self.tokenizer)[0]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else end
-        targets = target_ids(prompts["answer"], self.tokenizer, end, self.cfg.rollout.max_response_length)
-        batch = supervised_batch(prompts, targets, pad)
-        batch.update(position_ids=self.actor.inputs.positions(batch["input_ids"], batch["attention_mask"], batch))
-        seqs = BatchSizes.supervised(self.cfg, self.world_size).mini_batch_per_rank
-        with self.offload.phase(needs_optimizer=True):
-            metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs, temperature=1.0,
-                                        supervised=True)
-        self.rollout.push_weights()  # validation samples from the updated policy
-        metrics["sft/target_tokens"] = float(batch["response_mask"].sum())
-        return metrics
-
-    @dispatch("dp")
     def update(self, batch: Batch) -> dict[str, float]:
         seqs = BatchSizes.of(self.cfg, self.world_size, role="critic").mini_batch_per_rank
         with self.offload.phase(needs_optimizer=True):

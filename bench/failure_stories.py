@@ -1,17 +1,17 @@
 """The five failure stories (examples/failure_stories/), planned beside the reports they come from.
 
-Each story is a config with the numbers of a user's report (../shared/seeds/): the hardware, the
+Each story is a config with the numbers of a user's report (its public thread linked in the table): the hardware, the
 batch, the lengths, the images, and an assumption comment for everything the report does not
 give. This script plans every story as `fitrl plan` does, and the change its reporter applied (or
-a better one, said so), and writes the README's story section between the markers
+a better one, said so), and writes docs/failure-stories.md's story section between the markers
 ``<!-- stories:begin -->`` and ``<!-- stories:end -->``: what the report says failed (resource,
 phase, step) next to what the plan predicts, whether they agree, the report's figures next to the
 plan's, and the plan with each change. Where the plan differs from the report on some aspect, the
 story says why (:attr:`Story.gaps`); the script refuses to write a story whose plan differs
 without a reason, or whose reason no longer applies, so the section cannot drift from the planner.
 
-    .venv/bin/python bench/failure_stories.py            # plan the stories, rewrite the README section
-    .venv/bin/python bench/failure_stories.py --check    # exit 1 when the README section is stale
+    .venv/bin/python bench/failure_stories.py            # plan the stories, rewrite the story section
+    .venv/bin/python bench/failure_stories.py --check    # exit 1 when the story section is stale
     .venv/bin/python bench/failure_stories.py --print    # print the section, write nothing
 
 About 12 plans: a few minutes on 2 cores. ``tests/test_plan_stories.py`` runs the check.
@@ -35,7 +35,7 @@ from fitrl.memory.model import Plan  # noqa: E402
 from story_model import (ASPECTS, Change, Failure, Figure, Outcome, Story,  # noqa: E402
                          checkpoint_copies, gib, peak, per_gpu_at, _peak_text)
 
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "failure-stories.md"
 BEGIN, END = "<!-- stories:begin -->", "<!-- stories:end -->"
 RAY_KILL_THRESHOLD = 0.95  # documented (Ray): the memory monitor kills a worker above 95 % of a node's RAM
 
@@ -43,7 +43,7 @@ RAY_KILL_THRESHOLD = 0.95  # documented (Ray): the memory monitor kills a worker
 STORIES = (
     Story(
         "1", "1_offload_hurts.yaml", "Offload that hurts",
-        "seeds/000, hiyouga/EasyR1#260",
+        "[hiyouga/EasyR1#260](https://github.com/hiyouga/EasyR1/issues/260)",
         "Qwen2.5-VL-7B, EasyR1 (vLLM 0.8.3), 8 × H100 80GB, 2 TB RAM; batch not given: EasyR1's "
         "example of the date (512 prompts × 5, 2048 + 2048 tokens, 1 image ≤ 4 MP), offload on",
         Failure("host", ("old_logprob", "ref_logprob", "update"), None,
@@ -69,7 +69,7 @@ STORIES = (
     ),
     Story(
         "2", "2_host_ram_at_startup.yaml", "Host RAM eaten at start-up",
-        "seeds/001 (no primary source found)",
+        "an EasyR1 user's report; no public thread found",
         "multimodal 7B (Qwen2.5-VL-7B), EasyR1, 251.53 GiB node (GPUs not given: 8 × 80 GB), "
         "8 prompts × 5, global batch 8, micro-batch 1, ≤ 8 images ≤ 4 MP per prompt, offload on",
         Failure("host", ("load",), None,
@@ -101,7 +101,7 @@ STORIES = (
     ),
     Story(
         "3", "3_host_grows_each_rollout.yaml", "Host memory growing each rollout",
-        "seeds/002, hkust-nlp/simpleRL-reason#84",
+        "[hkust-nlp/simpleRL-reason#84](https://github.com/hkust-nlp/simpleRL-reason/issues/84)",
         "Qwen2.5-7B, simpleRL-reason (veRL fork, vLLM 0.6.3), 8 × A100, 1 TB RAM, 256 prompts × 8, "
         "responses ≤ 8,192, rollout micro-batch 1,024, swap space 40 GiB, `free_cache_engine=True`",
         Failure("host", ("rollout",), 3, "CPU OOM at the third generation, memory rising each rollout"),
@@ -133,7 +133,7 @@ STORIES = (
     ),
     Story(
         "4", "4_crash_at_step_4.yaml", "Crash at step 4",
-        "seeds/003, hiyouga/EasyR1#261",
+        "[hiyouga/EasyR1#261](https://github.com/hiyouga/EasyR1/issues/261)",
         "EasyR1, `max_prompt_length` 22,000, 1,280 sequences per step (256 prompts × 5), too much "
         "offload; model and GPUs not given: Qwen2.5-7B, 8 × A100 80GB, 1 TiB",
         Failure("gpu", ("rollout",), 4,
@@ -160,7 +160,7 @@ STORIES = (
     ),
     Story(
         "5", "5_every_rank_reads_checkpoint.yaml", "Checkpoint loading 12× slower, then OOM",
-        "seeds/004, hiyouga/EasyR1#123",
+        "[hiyouga/EasyR1#123](https://github.com/hiyouga/EasyR1/issues/123)",
         "Qwen2-VL-72B, EasyR1, 8 nodes × 8 GPUs of 96 GB, an old config without `enable_rank0_init` "
         "(every rank loads the model onto its GPU: `plan.emulate.load_on_device`); host RAM not given: "
         "2 TiB per node",
@@ -304,7 +304,7 @@ def render(outcomes: list[Outcome]) -> str:
         s = o.story
         fix = " ".join(f"`{x}`" for x in s.fix.overrides)
         lines.append("| " + " | ".join(cell(c) for c in (
-            f"{s.key} {s.title} ([config](examples/failure_stories/{s.file}); {s.source})", s.reported,
+            f"{s.key} {s.title} ([config](../examples/failure_stories/{s.file}); {s.source})", s.reported,
             s.failure.text, predicted(o.plan), agreement(o), f"{fix}: {with_change(o.plan, o.fixed)}")) + " |")
     lines += ["", "The report's figures beside the plan's:", "",
               "| story | quantity | the report | the plan |", "|---|---|---|---|"]
@@ -333,7 +333,7 @@ def section(stories=STORIES) -> str:
 
 def splice(readme: str, body: str) -> str:
     if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
-        raise SystemExit(f"README.md needs one {BEGIN} ... {END} pair")
+        raise SystemExit(f"docs/failure-stories.md needs one {BEGIN} ... {END} pair")
     head, rest = readme.split(BEGIN)
     _, tail = rest.split(END)
     return f"{head}{BEGIN}\n{body}\n{END}{tail}"
@@ -342,7 +342,7 @@ def splice(readme: str, body: str) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 when README.md's story section is stale")
+    mode.add_argument("--check", action="store_true", help="exit 1 when docs/failure-stories.md's story section is stale")
     mode.add_argument("--print", action="store_true", help="print the section; write nothing")
     args = ap.parse_args(argv)
     try:
@@ -353,18 +353,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.print:
         print(body)
         return 0
-    readme = README.read_text()
+    readme = DOC.read_text()
     new = splice(readme, body)
     if args.check:
         if new != readme:
-            print("README.md's failure-story section is stale: run .venv/bin/python bench/failure_stories.py",
+            print("docs/failure-stories.md's failure-story section is stale: run .venv/bin/python bench/failure_stories.py",
                   file=sys.stderr)
             return 1
-        print("README.md's failure-story section is current")
+        print("docs/failure-stories.md's failure-story section is current")
         return 0
     if new != readme:
-        README.write_text(new)
-    print(f"README.md: failure-story section {'rewritten' if new != readme else 'unchanged'}")
+        DOC.write_text(new)
+    print(f"docs/failure-stories.md: failure-story section {'rewritten' if new != readme else 'unchanged'}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The failure stories' types (a report's failure, a change, a figure, a story, its planned
 outcome) and the plan measures their figures read. ``bench/failure_stories.py`` holds the stories
-themselves, plans them and writes the README section."""
+themselves, plans them and writes docs/failure-stories.md."""
 
 from __future__ import annotations
 

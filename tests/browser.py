@@ -141,3 +141,23 @@ def figure_checks(dom: str) -> PageCheck:
     reader.feed(dom)
     reader.close()
     return reader.page
+
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / ".artifacts"
+
+
+def check_page_in_browser(page: Path, tmp_path: Path, png_name: str, window: str) -> PageCheck:
+    """Open a report page in headless Chromium: no script error, every chart drawn; its
+    screenshot kept as ``.artifacts/<png_name>``."""
+    chromium = chromium_or_skip()
+    dom = dump_dom(chromium, page, tmp_path / "profile-dom")
+    check = figure_checks(dom)
+    png = screenshot(chromium, page, tmp_path / "profile-shot", tmp_path / png_name, window=window)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(png, ARTIFACTS / png_name)
+    assert check.error_count == "0" and not check.errors, f"script errors on the page: {check.errors}"
+    expected = page.read_text().count('class="fitrl-figure')
+    assert len(check.figures) == expected > 0
+    empty = [f"{f.title} (svg {f.main_svgs}, marks {f.marks})" for f in check.figures if not f.rendered]
+    assert not empty, f"charts not drawn: {empty}"
+    return check

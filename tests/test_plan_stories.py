@@ -1,9 +1,9 @@
-"""The five failure stories (examples/failure_stories/, README "The five failure stories"): each a
-user's report (../shared/seeds/) as a config with the report's numbers. ``bench/failure_stories.py``
-plans them with the change each reporter applied and writes the README's table; these tests hold
-the mechanism (resource, phase, step, the fix fits), not figures, and the README to the planner.
-Where the plan differs from a report the README says why, and the test of that aspect is a strict
-xfail naming it: it fails the day the planner agrees, so the README and this file are updated."""
+"""The five failure stories (examples/failure_stories/, docs/failure-stories.md): each a
+user's report (public threads, linked in docs/failure-stories.md) as a config with the report's numbers. ``bench/failure_stories.py``
+plans them with the change each reporter applied and writes the docs' table; these tests hold
+the mechanism (resource, phase, step, the fix fits), not figures, and the docs to the planner.
+Where the plan differs from a report docs/failure-stories.md says why, and the test of that aspect is a strict
+xfail naming it: it fails the day the planner agrees, so the docs and this file are updated."""
 
 from pathlib import Path
 
@@ -39,16 +39,16 @@ def story_plan(key, *overrides):
 
 
 def test_readme_section_is_current(outcomes):
-    """The README's story section is what bench/failure_stories.py writes from today's planner, and
+    """The docs' story section is what bench/failure_stories.py writes from today's planner, and
     every aspect where a plan differs from its report is explained (and no explanation is stale)."""
     for o in outcomes.values():
         fs.check_gaps(o)
-    readme = fs.README.read_text()
+    readme = fs.DOC.read_text()
     assert fs.splice(readme, fs.render(list(outcomes.values()))) == readme, \
-        "README.md's failure-story section is stale: run .venv/bin/python bench/failure_stories.py"
+        "docs/failure-stories.md's failure-story section is stale: run .venv/bin/python bench/failure_stories.py"
 
 
-# (story, aspect) pairs where the plan is known to differ from the report; README says why
+# (story, aspect) pairs where the plan is known to differ from the report; the docs say why
 KNOWN = {("1", "fails"): "story 1: the plan fits on the 2 TB node (mechanism of the report's host OOM unknown)",
          ("2", "phase"): "story 2: the plan's host OOM is after the first rollout, not while loading",
          ("3", "step"): "story 3: the plan's 85 % margin is crossed a step before Ray's 95 % kill threshold",

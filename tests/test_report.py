@@ -5,13 +5,12 @@ script error, a screenshot kept under ``.artifacts/``."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from browser import PageCheck, chromium_or_skip, dump_dom, figure_checks, screenshot
+from browser import check_page_in_browser
 from helpers import ROOT, toy_config
 
 from fitrl.cli import main
@@ -19,7 +18,6 @@ from fitrl.report.keys import at_n, by_source, other_groups, reward_components
 from fitrl.report.load import PlanPredictions, load_run, read_jsonl
 from fitrl.report.page import render, write_report
 
-ARTIFACTS = ROOT / ".artifacts"
 XSS = "<img src=x onerror=\"fitrlError('xss-{}')\">"  # would show in the page's error box if it ran
 
 
@@ -255,26 +253,11 @@ def test_status_of_a_run_still_going(tmp_path):
 
 # ------------------------------------------------------------------------------ in a real browser
 
-def _check_in_browser(page: Path, tmp_path: Path, png_name: str, window: str) -> PageCheck:
-    chromium = chromium_or_skip()
-    dom = dump_dom(chromium, page, tmp_path / "profile-dom")
-    check = figure_checks(dom)
-    png = screenshot(chromium, page, tmp_path / "profile-shot", tmp_path / png_name, window=window)
-    ARTIFACTS.mkdir(exist_ok=True)
-    shutil.copy(png, ARTIFACTS / png_name)
-    assert check.error_count == "0" and not check.errors, f"script errors on the page: {check.errors}"
-    expected = page.read_text().count('class="fitrl-figure')
-    assert len(check.figures) == expected > 0
-    empty = [f"{f.title} (svg {f.main_svgs}, marks {f.marks})" for f in check.figures if not f.rendered]
-    assert not empty, f"charts not drawn: {empty}"
-    return check
-
-
 @pytest.mark.slow  # a training run, then Chromium twice (DOM, screenshot)
 def test_real_run_page_renders_in_chromium(real_run, tmp_path):
     assert json.loads((real_run / "plan.json").read_text())["processes"]["trainer"]["phases"]["update"]["host_gib"] > 0
     page = write_report(real_run)
-    check = _check_in_browser(page, tmp_path, "report.png", window="1400,9000")
+    check = check_page_in_browser(page, tmp_path, "report.png", window="1400,9000")
     titles = [f.title for f in check.figures]
     for title in ("Reward (train and validation)", "Entropy", "Clip fractions", "Gradient norm", "Learning rate",
                   "Time per phase (stacked per step)"):
@@ -286,7 +269,7 @@ def test_real_run_page_renders_in_chromium(real_run, tmp_path):
 @pytest.mark.slow  # Chromium twice (DOM, screenshot)
 def test_died_run_page_renders_in_chromium(died_run, tmp_path):
     page = write_report(died_run)
-    check = _check_in_browser(page, tmp_path, "report-died.png", window="1400,7000")
+    check = check_page_in_browser(page, tmp_path, "report-died.png", window="1400,7000")
     titles = [f.title for f in check.figures]
     assert any(t.startswith("policy.rank0: GPU memory") for t in titles), titles
     assert "Throughput" in titles and "MFU" in titles and any(t.startswith("Validation @n") for t in titles)

@@ -104,6 +104,22 @@ def reward_figure(run: RunData) -> Optional[go.Figure]:
     return _layout(fig, "Reward (train and validation" + (", by source)" if color > 2 else ")"), y_title="reward")
 
 
+def accuracy_figure(run: RunData, key: str) -> Optional[go.Figure]:
+    """Validation accuracy at each validation, its first and last values in the title: what
+    training did to the policy, the figure a reader looks for first."""
+    xs, ys = run.series(key)
+    if not xs:
+        return None
+    fig = go.Figure()
+    _add(fig, _line(run, key, name=key, color=PALETTE[2]))
+    name = key.split("/")[-1]
+    title = f"Validation accuracy ({name})"
+    if len(xs) > 1:
+        title += f": {ys[0]:.3f} at step {xs[0]} → {ys[-1]:.3f} at step {xs[-1]}"
+    fig.update_yaxes(rangemode="tozero")
+    return _layout(fig, title, y_title="fraction correct")
+
+
 def components_figure(run: RunData) -> Optional[go.Figure]:
     """The reward function's components (train solid, validation with markers), one colour each."""
     train = reward_components(run.step_keys(), "")

@@ -60,6 +60,15 @@ def at_n(keys: list[str]) -> list[str]:
     return [k for k in keys if k.startswith("val/") and re.search(r"@\d+", k)]
 
 
+CORRECTNESS = ("accuracy", "exact")
+"""Reward components read as a validation's accuracy, first found wins (as validation's @n metrics)."""
+
+
+def validation_accuracy(val_keys: list[str]) -> str | None:
+    """The validation key that is the policy's accuracy (``val/reward/accuracy`` or ``.../exact``)."""
+    return next((f"val/reward/{c}" for c in CORRECTNESS if f"val/reward/{c}" in val_keys), None)
+
+
 def reward_components(keys: list[str], prefix: str) -> list[str]:
     """``reward/<component>`` means (the reward function's dict entries), not stats or health."""
     out = []

@@ -71,6 +71,10 @@ def build_sections(run: RunData) -> list[Section]:
     training.figures.append(make(F.reward_figure(run)))
     shown |= {"reward/mean", "reward/std", "val/reward/mean", *K.by_source(step_keys, "").values(),
               *K.by_source(val_keys, "val/").values()}
+    accuracy = K.validation_accuracy(val_keys)
+    if accuracy is not None:
+        training.figures.append(make(F.accuracy_figure(run, accuracy)))
+        shown.add(accuracy)
     components = F.components_figure(run)
     if components is not None:
         training.figures.append(make(components))

@@ -233,6 +233,9 @@ def test_page_of_a_died_run(died_run, capsys):
     assert "stopped by the memory guard at step 8" in html
     assert "plan's predicted peak" in html  # the plan's line, in the figures' JSON
     assert "judge: ok" in html and "val.jsonl:3" in html  # fields without a column of their own still show
+    # validation accuracy (the exact component) leads the training charts and the summary says where it went
+    assert "Validation accuracy (exact): 0.000 \u2192 0.200" in html or "Validation accuracy (exact): 0.000 → 0.200" in html
+    assert "0.000 at step 0 → 0.200 at step 4 (best 0.200)" in html
 
 
 def test_report_path_option_and_live_rewrite(died_run, tmp_path):

@@ -112,10 +112,9 @@ def accuracy_figure(run: RunData, key: str) -> Optional[go.Figure]:
         return None
     fig = go.Figure()
     _add(fig, _line(run, key, name=key, color=PALETTE[2]))
-    name = key.split("/")[-1]
-    title = f"Validation accuracy ({name})"
-    if len(xs) > 1:
-        title += f": {ys[0]:.3f} at step {xs[0]} → {ys[-1]:.3f} at step {xs[-1]}"
+    title = f"Validation accuracy ({key.split('/')[-1]})"
+    if len(xs) > 1:  # short: the chart's toolbar covers the title's right end
+        title += f": {ys[0]:.3f} → {ys[-1]:.3f}"
     fig.update_yaxes(rangemode="tozero")
     return _layout(fig, title, y_title="fraction correct")
 

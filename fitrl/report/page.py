@@ -150,6 +150,11 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
     steps, val = run.series("val/reward/mean")
     if val:
         rows.append(("validation reward/mean", f"{val[-1]:.3f} at step {steps[-1]} (best {max(val):.3f})"))
+    accuracy = K.validation_accuracy(run.val_keys())
+    steps, values = run.series(accuracy) if accuracy else ([], [])
+    if len(values) > 1:
+        rows.append((f"validation accuracy ({accuracy.split('/')[-1]})",
+                     f"{values[0]:.3f} at step {steps[0]} → {values[-1]:.3f} at step {steps[-1]} (best {max(values):.3f})"))
     _, times = run.series("time/step")
     if times:
         rows.append(("training time", f"{sum(times):.1f} s over {len(times)} steps ({sum(times) / len(times):.2f} s/step)"))

@@ -115,7 +115,7 @@ def _demo(scratch: Path) -> str:
     lines = select(out, [r"^warm start", r"^note: rollout\.n", r"^validation @", r"^reward:",
                          r"^validation exact", r"^step +(1|300) \|"], gaps=False)
     lines = [re.sub(r"( \| gnorm [\d.]+) \|.*", r"\1 | ...", line) for line in lines]
-    return _scrub(["$ fitrl demo", *lines, f"(exit status {rc})"], scratch)
+    return _scrub(["$ fitrl demo trainer.run_dir=runs/arith-grpo", *lines, f"(exit status {rc})"], scratch)
 
 
 def _vl_demo(scratch: Path) -> str:
@@ -124,7 +124,7 @@ def _vl_demo(scratch: Path) -> str:
                          r"^validation exact"], gaps=False)
     lines = [re.sub(r"( \| gnorm [\d.]+) \|.*", r"\1 | ...", re.sub(r"(; by source: [^,]*),.*", r"\1, ...", line))
              for line in lines]
-    return _scrub(["$ fitrl demo --vl", *lines, f"(exit status {rc})"], scratch)
+    return _scrub(["$ fitrl demo --vl trainer.run_dir=runs/shapes", *lines, f"(exit status {rc})"], scratch)
 
 
 def _config_errors(scratch: Path) -> str:
@@ -172,7 +172,7 @@ LEAK_SCRIPT = """
 import functools, sys
 import numpy as np
 from fitrl.config import load_config
-from fitrl.roles.actor import PolicyWorker
+from fitrl.roles.workers import PolicyWorker
 from fitrl.trainer.run import train
 
 held, original = [], PolicyWorker.compute_logprob

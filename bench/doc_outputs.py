@@ -85,6 +85,17 @@ BORDER = re.compile(r"^[┏┡└┗┌├]")       # a table's rules: left out 
 CONTINUED = re.compile(r"^│[^│]*│ +│")   # a table row's wrapped line (its second cell blank): kept with its row
 
 
+def demo_model() -> None:
+    """The tiny model ``examples/arith.yaml`` names, as ``fitrl demo`` makes it when missing (the
+    docs' ``fitrl train examples/arith.yaml`` commands assume ``make demo`` ran first; a fresh
+    clone has no model)."""
+    from fitrl.models.tiny import make_tiny_model
+
+    path = ROOT / ".cache" / "models" / "tiny-qwen2"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, arch="qwen2", size="tiny", seed=1)
+
+
 def select(text: str, keep: list[str], gaps: bool = True) -> list[str]:
     """The lines matching any of ``keep`` (regexes, searched), ``...`` where lines were left out
     (a table's rules aside; a kept row keeps its wrapped lines)."""
@@ -147,6 +158,7 @@ def _plan_story(scratch: Path) -> str:
 
 
 def _plan_on_train(scratch: Path) -> str:
+    demo_model()
     fits = ["train", "examples/arith.yaml", "trainer.max_steps=1", f"trainer.run_dir={scratch}/fits"]
     rc1, out1 = fitrl(*fits)
     big = ["train", "examples/arith.yaml", "actor.model.path=examples/failure_stories/models/qwen2.5-7b-instruct",
@@ -159,6 +171,7 @@ def _plan_on_train(scratch: Path) -> str:
 
 
 def _guard(scratch: Path) -> str:
+    demo_model()
     args = ["train", "examples/arith.yaml", "memory.guard_min_available_gib=100", "trainer.val_before_train=false",
             f"trainer.run_dir={scratch}/g"]
     rc, out = fitrl(*args)
@@ -187,6 +200,7 @@ train(load_config("examples/arith.yaml", ["trainer.max_steps=40", "trainer.val_f
 
 
 def _leak(scratch: Path) -> str:
+    demo_model()
     proc = subprocess.run([sys.executable, "-c", LEAK_SCRIPT, str(scratch / "leak")], cwd=ROOT,
                           capture_output=True, text=True, timeout=1800)
     lines = select(proc.stdout + proc.stderr, [r"^warning: memory leak"], gaps=False)

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fitrl.rewards import CORRECT_COMPONENTS
+
 REWARD_STATS = {"mean", "std", "max", "min"}
 REWARD_HEALTH = {"timeouts", "errors", "degenerate", "degenerate_positive", "worker_restarts"}
 """``reward/<name>`` counters of the scorer (fitrl/roles/reward.py), not reward components."""
@@ -60,13 +62,9 @@ def at_n(keys: list[str]) -> list[str]:
     return [k for k in keys if k.startswith("val/") and re.search(r"@\d+", k)]
 
 
-CORRECTNESS = ("accuracy", "exact")
-"""Reward components read as a validation's accuracy, first found wins (as validation's @n metrics)."""
-
-
 def validation_accuracy(val_keys: list[str]) -> str | None:
     """The validation key that is the policy's accuracy (``val/reward/accuracy`` or ``.../exact``)."""
-    return next((f"val/reward/{c}" for c in CORRECTNESS if f"val/reward/{c}" in val_keys), None)
+    return next((f"val/reward/{c}" for c in CORRECT_COMPONENTS if f"val/reward/{c}" in val_keys), None)
 
 
 def reward_components(keys: list[str], prefix: str) -> list[str]:

@@ -9,3 +9,7 @@ pool       worker processes with a per-call wall-clock limit (kill and replace o
 (the role that scores a batch, RewardScorer, is fitrl/roles/reward.py: scores and components out,
            failures counted and logged)
 """
+
+CORRECT_COMPONENTS = ("accuracy", "exact")
+"""Reward components that say whether an answer is right, first found wins: validation's @n
+accuracy (unless ``reward.correct_key`` names another) and the report's accuracy chart read them."""

@@ -27,10 +27,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.errors import RunStopped
+from fitrl.rewards import CORRECT_COMPONENTS
 from fitrl.rewards.rules import final_answer
 
-CORRECT_COMPONENTS = ("accuracy", "exact")
-"""Components read as correctness when ``reward.correct_key`` is unset, first found wins."""
 UNKNOWN_SOURCE = "unknown"
 
 _SPACES = re.compile(r"\s+")

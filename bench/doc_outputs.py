@@ -20,7 +20,7 @@ What changes from run to run is masked before comparing: times, temporary paths,
 readings of this machine. Training figures (rewards, accuracies) are deterministic for a seed
 on one machine, so they are compared exactly where the block was recorded (its CPU, recorded
 in the marker) and by the shape of the lines elsewhere, where another CPU's kernels round
-differently. ``tests/test_doc_outputs.py`` runs the check.
+differently. ``tests/test_docs.py`` runs the check.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -70,7 +70,6 @@ class Block:
     masks: tuple[re.Pattern, ...] = ()     # what varies between runs on one machine
     trained: bool = False                  # figures from training: exact only on the recording CPU
     slow: bool = False                     # a minute or more (tests mark it slow)
-    doc: str = field(default="", compare=False)
 
 
 def fitrl(*args: str, cwd: Path = ROOT, columns: int = 110) -> tuple[int, str]:
@@ -121,21 +120,22 @@ def _scrub(lines: list[str], scratch: Path, to: str = "runs") -> str:
     return "\n".join(line.replace(str(scratch), to) for line in lines)
 
 
+def _demo_run(scratch: Path, run: str, *flags: str, keep: list[str]) -> str:
+    """``fitrl demo FLAGS`` into ``scratch/run``: the lines ``keep`` selects, each step line cut
+    after its gradient norm (the rest is timing) and long by-source lists after the first."""
+    rc, out = fitrl("demo", *flags, f"trainer.run_dir={scratch}/{run}", "trainer.progress_bar=false")
+    lines = [re.sub(r"( \| gnorm [\d.]+) \|.*", r"\1 | ...", re.sub(r"(; by source: [^,]*),.*", r"\1, ...", line))
+             for line in select(out, [*keep, r"^validation @", r"^reward:", r"^validation exact"], gaps=False)]
+    command = " ".join(["$ fitrl demo", *flags, f"trainer.run_dir=runs/{run}"])
+    return _scrub([command, *lines, f"(exit status {rc})"], scratch)
+
+
 def _demo(scratch: Path) -> str:
-    rc, out = fitrl("demo", f"trainer.run_dir={scratch}/arith-grpo", "trainer.progress_bar=false")
-    lines = select(out, [r"^warm start", r"^note: rollout\.n", r"^validation @", r"^reward:",
-                         r"^validation exact", r"^step +(1|300) \|"], gaps=False)
-    lines = [re.sub(r"( \| gnorm [\d.]+) \|.*", r"\1 | ...", line) for line in lines]
-    return _scrub(["$ fitrl demo trainer.run_dir=runs/arith-grpo", *lines, f"(exit status {rc})"], scratch)
+    return _demo_run(scratch, "arith-grpo", keep=[r"^warm start", r"^note: rollout\.n", r"^step +(1|300) \|"])
 
 
 def _vl_demo(scratch: Path) -> str:
-    rc, out = fitrl("demo", "--vl", f"trainer.run_dir={scratch}/shapes", "trainer.progress_bar=false")
-    lines = select(out, [r"^warm start", r"^train:", r"^validation @", r"^step +(1|50|100) \|", r"^reward:",
-                         r"^validation exact"], gaps=False)
-    lines = [re.sub(r"( \| gnorm [\d.]+) \|.*", r"\1 | ...", re.sub(r"(; by source: [^,]*),.*", r"\1, ...", line))
-             for line in lines]
-    return _scrub(["$ fitrl demo --vl trainer.run_dir=runs/shapes", *lines, f"(exit status {rc})"], scratch)
+    return _demo_run(scratch, "shapes", "--vl", keep=[r"^warm start", r"^train:", r"^step +(1|50|100) \|"])
 
 
 def _config_errors(scratch: Path) -> str:

@@ -25,7 +25,8 @@ def balanced_bins(lengths: list[int], num_bins: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def micro_batches_by_tokens(lengths: list[int], budget: int, min_count: int = 1) -> list[list[int]]:
+def micro_batches_by_tokens(lengths: list[int], budget: int, min_count: int = 1,
+                            packed: bool = False) -> list[list[int]]:
     """Micro-batches whose *padded* size (sequences x the longest of them, what a forward holds:
     fitrl pads a micro-batch to its longest) stays within ``budget`` tokens, a sequence longer
     than the budget alone; as few as that allows, at least ``min_count`` (e.g. the largest count
@@ -38,18 +39,25 @@ def micro_batches_by_tokens(lengths: list[int], budget: int, min_count: int = 1)
 
     >>> micro_batches_by_tokens([10, 50, 12, 48], 100)  # 50+48 padded to 2 x 50; 12+10 to 2 x 12
     [[1, 3], [0, 2]]
+
+    ``packed``: the forwards run each micro-batch padding-free (fitrl/core/packing.py), so its
+    size is its packed rows x its longest, and a micro-batch is filled first-fit by that.
+
+    >>> micro_batches_by_tokens([50, 40, 10, 10, 10, 10, 10, 10], 100, packed=True)  # rows 50 | 40+10
+    [[0, 1, 2], [3, 4, 5, 6, 7]]
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    count = min(len(lengths), max(min_count, len(_pack(order, lengths, budget))))
+    fill = _first_fit_packed if packed else _pack
+    count = min(len(lengths), max(min_count, len(fill(order, lengths, budget))))
     # the smallest padded cap at which packing needs no more than ``count`` micro-batches
     lo, hi = max(lengths, default=0), max(budget, max(lengths, default=0))
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(_pack(order, lengths, mid)) <= count:
+        if len(fill(order, lengths, mid)) <= count:
             hi = mid
         else:
             lo = mid + 1
-    bins = _pack(order, lengths, lo)
+    bins = fill(order, lengths, lo)
     while len(bins) < count:  # fewer than the ranks' count: split the fullest (never raises a cap)
         bins.sort(key=len, reverse=True)
         big = bins.pop(0)
@@ -65,6 +73,31 @@ def _pack(order: list[int], lengths: list[int], cap: int) -> list[list[int]]:
             bins[-1].append(i)
         else:
             bins.append([i])
+    return bins
+
+
+def _first_fit_packed(order: list[int], lengths: list[int], cap: int) -> list[list[int]]:
+    """Each sequence of ``order`` (longest first) into the first micro-batch whose packed size
+    stays within ``cap``: placed first-fit into its rows as wide as its first (longest), or in a
+    new row; rows x width is what :func:`fitrl.core.packing.pack_layout` makes of the bin."""
+    bins: list[list[int]] = []
+    rooms: list[list[int]] = []  # per bin, each row's free tokens
+    for i in order:
+        n = lengths[i]
+        for b, room in enumerate(rooms):
+            width = lengths[bins[b][0]]
+            r = next((r for r, free in enumerate(room) if n <= free), None)
+            if r is not None:
+                room[r] -= n
+            elif (len(room) + 1) * width <= cap:
+                room.append(width - n)
+            else:
+                continue
+            bins[b].append(i)
+            break
+        else:
+            bins.append([i])
+            rooms.append([0])  # its first row: as wide as it
     return bins
 
 

@@ -13,13 +13,15 @@ Figures from ``bench/logprob_memory.py`` on CPU.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.nn import functional as F
 
+from fitrl.core.packing import PackedLayout, pack_layout
 from fitrl.core.padding import model_positions, trim_padding
-from fitrl.ops.shared_prompt import can_share, find_prompt_groups, shared_prompt_forward
+from fitrl.ops.packed import can_pack, packed_forward
+from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups, shared_prompt_forward
 
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
@@ -168,6 +170,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     model_kwargs: Optional[dict] = None,
     share_prompts: bool = False,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the last ``response_length`` tokens of each row under ``model``.
 
@@ -183,7 +186,9 @@ def response_logprobs(
     model: "got mixed torch.Tensor and DTensor".)
 
     ``share_prompts``: rows with the same prompt run it through the model once
-    (:mod:`fitrl.ops.shared_prompt`), where the model allows it.
+    (:mod:`fitrl.ops.shared_prompt`); ``pack``: the rows' real tokens run packed end to end, with
+    no padding (:mod:`fitrl.ops.packed`). Each where the model allows it, and where it runs fewer
+    positions than the padded forward (:func:`choose_layout`).
     """
     for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
         if getattr(model.config, name, None) not in (None, 1.0):
@@ -195,21 +200,22 @@ def response_logprobs(
     labels = input_ids[:, -response_length:]  # (B, R')
     head = model.get_output_embeddings()  # tied or not, the module HF's forward calls
 
-    def chunked_head(hidden: torch.Tensor) -> torch.Tensor:  # (B, R, H), position t predicting t+1 -> (B, R, 2)
+    def chunked_head(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., 2)
         logp, entropy = head_logprobs(hidden, labels, head.weight, head.bias,
                                       temperature=temperature, chunk_size=chunk_size,
                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
         return torch.stack([logp, entropy if with_entropy else torch.zeros_like(logp)], dim=-1)
 
-    groups = None
-    if share_prompts and can_share(model, position_ids, model_kwargs):
-        groups = find_prompt_groups(input_ids, attention_mask, input_ids.shape[1] - response_length)
-    if groups is not None and groups.shared:
-        groups.record_skipped(attention_mask, input_ids.shape[1] - response_length)
-        out = shared_prompt_forward(model, head, chunked_head, input_ids, attention_mask, position_ids,
-                                    response_length, groups)  # (B, R, 2)
-    else:
-        head.forward = lambda hidden: chunked_head(hidden[:, :-1])  # an instance attribute shadows nn.Linear.forward
+    layout = choose_layout(model, input_ids, attention_mask, position_ids, response_length, model_kwargs,
+                           share_prompts=share_prompts, pack=pack)
+    if isinstance(layout, PackedLayout):
+        out = packed_forward(model, head, chunked_head, input_ids, position_ids, response_length, layout)
+    elif isinstance(layout, PromptGroups):
+        layout.record_skipped(attention_mask, input_ids.shape[1] - response_length)
+        out = shared_prompt_forward(model, head, lambda hidden: chunked_head(hidden, labels), input_ids,
+                                    attention_mask, position_ids, response_length, layout)  # (B, R, 2)
+    else:  # position t predicting t + 1: (B, R + 1, H) -> (B, R, 2)
+        head.forward = lambda hidden: chunked_head(hidden[:, :-1], labels)  # shadows nn.Linear.forward
         try:
             out = model(input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=model_positions(position_ids), use_cache=False,
@@ -219,6 +225,28 @@ def response_logprobs(
     out = torch.nn.functional.pad(out, (0, 0, 0, full_length - response_length))  # back to (B, R, 2)
     entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
     return out[..., 0], entropy if with_entropy else None
+
+
+def choose_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  position_ids: torch.Tensor, response_length: int, model_kwargs: Optional[dict], *,
+                  share_prompts: bool, pack: bool) -> Union[PackedLayout, PromptGroups, None]:
+    """The forward that runs the fewest positions through the model for this (trimmed) micro-batch:
+    packed (rows x W), shared prompts (distinct prompts x P + B x R) or padded (B x (P+R), None),
+    among those allowed. A tie keeps the simpler: padded, then shared."""
+    B, T = input_ids.shape
+    P = T - response_length
+    best, cost = None, B * T
+    if share_prompts and can_share(model, position_ids, model_kwargs):
+        groups = find_prompt_groups(input_ids, attention_mask, P)
+        shared = groups.rows.numel() * P + B * response_length
+        if groups.shared and shared < cost:
+            best, cost = groups, shared
+    if pack and can_pack(model, position_ids, model_kwargs):
+        layout = pack_layout(attention_mask)
+        rows, width = layout.shape
+        if rows * width < cost:
+            best = layout
+    return best
 
 
 def token_logprobs(

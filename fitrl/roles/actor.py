@@ -23,6 +23,7 @@ from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
+from fitrl.ops.packed import can_pack
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.progress import PROGRESS
 
@@ -142,15 +143,17 @@ class Actor:
 
     def partition(self, batch: Batch, size: int) -> list[list[int]]:
         """Micro-batch indices: consecutive runs of ``size``, or, with a token budget, groups of
-        similar length whose padded size stays within it, as many on every rank (under FSDP2 each
-        forward is a collective)."""
+        similar length whose padded (or, with packing, packed) size stays within it, as many on
+        every rank (under FSDP2 each forward is a collective)."""
         budget = self.cfg.micro_batch_token_budget
         if not budget:
             return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
         lengths = batch["attention_mask"].sum(-1).tolist()
-        bins = micro_batches_by_tokens(lengths, budget)
+        # images ride only with a multimodal rope's (B, k, T) positions, which can_pack refuses
+        packed = self.cfg.packing and can_pack(self.model, batch["position_ids"], None)
+        bins = micro_batches_by_tokens(lengths, budget, packed=packed)
         count = all_reduce_max(len(bins), batch["attention_mask"].device)
-        return bins if count == len(bins) else micro_batches_by_tokens(lengths, budget, min_count=count)
+        return bins if count == len(bins) else micro_batches_by_tokens(lengths, budget, count, packed)
 
     def _forward(self, micro: Batch, temperature: float, with_entropy: bool, entropy_grad: bool = False):
         with autocast(micro["input_ids"].device, self.autocast_dtype):
@@ -162,6 +165,7 @@ class Actor:
             micro["responses"].shape[1], temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
             model_kwargs=self.inputs.extra(micro, micro["input_ids"].device), share_prompts=self.cfg.share_prompts,
+            pack=self.cfg.packing,
         )
 
     def denominators(self, mini: Batch) -> Denominators:

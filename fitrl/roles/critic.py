@@ -16,21 +16,42 @@ from fitrl.algo.losses import Denominators, value_loss
 from fitrl.config.schema import CriticConfig
 from fitrl.data.batch import Batch
 from fitrl.distributed.collectives import all_reduce_sum
+from fitrl.core.packing import pack_layout
 from fitrl.core.padding import model_positions, trim_padding
+from fitrl.ops.packed import can_pack, packed_forward
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.progress import PROGRESS
 from fitrl.roles.actor import WeightedMetrics, apply_configured_lr, build_optimizer, clip_gradients, lr_factor
 
 
-def response_values(model: torch.nn.Module, micro: Batch, inputs: ModelInputs = TEXT_INPUTS) -> torch.Tensor:
-    """(B, R) values at the positions that predict each response token."""
+def response_values(model: torch.nn.Module, micro: Batch, inputs: ModelInputs = TEXT_INPUTS,
+                    pack: bool = False) -> torch.Tensor:
+    """(B, R) values at the positions that predict each response token; ``pack``: from a
+    padding-free forward (fitrl/ops/packed.py) where it runs fewer positions."""
     R = micro["responses"].shape[1]
     ids, mask, pos, keep = trim_padding(micro["input_ids"], micro["attention_mask"], micro["position_ids"], R)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=model_positions(pos), use_cache=False,
-                **inputs.extra(micro, ids.device))
+    extra = inputs.extra(micro, ids.device)
+    head = value_head(model)
+    if pack and head is not None and can_pack(model, pos, extra):
+        layout = pack_layout(mask)
+        if layout.shape[0] * layout.shape[1] < ids.numel():
+            linear = type(head).forward  # the head's own forward, while the instance's is shadowed
+            values = packed_forward(model, head, lambda hidden, _: linear(head, hidden), ids, pos, keep, layout,
+                                    causal_lm=False)[..., 0].float()  # (B, R')
+            return torch.nn.functional.pad(values, (0, R - keep))
+    out = model(input_ids=ids, attention_mask=mask, position_ids=model_positions(pos), use_cache=False, **extra)
     values = out.logits[:, -keep - 1:-1, 0].float()  # (B, R')
     return torch.nn.functional.pad(values, (0, R - keep))
+
+
+def value_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A token-classification model's output layer (``score`` in the Llama/Qwen families)."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+    return None
 
 
 class Critic:
@@ -58,7 +79,7 @@ class Critic:
         for m in batch.split(self.cfg.values_micro_batch_size):
             GUARD.check(m["response_mask"].device)  # safe point (read-only phase)
             PROGRESS.beat()
-            values.append(response_values(self.model, m, self.inputs) * m["response_mask"])
+            values.append(response_values(self.model, m, self.inputs, self.cfg.packing) * m["response_mask"])
             self.after_micro_batch()
         return Batch({"values": torch.cat(values)})
 
@@ -77,7 +98,7 @@ class Critic:
                 for micro in mini.split(self.cfg.micro_batch_size):
                     PROGRESS.beat()
                     m_mask = micro["response_mask"].float()
-                    loss, m = value_loss(response_values(self.model, micro, self.inputs), micro["values"], micro["returns"],
+                    loss, m = value_loss(response_values(self.model, micro, self.inputs, self.cfg.packing), micro["values"], micro["returns"],
                                          m_mask, cliprange_value=self.cfg.cliprange_value,
                                          agg_mode=self.cfg.loss_agg_mode, denom=denom)
                     loss.backward()

@@ -236,7 +236,7 @@ class ReferenceWorker:
                     self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
                     micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
                     chunk_size=self.cfg.actor.logprob_chunk_size, model_kwargs=self.inputs.extra(micro, self.device),
-                    share_prompts=self.cfg.actor.share_prompts)
+                    share_prompts=self.cfg.actor.share_prompts, pack=self.cfg.actor.packing)
                 out.append(lp)
                 self.offload.micro_batch_done()
         return Batch({"ref_logprobs": torch.cat(out).cpu()})

@@ -49,8 +49,9 @@ def micro_batches_by_tokens(lengths: list[int], budget: int, min_count: int = 1,
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     fill = _first_fit_packed if packed else _pack
     count = min(len(lengths), max(min_count, len(fill(order, lengths, budget))))
-    # the smallest padded cap at which packing needs no more than ``count`` micro-batches
-    lo, hi = max(lengths, default=0), max(budget, max(lengths, default=0))
+    # the smallest cap at which filling needs no more than ``count`` micro-batches (never above the
+    # budget: a sequence longer than it must not widen the others' micro-batches)
+    lo, hi = min(max(lengths, default=0), budget), budget
     while lo < hi:
         mid = (lo + hi) // 2
         if len(fill(order, lengths, mid)) <= count:

@@ -42,3 +42,35 @@ def guard_check_on_rank(rank, world, port, low_on, queue):
         dist.barrier()  # every rank is still in step with the others after the safe point
     finally:
         dist.destroy_process_group()
+
+
+def ulysses_update_on_rank(rank, world, port, model_dir, batch, sp, fsdp, queue):
+    """An actor update with ``sp``-way Ulysses sequence parallelism (a group of every ``sp``
+    consecutive ranks; each group gets the same ``batch``), FSDP2-sharded over every rank when
+    ``fsdp``. Rank 0 reports the log-probs, metrics and the full updated weights."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from fitrl.config.schema import ActorConfig, AlgorithmConfig, FSDPConfig
+        from fitrl.distributed.fsdp import full_state_dict, shard
+        from fitrl.distributed.ulysses import sequence_groups
+        from fitrl.roles.actor import Actor
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if fsdp:
+            shard(model, FSDPConfig(), model.model.layers, torch.device("cpu"))
+        actor = Actor(model, ActorConfig(micro_batch_size=4, packing=True), AlgorithmConfig(use_kl_loss=True),
+                      total_steps=1, max_response_length=12, sequence_group=sequence_groups(sp))
+        logp = actor.compute_logprob(batch, temperature=1.0)["old_logprobs"]
+        metrics = actor.update(batch, sequences_per_mini_batch=len(batch), temperature=1.0)
+        state = full_state_dict(model) if fsdp else {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if rank == 0:
+            queue.put(pickle.dumps((logp, metrics, state)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

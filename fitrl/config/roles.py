@@ -139,9 +139,9 @@ class ActorConfig:
     shuffle_mini_batches: bool = False
     """Shuffle sequences before splitting into mini-batches (scatters a prompt's samples over the micro-batches: less for ``share_prompts`` to share)."""
     share_prompts: bool = True
+    """Log-prob and update forwards (the policy's and the reference's) run a prompt shared by rows of a micro-batch (a group's samples) through the model once, its keys and values reused by every row (fitrl/ops/shared_prompt.py): the same log-probs and gradients to rounding, fewer tokens through the model (``bench/vs_trl.py``: 42 % of an update's tokens were prompt copies). Off, or not applied, for images, sliding-window attention and gradient checkpointing in the update."""
     packing: bool = True
     """Padding-free forwards: the log-prob and update passes (the policy's and the reference's) run each micro-batch's real tokens packed end to end in rows as wide as its longest sequence, positions restarting per sequence and attention kept within it (fitrl/ops/packed.py), instead of every row padded to the widest prompt plus the widest response: the same log-probs and gradients to rounding, fewer positions through the model when lengths vary. Each micro-batch takes whichever of packed, shared-prompt and padded runs the fewest positions. Not applied for images (a multimodal rope) or sliding-window attention."""
-    """Log-prob and update forwards (the policy's and the reference's) run a prompt shared by rows of a micro-batch (a group's samples) through the model once, its keys and values reused by every row (fitrl/ops/shared_prompt.py): the same log-probs and gradients to rounding, fewer tokens through the model (``bench/vs_trl.py``: 42 % of an update's tokens were prompt copies). Off, or not applied, for images, sliding-window attention and gradient checkpointing in the update."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -71,9 +71,11 @@ class PackedLayout:
         return padded.reshape(-1)[self.source]
 
 
-def pack_layout(attention_mask: torch.Tensor) -> PackedLayout:
+def pack_layout(attention_mask: torch.Tensor, multiple: int = 1) -> PackedLayout:
     """The packed layout of a padded micro-batch whose rows each hold one contiguous run of real
-    tokens (a left-padded prompt then a right-padded response). One host sync (the lengths)."""
+    tokens (a left-padded prompt then a right-padded response). One host sync (the lengths).
+    ``multiple``: the packed width rounded up to a multiple of it (filler at the rows' ends), so
+    a sequence-parallel group splits every row in equal chunks."""
     B, T = attention_mask.shape
     device = attention_mask.device
     mask = attention_mask.bool()
@@ -86,6 +88,7 @@ def pack_layout(attention_mask: torch.Tensor) -> PackedLayout:
     width = max(max(lengths, default=0), 1)
     rows = pack_rows(lengths, width)
     used = max(sum(lengths[i] for i in row) for row in rows) if rows else 1
+    used = -(-used // multiple) * multiple
     source = torch.empty((len(rows), used), dtype=torch.long)
     filler = torch.zeros((len(rows), used), dtype=torch.bool)
     target = torch.full((B * T,), -1, dtype=torch.long)

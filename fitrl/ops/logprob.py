@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from fitrl.core.packing import PackedLayout, pack_layout
 from fitrl.core.padding import model_positions, trim_padding
+from fitrl.distributed.ulysses import SequenceGroup
 from fitrl.ops.packed import can_pack, packed_forward
 from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups, shared_prompt_forward
 
@@ -171,6 +172,7 @@ def response_logprobs(
     model_kwargs: Optional[dict] = None,
     share_prompts: bool = False,
     pack: bool = False,
+    sequence_group: Optional[SequenceGroup] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the last ``response_length`` tokens of each row under ``model``.
 
@@ -188,7 +190,9 @@ def response_logprobs(
     ``share_prompts``: rows with the same prompt run it through the model once
     (:mod:`fitrl.ops.shared_prompt`); ``pack``: the rows' real tokens run packed end to end, with
     no padding (:mod:`fitrl.ops.packed`). Each where the model allows it, and where it runs fewer
-    positions than the padded forward (:func:`choose_layout`).
+    positions than the padded forward (:func:`choose_layout`). ``sequence_group``: Ulysses
+    sequence parallelism over that group (fitrl/distributed/ulysses.py), always packed; every
+    rank of the group passes the same micro-batch and gets the whole result.
     """
     for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
         if getattr(model.config, name, None) not in (None, 1.0):
@@ -206,10 +210,17 @@ def response_logprobs(
                                       with_entropy=with_entropy, entropy_grad=entropy_grad)
         return torch.stack([logp, entropy if with_entropy else torch.zeros_like(logp)], dim=-1)
 
-    layout = choose_layout(model, input_ids, attention_mask, position_ids, response_length, model_kwargs,
-                           share_prompts=share_prompts, pack=pack)
+    if sequence_group is not None:
+        if not can_pack(model, position_ids, model_kwargs):
+            raise ValueError(f"sequence parallelism needs a packed forward, which {type(model).__name__} with these "
+                             "inputs cannot run (images, a multimodal rope or sliding-window attention)")
+        layout = pack_layout(attention_mask, multiple=sequence_group.size)
+    else:
+        layout = choose_layout(model, input_ids, attention_mask, position_ids, response_length, model_kwargs,
+                               share_prompts=share_prompts, pack=pack)
     if isinstance(layout, PackedLayout):
-        out = packed_forward(model, head, chunked_head, input_ids, position_ids, response_length, layout)
+        out = packed_forward(model, head, chunked_head, input_ids, position_ids, response_length, layout,
+                             sequence_group=sequence_group)
     elif isinstance(layout, PromptGroups):
         layout.record_skipped(attention_mask, input_ids.shape[1] - response_length)
         out = shared_prompt_forward(model, head, lambda hidden: chunked_head(hidden, labels), input_ids,

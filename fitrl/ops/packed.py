@@ -15,11 +15,13 @@ sliding-window attention. :func:`can_pack` says which.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
 
 from fitrl.core.packing import PackedLayout, packed_positions
+from fitrl.distributed.ulysses import SequenceGroup, gather_sequence, sequence_parallel
 from fitrl.ops.sharing import full_attention
 
 # attention implementations that read packed positions as sequence boundaries
@@ -39,7 +41,7 @@ def can_pack(model: torch.nn.Module, position_ids: torch.Tensor, model_kwargs: O
 def packed_forward(model: torch.nn.Module, head: torch.nn.Module,
                    head_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
                    position_ids: torch.Tensor, response_length: int, layout: PackedLayout,
-                   causal_lm: bool = True) -> torch.Tensor:
+                   causal_lm: bool = True, sequence_group: Optional[SequenceGroup] = None) -> torch.Tensor:
     """The model's output over the responses, (B, R, k), from one packed forward.
 
     ``head`` is the model's output module (the lm_head, or a critic's score head); for the call it
@@ -47,12 +49,28 @@ def packed_forward(model: torch.nn.Module, head: torch.nn.Module,
     response token and those tokens; padding response positions come back as zeros.
     input_ids and position_ids (B, P+R) as the padded forward has them (padding trimmed).
     ``causal_lm``: the model takes ``logits_to_keep`` (a token-classification critic does not).
+    ``sequence_group``: this rank runs its chunk of every row, attention exchanging heads over the
+    group (fitrl/distributed/ulysses.py; the layout's width a multiple of the group's size), and
+    the per-token outputs of the whole group come back to every rank.
     """
     B, T = input_ids.shape
     R = response_length
     real = layout.target[:, T - R:] >= 0  # (B, R) real response tokens
     keep = layout.target[:, T - R - 1:T - 1][real]  # (K,) the packed slot predicting each
     labels = input_ids[:, T - R:][real]  # (K,)
+
+    ids, pos = layout.gather(input_ids), packed_positions(layout, position_ids)  # (rows, W)
+    context = contextlib.nullcontext()
+    mine = None
+    if sequence_group is not None:  # this rank's chunk [lo, lo + w) of every row
+        W = ids.shape[1]
+        w = W // sequence_group.size
+        lo = sequence_group.rank * w
+        col = keep % W
+        mine = (col >= lo) & (col < lo + w)  # (K,) the response tokens this rank predicts
+        context = sequence_parallel(model, sequence_group.group, sequence_group.size, pos)
+        ids, pos = ids[:, lo:lo + w], pos[:, lo:lo + w]
+        keep, labels = ((keep // W) * w + col - lo)[mine], labels[mine]
 
     def response_head(hidden: torch.Tensor) -> torch.Tensor:  # (rows, W, H) -> (K, k)
         return head_fn(hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep), labels)
@@ -62,9 +80,13 @@ def packed_forward(model: torch.nn.Module, head: torch.nn.Module,
     head.forward = response_head  # an instance attribute shadows the module's forward
     kwargs = {"logits_to_keep": 0} if causal_lm else {}  # 0: every position reaches the head
     try:
-        per_token = model(input_ids=layout.gather(input_ids), position_ids=packed_positions(layout, position_ids),
-                          attention_mask=None, use_cache=False, **kwargs).logits  # (K, k)
+        with context:
+            per_token = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
+                              **kwargs).logits  # (K, k)
     finally:
         del head.forward
+    if mine is not None:  # every rank's tokens, each where it belongs
+        whole = per_token.new_zeros((mine.numel(), per_token.shape[-1])).index_put((mine,), per_token)
+        per_token = gather_sequence(whole, sequence_group.group)
     full = per_token.new_zeros((B, R, per_token.shape[-1]))
     return full.index_put((real,), per_token)

@@ -21,6 +21,8 @@ from fitrl.core.device import autocast, low_precision_backward
 from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
+from fitrl.distributed.fsdp import fsdp_modules
+from fitrl.distributed.ulysses import SequenceGroup, sum_gradients
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.packed import can_pack
@@ -96,8 +98,12 @@ class WeightedMetrics:
 class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int,
                  seed: int = 0, max_response_length: int = 1, inputs: ModelInputs = TEXT_INPUTS,
-                 autocast_dtype: torch.dtype | None = None, after_micro_batch: Callable[[], object] | None = None):
+                 autocast_dtype: torch.dtype | None = None, after_micro_batch: Callable[[], object] | None = None,
+                 sequence_group: SequenceGroup | None = None):
         self.model = model
+        # Ulysses: this rank and the others of its group hold the same micro-batches, each running
+        # its chunk of every sequence (fitrl/distributed/ulysses.py)
+        self.sequence_group = sequence_group
         # called once a micro-batch's tensors are freed (its forward, or forward and backward): a CPU
         # process trims its heap there (memory.trim_heap; fitrl/roles/workers.py, OffloadBetweenPhases)
         self.after_micro_batch = after_micro_batch or (lambda: None)
@@ -150,7 +156,7 @@ class Actor:
             return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
         lengths = batch["attention_mask"].sum(-1).tolist()
         # images ride only with a multimodal rope's (B, k, T) positions, which can_pack refuses
-        packed = self.cfg.packing and can_pack(self.model, batch["position_ids"], None)
+        packed = (self.cfg.packing or self.sequence_group is not None) and can_pack(self.model, batch["position_ids"], None)
         bins = micro_batches_by_tokens(lengths, budget, packed=packed)
         count = all_reduce_max(len(bins), batch["attention_mask"].device)
         return bins if count == len(bins) else micro_batches_by_tokens(lengths, budget, count, packed)
@@ -165,15 +171,16 @@ class Actor:
             micro["responses"].shape[1], temperature=temperature,
             chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
             model_kwargs=self.inputs.extra(micro, micro["input_ids"].device), share_prompts=self.cfg.share_prompts,
-            pack=self.cfg.packing,
+            pack=self.cfg.packing, sequence_group=self.sequence_group,
         )
 
     def denominators(self, mini: Batch) -> Denominators:
         """Token and sequence counts of the mini-batch summed over all data-parallel ranks: each
         rank's loss is then its exact share of the global loss, and summed gradients are exact."""
         device = mini["response_mask"].device
-        tokens = all_reduce_sum(float(mini["response_mask"].sum()), device)
-        sequences = all_reduce_sum(float(len(mini)), device)
+        copies = self.sequence_group.size if self.sequence_group is not None else 1  # a group's ranks hold the same
+        tokens = all_reduce_sum(float(mini["response_mask"].sum()), device) / copies
+        sequences = all_reduce_sum(float(len(mini)), device) / copies
         return Denominators(tokens=max(tokens, 1.0), sequences=max(sequences, 1.0),
                             max_response_length=self.max_response_length)
 
@@ -320,6 +327,8 @@ class Actor:
         return loss, m, logp.detach()
 
     def _clip_grad(self) -> float:
+        if self.sequence_group is not None and not fsdp_modules(self.model):
+            sum_gradients(self.model, self.sequence_group.group)  # FSDP2 would have summed them
         return clip_gradients(self.model, self.cfg.optim.grad_clip)
 
 

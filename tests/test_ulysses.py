@@ -1,0 +1,75 @@
+"""Ulysses sequence parallelism (fitrl/distributed/ulysses.py): on 2 gloo ranks, the same
+log-probs, loss, gradient norm and updated weights as one rank, alone and under FSDP2."""
+
+import pickle
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fitrl.config.schema import ActorConfig, AlgorithmConfig
+from fitrl.distributed.process_group import free_port
+from fitrl.distributed.ulysses import check_heads, packed_mask
+from fitrl.roles.actor import Actor
+from test_packing import rl_batch
+
+
+def test_packed_mask_by_hand():
+    mask = packed_mask(torch.tensor([[0, 1, 2, 0, 1, 0]]))[0, 0].int()
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 1, 0, 0, 0],
+                             [0, 0, 0, 1, 0, 0],
+                             [0, 0, 0, 1, 1, 0],
+                             [0, 0, 0, 0, 0, 1]]
+
+
+def test_heads_must_divide():
+    class Config:
+        num_attention_heads, num_key_value_heads = 4, 2
+
+    assert check_heads(Config, 2, "actor.ulysses_size") is None
+    assert "must divide the model's attention heads (4) and key/value heads (2); use a divisor of 2" in \
+        check_heads(Config, 4, "actor.ulysses_size")
+
+
+def run_ranks(fn, world, *args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        out = pickle.loads(queue.get(timeout=300))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp2"])
+def test_two_ranks_update_like_one(tiny_model_dir, fsdp):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_spawn import ulysses_update_on_rank
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = rl_batch(model.config.vocab_size)
+    actor = Actor(model, ActorConfig(micro_batch_size=4, packing=True), AlgorithmConfig(use_kl_loss=True),
+                  total_steps=1, max_response_length=12)
+    logp1 = actor.compute_logprob(batch, temperature=1.0)["old_logprobs"]
+    metrics1 = actor.update(batch, sequences_per_mini_batch=len(batch), temperature=1.0)
+    state1 = model.state_dict()
+
+    logp2, metrics2, state2 = run_ranks(ulysses_update_on_rank, 2, str(tiny_model_dir), batch, 2, fsdp)
+    live = batch["response_mask"].bool()
+    assert torch.allclose(logp1[live], logp2[live], atol=2e-5), (logp1 - logp2)[live].abs().max()
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert metrics2[key] == pytest.approx(metrics1[key], rel=1e-4, abs=1e-7), key
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    for name, w in state1.items():
+        moved = (w - before[name]).abs().max()
+        assert (state2[name] - w).abs().max() <= 1e-3 * moved + 1e-7, name  # lr 1e-6: the step is what differs

@@ -60,6 +60,8 @@ def assert_same_step(state: dict, reference, variant: str, unit_roundoff: float 
     # micro_batch_size, so sums run in another order. A wrong count would scale the loss, which
     # grad_norm (rel 1e-5) catches; Adam's step itself is scale-free.
     ("token-budget", ["actor.micro_batch_token_budget=60"], FP32_UNIT_ROUNDOFF),
+    # Ulysses: both ranks get the whole batch, each runs half of every packed row's positions
+    ("ulysses-2", ["actor.ulysses_size=2"], FP32_UNIT_ROUNDOFF),
 ])
 def test_two_fsdp_ranks_match_one_process(ray_cluster, tiny_model_dir, tmp_path, reference, variant, overrides,
                                           roundoff):
@@ -69,8 +71,8 @@ def test_two_fsdp_ranks_match_one_process(ray_cluster, tiny_model_dir, tmp_path,
     cfg = toy_config(tiny_model_dir, tmp_path, *BATCH, "trainer.backend=ray", "trainer.devices_per_node=2",
                      *overrides)
     with RayWorkerGroup(PolicyWorker, cfg, world_size=2, name="policy") as group:
-        policy = RoleHandle(group)
-        metrics = policy.update(batch)  # each rank gets 4 of the 8 sequences
+        policy = RoleHandle(group, sequence_parallel=cfg.actor.ulysses_size)
+        metrics = policy.update(batch)  # each rank gets 4 of the 8 sequences (Ulysses: all 8)
         state = policy.state_dict()
     rel = 1e-2 if variant == "mixed-precision" else 1e-5
     assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=rel)
@@ -86,6 +88,20 @@ def test_toy_task_trains_with_two_ray_workers(ray_cluster, tiny_model_dir, tmp_p
     verdict = judge_rise([h["reward/mean"] for h in history])
     assert verdict["rose"], verdict["message"]
     assert all("time/ref" in h for h in history)  # the reference group ran, colocated with the policy
+
+
+def test_ulysses_run_trains_with_a_reference(ray_cluster, tiny_model_dir, tmp_path):
+    """actor.ulysses_size=2 on 2 ranks: rollout split over both, the reference's and the policy's
+    passes and the update split by positions; three steps, every loss finite."""
+    from fitrl.trainer.run import train
+
+    history = train(toy_config(tiny_model_dir, tmp_path, "trainer.backend=ray", "trainer.devices_per_node=2",
+                               "actor.ulysses_size=2", "trainer.max_steps=3", "trainer.val_before_train=false",
+                               "data.val_files=[]", "algorithm.use_kl_loss=true"))
+    assert len(history) == 3
+    for h in history:
+        assert all(torch.isfinite(torch.tensor(h[k])) for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"))
+    assert history[-1]["actor/kl_loss"] > 0  # the policy moved away from the reference
 
 
 def test_hybrid_shard_two_nodes_of_two_ranks(tiny_model_dir, tmp_path, reference):

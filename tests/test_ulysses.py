@@ -9,7 +9,8 @@ import torch.multiprocessing as mp
 
 from fitrl.config.schema import ActorConfig, AlgorithmConfig
 from fitrl.distributed.process_group import free_port
-from fitrl.distributed.ulysses import check_heads, packed_mask
+from fitrl.distributed.heads import check_heads
+from fitrl.distributed.ulysses import packed_mask
 from fitrl.roles.actor import Actor
 from test_packing import rl_batch
 
@@ -25,12 +26,10 @@ def test_packed_mask_by_hand():
 
 
 def test_heads_must_divide():
-    class Config:
-        num_attention_heads, num_key_value_heads = 4, 2
-
-    assert check_heads(Config, 2, "actor.ulysses_size") is None
-    assert "must divide the model's attention heads (4) and key/value heads (2); use a divisor of 2" in \
-        check_heads(Config, 4, "actor.ulysses_size")
+    assert check_heads(4, 2, 2) is None
+    assert check_heads(4, None, 4) is None  # no GQA: as many key/value heads
+    assert "4 must divide the model's attention heads (4) and key/value heads (2); use a divisor of 2" in \
+        check_heads(4, 2, 4)
 
 
 def run_ranks(fn, world, *args):

@@ -142,6 +142,8 @@ class ActorConfig:
     """Log-prob and update forwards (the policy's and the reference's) run a prompt shared by rows of a micro-batch (a group's samples) through the model once, its keys and values reused by every row (fitrl/ops/shared_prompt.py): the same log-probs and gradients to rounding, fewer tokens through the model (``bench/vs_trl.py``: 42 % of an update's tokens were prompt copies). Off, or not applied, for images, sliding-window attention and gradient checkpointing in the update."""
     packing: bool = True
     """Padding-free forwards: the log-prob and update passes (the policy's and the reference's) run each micro-batch's real tokens packed end to end in rows as wide as its longest sequence, positions restarting per sequence and attention kept within it (fitrl/ops/packed.py), instead of every row padded to the widest prompt plus the widest response: the same log-probs and gradients to rounding, fewer positions through the model when lengths vary. Each micro-batch takes whichever of packed, shared-prompt and padded runs the fewest positions. Not applied for images (a multimodal rope) or sliding-window attention."""
+    ulysses_size: int = 1
+    """Ulysses sequence parallelism (trainer.backend=ray): every this many consecutive ranks hold the same micro-batches and each runs a 1/ulysses_size chunk of every (packed) sequence, attention heads exchanged all-to-all (fitrl/distributed/ulysses.py), so a sequence's activations are split over the group: the log-prob passes (the policy's and the reference's) and the update. Must divide the world size and the model's attention and key/value heads; data parallelism is then world size / ulysses_size. Text models with sdpa or eager attention, no sliding window, no critic yet."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -154,7 +156,7 @@ class ActorConfig:
             # master weights and computes in bf16, which arrives with FSDP2.
             raise ConfigError(f"actor.model.dtype={self.model.dtype} would make AdamW update low-precision "
                               "weights directly; keep actor.model.dtype=float32 (ref.model.dtype may be bfloat16)")
-        for name in ("ppo_epochs", "logprob_micro_batch_size", "logprob_chunk_size"):
+        for name in ("ppo_epochs", "logprob_micro_batch_size", "logprob_chunk_size", "ulysses_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
         self.optim.check("actor.optim")

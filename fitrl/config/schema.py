@@ -77,6 +77,12 @@ class FitrlConfig:
         one_step = self.actor.ppo_epochs == 1 and self.actor.mini_batch_size == self.data.rollout_batch_size
         return "update" if a.fold_old_logprob and one_step and not a.kl_in_reward.enable else "pass"
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that train on different sequences: the world over ``actor.ulysses_size`` (the
+        ranks of a sequence-parallel group hold the same ones)."""
+        return self.world_size // self.actor.ulysses_size
+
     def autocast_dtype(self, role: str) -> str | None:
         """``bfloat16`` where ``<role>.fsdp.mixed_precision`` runs without FSDP2 (one process):
         the role's forwards run under ``torch.autocast`` on its fp32 weights. None otherwise
@@ -85,7 +91,8 @@ class FitrlConfig:
         return "bfloat16" if on else None
 
     def __post_init__(self) -> None:
-        check_batch_sizes(self, world_size=self.world_size)
+        check_sequence_parallel(self)
+        check_batch_sizes(self, world_size=self.data_parallel_size)
         if self.trainer.backend == "inprocess":
             for role in ("actor", "ref", "critic"):
                 f = getattr(self, role).fsdp
@@ -118,6 +125,20 @@ class FitrlConfig:
                 raise ConfigError(f"checkpoint.keep_best ranks checkpoints by a validation metric, but "
                                   f"trainer.val_freq={t.val_freq} does not divide checkpoint.save_freq={c.save_freq}: "
                                   f"set trainer.val_freq={c.save_freq}")
+
+
+def check_sequence_parallel(cfg: FitrlConfig) -> None:
+    """``actor.ulysses_size`` against the world and the roles (its model's heads are checked with
+    the model's config.json: fitrl/models/check.py)."""
+    u, world = cfg.actor.ulysses_size, cfg.world_size
+    if u == 1:
+        return
+    if u > world or world % u:
+        raise ConfigError(f"actor.ulysses_size={u} must divide the world size ({world} rank(s): trainer.nnodes x "
+                          f"trainer.devices_per_node under trainer.backend=ray); use a divisor of {world}")
+    if cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("actor.ulysses_size > 1 with algorithm.adv_estimator=gae: the critic has no sequence "
+                          "parallelism yet; use actor.ulysses_size=1, or an estimator without a critic (grpo, rloo)")
 
 
 def check_batch_sizes(cfg: FitrlConfig, world_size: int) -> None:

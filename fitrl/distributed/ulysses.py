@@ -31,8 +31,9 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from fitrl.distributed.heads import INNER
+
 ATTENTION = "fitrl_ulysses"
-INNER = ("sdpa", "eager")  # the implementations the exchange wraps (full-sequence masks)
 
 
 @dataclass(frozen=True)
@@ -146,24 +147,6 @@ def packed_mask(position_ids: torch.Tensor) -> torch.Tensor:
     S = position_ids.shape[-1]
     causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
     return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]
-
-
-def check_heads(config, size: int, what: str) -> Optional[str]:
-    """Why ``size``-way sequence parallelism cannot split this model's attention heads (None: it can)."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads is None:
-        return f"{what}: the model's config has no num_attention_heads"
-    if heads % size or kv % size:
-        return (f"{what}={size} must divide the model's attention heads ({heads}) and key/value heads ({kv}); "
-                f"use a divisor of {_gcd(heads, kv)}")
-    return None
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 @contextlib.contextmanager

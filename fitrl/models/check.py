@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fitrl.core.errors import ModelDirError
+from fitrl.distributed.heads import INNER as ULYSSES_INNER, check_heads
+from fitrl.ops.sharing import full_attention
 from fitrl.models.vl_types import IMAGE_PROCESSOR_FILE, is_vision_language
 
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -394,6 +396,24 @@ def check_model_configs(cfg) -> None:
     for model, prefix, head in run_models(cfg):
         config = read_model_config(model.path, f"{prefix}.path")
         check_model_type(config, model.path, head)
+        if head == "causal_lm" and cfg.actor.ulysses_size > 1:
+            check_sequence_parallel(config, model, prefix, cfg.actor.ulysses_size)
+
+
+def check_sequence_parallel(config: dict[str, Any], model, prefix: str, size: int) -> None:
+    """Can ``size``-way Ulysses split this model's sequences (fitrl/distributed/ulysses.py)?"""
+    why = None
+    if is_vision_language(config.get("model_type", "")):
+        why = "a vision-language model's images and multimodal rope are not split over ranks yet"
+    elif model.attn_implementation not in ULYSSES_INNER:
+        why = f"{prefix}.attn_implementation={model.attn_implementation!r}: use sdpa or eager"
+    elif not full_attention(config):
+        why = "its sliding-window attention layers are not supported"
+    else:
+        why = check_heads(config.get("num_attention_heads"), config.get("num_key_value_heads"), size)
+    if why:
+        raise ModelDirError(f"actor.ulysses_size={size} cannot split {prefix}.path={model.path!r}: {why}")
+
 
 
 def check_run_models(cfg) -> Any:

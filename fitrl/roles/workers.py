@@ -23,6 +23,7 @@ from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
 from fitrl.data.supervised import supervised_batch, target_ids
 from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
+from fitrl.distributed.ulysses import sequence_groups
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.models.params import parameter_set
@@ -106,7 +107,8 @@ class PolicyWorker:
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length,
                            inputs=inputs, autocast_dtype=self.autocast_dtype,
-                           after_micro_batch=lambda: self.offload.micro_batch_done())
+                           after_micro_batch=lambda: self.offload.micro_batch_done(),
+                           sequence_group=sequence_groups(cfg.actor.ulysses_size))
         self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs,
                                     context=self.engine_context())
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer,
@@ -135,12 +137,12 @@ class PolicyWorker:
             finally:
                 self.rollout.sleep()
 
-    @dispatch("dp")
+    @dispatch("dp", sequence_parallel=True)
     def compute_logprob(self, batch: Batch) -> Batch:
         with self.offload.phase():
             return self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature).to("cpu")
 
-    @dispatch("dp")
+    @dispatch("dp", sequence_parallel=True)
     def compute_ref_logprob(self, batch: Batch) -> Batch:
         """The reference log-probs of a LoRA run: the same weights with every adapter off (no
         reference model is built)."""
@@ -148,7 +150,7 @@ class PolicyWorker:
             out = self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature)
         return Batch({"ref_logprobs": out["old_logprobs"]}).to("cpu")
 
-    @dispatch("dp")
+    @dispatch("dp", sequence_parallel=True)
     def sft_update(self, prompts: Batch) -> dict[str, float]:
         """One step of supervised fine-tuning (``fitrl sft``) on this rank's share of the
         prompts: each row's answer, as text, then the token that ends a response, is the target
@@ -159,7 +161,7 @@ class PolicyWorker:
         targets = target_ids(prompts["answer"], self.tokenizer, end, self.cfg.rollout.max_response_length)
         batch = supervised_batch(prompts, targets, pad)
         batch.update(position_ids=self.actor.inputs.positions(batch["input_ids"], batch["attention_mask"], batch))
-        seqs = BatchSizes.supervised(self.cfg, self.world_size).mini_batch_per_rank
+        seqs = BatchSizes.supervised(self.cfg, self.cfg.data_parallel_size).mini_batch_per_rank
         with self.offload.phase(needs_optimizer=True):
             metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs, temperature=1.0,
                                         supervised=True)
@@ -167,9 +169,9 @@ class PolicyWorker:
         metrics["sft/target_tokens"] = float(batch["response_mask"].sum())
         return metrics
 
-    @dispatch("dp")
+    @dispatch("dp", sequence_parallel=True)
     def update(self, batch: Batch) -> dict[str, float]:
-        seqs = BatchSizes.of(self.cfg, self.world_size).mini_batch_per_rank
+        seqs = BatchSizes.of(self.cfg, self.cfg.data_parallel_size).mini_batch_per_rank
         own = self.cfg.old_logprob_source == "update"  # else the batch carries them (a pass, or the engine's)
         with self.offload.phase(needs_optimizer=True):
             metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
@@ -223,8 +225,9 @@ class ReferenceWorker:
         self.model.eval().requires_grad_(False)
         self.inputs = family_for(model_cfg.path).inputs_for(self.model)
         self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device, trim=cfg.memory.trim_heap)
+        self.sequence_group = sequence_groups(cfg.actor.ulysses_size)  # as the policy's ranks
 
-    @dispatch("dp")
+    @dispatch("dp", sequence_parallel=True)
     @torch.no_grad()
     def compute_ref_logprob(self, batch: Batch) -> Batch:
         batch = batch.to(self.device)
@@ -236,7 +239,8 @@ class ReferenceWorker:
                     self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
                     micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
                     chunk_size=self.cfg.actor.logprob_chunk_size, model_kwargs=self.inputs.extra(micro, self.device),
-                    share_prompts=self.cfg.actor.share_prompts, pack=self.cfg.actor.packing)
+                    share_prompts=self.cfg.actor.share_prompts, pack=self.cfg.actor.packing,
+                    sequence_group=self.sequence_group)
                 out.append(lp)
                 self.offload.micro_batch_done()
         return Batch({"ref_logprobs": torch.cat(out).cpu()})

@@ -78,6 +78,8 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
                          f"its memory would not be planned")
     worker_cls = ROLES.get(role)
     t = cfg.trainer
+    # the training passes of the policy and the reference split sequences over actor.ulysses_size ranks
+    sequence_parallel = cfg.actor.ulysses_size if role in ("actor", "ref") else 1
     if t.backend == "inprocess":
         return RoleHandle(InProcessWorkerGroup(worker_cls, cfg))
     from fitrl.workers.ray_group import RayWorkerGroup, ensure_ray
@@ -91,7 +93,12 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
                            name=name, colocate_with=colocate_with.group if colocate_with else None,
                            dist_timeout_s=max(60.0, t.hang_timeout_s) if t.hang_timeout_s else None)
     stack.callback(group.shutdown)
-    return RoleHandle(group)
+    return RoleHandle(group, sequence_parallel=sequence_parallel)
+
+
+def _sequence_parallel_text(cfg: FitrlConfig) -> str:
+    u = cfg.actor.ulysses_size
+    return f", Ulysses groups of {u}: {cfg.data_parallel_size} data-parallel" if u > 1 else ""
 
 
 def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = False,
@@ -169,11 +176,11 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
             check_critic_batch_sizes(cfg, world_size=cfg.world_size)
             critic = make_group("critic", cfg, "critic", stack, colocate_with=policy)
 
-        numbers = derived_batch_numbers(cfg, world_size=policy.world_size)
+        numbers = derived_batch_numbers(cfg, world_size=cfg.data_parallel_size)
         console.print(f"[bold]fitrl[/] run dir: {run_dir}")
         console.print(f"model: {cfg.actor.model.path} ({policy.num_parameters() / 1e6:.2f}M params, "
                       f"{cfg.actor.model.dtype}) on {resolve_device(cfg.trainer.device)} x {cfg.world_size} "
-                      f"({cfg.trainer.backend}); reference: {_reference_text(cfg, ref)}; "
+                      f"({cfg.trainer.backend}{_sequence_parallel_text(cfg)}); reference: {_reference_text(cfg, ref)}; "
                       f"critic: {'yes' if critic else 'none'}")
         for ds in (train_data, val_data):
             if ds is not None:

@@ -7,6 +7,10 @@ A worker class marks each public method with how a call is spread over its ranks
                     results need their own joining declares it: ``@dispatch("dp", gather=fn)``
                     (rollouts of different widths), so this layer knows no batch layout.
   @dispatch("all")  every rank gets the same arguments; rank 0's result is returned.
+  @dispatch("dp", sequence_parallel=True)
+                    as "dp", but the ranks of a sequence-parallel group (``RoleHandle``'s
+                    ``sequence_parallel`` consecutive ranks, fitrl/distributed/ulysses.py) get
+                    the same shard, and the group's first rank's result stands for the group.
 
 The driver holds a :class:`RoleHandle` and calls ``policy.generate(batch, ...)`` the same way
 whatever the backend: in-process (one worker, the embedded default) or one process per rank.
@@ -23,12 +27,13 @@ from fitrl.data.batch import Batch
 DISPATCH_ATTR = "_fitrl_dispatch"
 
 
-def dispatch(mode: str, gather: Optional[Callable[[list[Any]], Any]] = None) -> Callable:
+def dispatch(mode: str, gather: Optional[Callable[[list[Any]], Any]] = None,
+             sequence_parallel: bool = False) -> Callable:
     if mode not in ("dp", "all"):
         raise ValueError(f"dispatch mode must be 'dp' or 'all', got {mode!r}")
 
     def mark(fn: Callable) -> Callable:
-        setattr(fn, DISPATCH_ATTR, (mode, gather))
+        setattr(fn, DISPATCH_ATTR, (mode, gather, sequence_parallel))
         return fn
     return mark
 
@@ -64,8 +69,11 @@ class InProcessWorkerGroup(WorkerGroup):
 class RoleHandle:
     """What the driver calls: ``handle.method(...)`` dispatched per the worker's marks."""
 
-    def __init__(self, group: WorkerGroup):
+    def __init__(self, group: WorkerGroup, sequence_parallel: int = 1):
+        if group.world_size % sequence_parallel:
+            raise ValueError(f"sequence-parallel groups of {sequence_parallel} do not divide {group.world_size} ranks")
         self._group = group
+        self.sequence_parallel = sequence_parallel
 
     @property
     def world_size(self) -> int:
@@ -80,13 +88,16 @@ class RoleHandle:
         marks = getattr(fn, DISPATCH_ATTR, None)
         if marks is None:
             raise AttributeError(f"{self._group.worker_cls.__name__}.{name} is not a dispatched worker method")
-        mode, join = marks
-        return lambda *args, **kwargs: self._call(name, mode, join or gather, args, kwargs)
+        mode, join, by_group = marks
+        copies = self.sequence_parallel if by_group else 1
+        return lambda *args, **kwargs: self._call(name, mode, join or gather, args, kwargs, copies)
 
-    def _call(self, name: str, mode: str, join: Callable[[list[Any]], Any], args: tuple, kwargs: dict):
-        n = self._group.world_size
+    def _call(self, name: str, mode: str, join: Callable[[list[Any]], Any], args: tuple, kwargs: dict,
+              copies: int = 1):
+        world = self._group.world_size
         if mode == "all":
-            return self._group.call_all(name, [args] * n, kwargs)[0]
+            return self._group.call_all(name, [args] * world, kwargs)[0]
+        n = world // copies  # shards: one per sequence-parallel group
         batch, rest = args[0], args[1:]
         if not isinstance(batch, Batch):
             raise TypeError(f"{name} is data-parallel: its first argument must be a Batch")
@@ -96,7 +107,8 @@ class RoleHandle:
             order = equal_count_shards(batch["attention_mask"].sum(-1).tolist(), n)
             batch = batch.index(order)
         shards = batch.chunk(n) if n > 1 else [batch]
-        result = join(self._group.call_all(name, [(s, *rest) for s in shards], kwargs))
+        results = self._group.call_all(name, [(s, *rest) for s in shards for _ in range(copies)], kwargs)
+        result = join(results[::copies])
         if order is not None and isinstance(result, Batch):
             result = result.index(sorted(range(len(order)), key=order.__getitem__))  # caller's order
         return result

@@ -2,6 +2,7 @@
 log-probs, loss, gradient norm and updated weights as one rank, alone and under FSDP2."""
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -72,3 +73,40 @@ def test_two_ranks_update_like_one(tiny_model_dir, fsdp):
     for name, w in state1.items():
         moved = (w - before[name]).abs().max()
         assert (state2[name] - w).abs().max() <= 1e-3 * moved + 1e-7, name  # lr 1e-6: the step is what differs
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.ulysses_size=2"], "actor.ulysses_size=2 must divide the world size (1 rank(s)"),
+    (["trainer.backend=ray", "trainer.devices_per_node=2", "actor.ulysses_size=4"],
+     "actor.ulysses_size=4 must divide the world size (2 rank(s)"),
+    (["trainer.backend=ray", "trainer.devices_per_node=2", "actor.ulysses_size=2", "algorithm.adv_estimator=gae"],
+     "the critic has no sequence parallelism yet"),
+    (["actor.ulysses_size=0"], "actor.ulysses_size must be >= 1"),
+])
+def test_config_refuses_what_it_cannot_split(overrides, message):
+    from fitrl.config.loader import load_config
+    from fitrl.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize("config,attn,message", [
+    ({"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2}, "sdpa",
+     "4 must divide the model's attention heads (4) and key/value heads (2); use a divisor of 2"),
+    ({"model_type": "qwen2_5_vl", "num_attention_heads": 4}, "sdpa", "a vision-language model's images"),
+    ({"model_type": "qwen2", "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 64}, "sdpa",
+     "sliding-window attention"),
+    ({"model_type": "qwen2", "num_attention_heads": 4}, "flash_attention_2", "use sdpa or eager"),
+])
+def test_model_refusals_name_the_model_and_why(config, attn, message):
+    from fitrl.config.roles import ModelConfig
+    from fitrl.core.errors import ModelDirError
+    from fitrl.models.check import check_sequence_parallel
+
+    model = ModelConfig(path="/models/x", attn_implementation=attn)
+    with pytest.raises(ModelDirError, match=re.escape(message)) as e:
+        check_sequence_parallel(config, model, "actor.model", 4)
+    assert str(e.value).startswith("actor.ulysses_size=4 cannot split actor.model.path='/models/x': ")
+    check_sequence_parallel({"model_type": "qwen2", "num_attention_heads": 8, "num_key_value_heads": 4},
+                            ModelConfig(path="/models/x"), "actor.model", 4)  # divisible: no refusal

@@ -61,6 +61,7 @@ class PackedLayout:
     source: torch.Tensor
     target: torch.Tensor
     filler: torch.Tensor
+    single: bool = False  # every row holds at most one sequence (then filler): plain causal attention is exact
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -103,7 +104,8 @@ def pack_layout(attention_mask: torch.Tensor, multiple: int = 1) -> PackedLayout
             at += n
         source[r, at:] = pad_slot
         filler[r, at:] = True
-    return PackedLayout(source.to(device), target.view(B, T).to(device), filler.to(device))
+    return PackedLayout(source.to(device), target.view(B, T).to(device), filler.to(device),
+                        single=all(len(row) == 1 for row in rows))
 
 
 def packed_positions(layout: PackedLayout, position_ids: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ class _Active:
     group: Optional[dist.ProcessGroup]
     size: int
     inner: str
-    mask: torch.Tensor  # (rows, 1, S, S) bool: True where a query may attend to a key
+    mask: Optional[torch.Tensor]  # (rows, 1, S, S) bool: True where a query may attend to a key; None: causal
 
 
 _ACTIVE: Optional[_Active] = None
@@ -120,10 +120,13 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     g, u = active.group, active.size
     q, k, v = (seq_to_heads(t, g, u) for t in (query, key, value))
     mask = active.mask
-    if active.inner == "eager":  # an additive mask
+    if mask is not None and active.inner == "eager":  # an additive mask
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+    elif mask is None and active.inner == "eager":  # eager has no causal flag: its mask says it
+        S = q.shape[2]
+        mask = torch.full((S, S), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
     kwargs.pop("is_causal", None)
-    out, _ = ALL_ATTENTION_FUNCTIONS[active.inner](module, q, k, v, mask, is_causal=False, **kwargs)
+    out, _ = ALL_ATTENTION_FUNCTIONS[active.inner](module, q, k, v, mask, is_causal=mask is None, **kwargs)
     return heads_to_seq(out, g, u), None
 
 
@@ -150,9 +153,13 @@ def packed_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def sequence_parallel(model: torch.nn.Module, group, size: int, position_ids: torch.Tensor) -> Iterator[None]:
+def sequence_parallel(model: torch.nn.Module, group, size: int, position_ids: torch.Tensor,
+                      one_per_row: bool = False) -> Iterator[None]:
     """While inside, ``model``'s attention layers exchange heads over ``group`` (``size`` ranks)
-    and attend over the whole packed rows whose positions are ``position_ids`` (rows, S)."""
+    and attend over the whole packed rows whose positions are ``position_ids`` (rows, S).
+    ``one_per_row``: no row holds two sequences (a sequence, then filler), so plain causal
+    attention is exact and no (rows, S, S) mask is built (the filler attends to the sequence
+    before it; nothing reads the filler's outputs)."""
     global _ACTIVE
     config = model.config
     inner = config._attn_implementation
@@ -161,7 +168,7 @@ def sequence_parallel(model: torch.nn.Module, group, size: int, position_ids: to
     if _ACTIVE is not None:
         raise RuntimeError("sequence_parallel does not nest")
     _register()
-    _ACTIVE = _Active(group, size, inner, packed_mask(position_ids))
+    _ACTIVE = _Active(group, size, inner, None if one_per_row else packed_mask(position_ids))
     config._attn_implementation = ATTENTION
     try:
         yield

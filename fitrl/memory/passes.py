@@ -16,13 +16,41 @@ from fitrl.memory.trace import trace_spec, transient_bytes
 
 
 def traced_transient(run: Run, phase: str, batch: int, seq_len: int, dtype: Optional[str] = None, adapters: bool = True,
-           **kw) -> int:
+                     response_len: Optional[int] = None, **kw) -> int:
     """``adapters``: the forward runs through the LoRA adapters (when LoRA is on; not the reference's)."""
     a = run.cfg.actor
-    spec = trace_spec(run.shape, phase=phase, batch=batch, seq_len=seq_len, response_len=run.response_len,
+    spec = trace_spec(run.shape, phase=phase, batch=batch, seq_len=seq_len,
+                      response_len=run.response_len if response_len is None else response_len,
                       dtype=dtype or run.compute_dtype, chunk=a.logprob_chunk_size,
                       attn=a.model.attn_implementation, lora=run.lora if adapters else None, **kw)
     return transient_bytes(spec, run.shape.layers)
+
+
+def pass_transient(run: Run, phase: str, batch: int, seq_len: int, **kw) -> int:
+    """A log-prob or update pass's transient on one rank: traced (:func:`traced_transient`), or
+    with ``actor.ulysses_size`` = u > 1 (fitrl/distributed/ulysses.py) the trace of the rank's
+    chunk (``batch`` rows of ceil(seq_len / u) positions, at most that many response tokens) plus,
+    in flight in one layer, its queries, keys and values twice more (the contiguous chunks sent
+    and the buffers received). Everything the rank saves has its chunk's size: the exchanged
+    queries, keys, values and attention output hold (heads / u) x seq_len positions, as many
+    values as the chunk's.
+
+    Planned rows hold one sequence each (equal lengths), whose attention is plain causal. Rows
+    that pack several sequences add what is not planned here: their (rows, seq_len, seq_len)
+    bool mask and, with grouped-query attention, the keys and values repeated to the query heads
+    (transformers' SDPA repeats them whenever a mask is given)."""
+    u = run.ulysses
+    if u <= 1:
+        return traced_transient(run, phase, batch, seq_len, **kw)
+    chunk = -(-seq_len // u)
+    local = traced_transient(run, phase, batch, chunk, response_len=min(run.response_len, chunk - 1), **kw)
+    return local + exchange_in_flight(run.shape, batch, chunk, DTYPE_BYTES[kw.get("dtype") or run.compute_dtype])
+
+
+def exchange_in_flight(shape, batch: int, chunk: int, dtype_bytes: int) -> int:
+    """A Ulysses layer's queries, keys and values twice over (the chunks sent, the buffers
+    received): ``batch`` rows of ``chunk`` positions each."""
+    return 2 * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * batch * chunk * dtype_bytes
 
 
 def bf16_widening(run: Run, head_rows: int, tokens: int) -> int:

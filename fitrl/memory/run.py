@@ -96,8 +96,15 @@ class Run:
 
     @property
     def batch(self) -> BatchSizes:
-        """The actor's batch sizes over this run's data-parallel ranks (fitrl/config/batch_sizes.py)."""
-        return BatchSizes.of(self.cfg, self.world)
+        """The actor's batch sizes over this run's data-parallel ranks (fitrl/config/batch_sizes.py):
+        the world over ``actor.ulysses_size`` (a sequence-parallel group's ranks hold the same
+        sequences in the passes)."""
+        return BatchSizes.of(self.cfg, max(1, self.world // self.ulysses))
+
+    @property
+    def ulysses(self) -> int:
+        """Ranks each sequence of a pass is split over (``actor.ulysses_size``; 1 in one process)."""
+        return self.cfg.actor.ulysses_size if self.fsdp else 1
 
     @property
     def seqs_per_rank(self) -> int:
@@ -107,7 +114,7 @@ class Run:
         """Sequences one rank generates in ``phase``: a validation call's, or the step's rollout."""
         if phase == "validation":
             return max(1, self.cfg.data.val_batch_size * self.cfg.rollout.val.n // self.world)
-        return self.seqs_per_rank
+        return max(1, self.batch.sequences_per_step // self.world)  # generation splits over every rank
 
     @property
     def mini_seqs_per_rank(self) -> int:

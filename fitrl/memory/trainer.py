@@ -13,7 +13,7 @@ from __future__ import annotations
 from fitrl.memory import calibration as C
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import ProcessPlan, Usage
-from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, traced_transient,
+from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, pass_transient,
                                  vision_activations)
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.memory.run import Run, process_roles, resident, role_states
@@ -106,7 +106,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             if cuda:
                 u.add("host", "image buffers", micro_images(run, b))
             dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.fsdp else None
-            tr = traced_transient(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
+            tr = pass_transient(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
                                   adapters=ph != "ref_logprob",
                                   checkpointing=grad and cfg.actor.model.gradient_checkpointing,
                                   entropy_grad=grad and cfg.actor.entropy_coeff != 0)

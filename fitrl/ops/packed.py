@@ -68,7 +68,7 @@ def packed_forward(model: torch.nn.Module, head: torch.nn.Module,
         lo = sequence_group.rank * w
         col = keep % W
         mine = (col >= lo) & (col < lo + w)  # (K,) the response tokens this rank predicts
-        context = sequence_parallel(model, sequence_group.group, sequence_group.size, pos)
+        context = sequence_parallel(model, sequence_group.group, sequence_group.size, pos, layout.single)
         ids, pos = ids[:, lo:lo + w], pos[:, lo:lo + w]
         keep, labels = ((keep // W) * w + col - lo)[mine], labels[mine]
 

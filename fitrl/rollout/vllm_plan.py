@@ -265,7 +265,7 @@ def _cpu_note(run: Run) -> str:
             f"{sum(parts.values()) / C.GIB:.2f} GiB (vLLM's runtime {parts['vLLM runtime'] / C.GIB:.2f}, "
             f"{run.compute_dtype} weights with the output head's packed copy {parts['engine weights'] / C.GIB:.2f}, "
             f"KV cache {parts['engine kv cache'] / C.GIB:.2f}: {kv_tokens:,} tokens)")
-    demand = run.seqs_per_rank * run.seq_len
+    demand = run.generated_seqs("rollout") * run.seq_len
     if demand > kv_tokens:
         text += (f"; a rollout needs {demand:,} KV tokens: sequences are preempted and recomputed (slower, not more "
                  "memory; rollout.kv_cache_memory buys tokens)")

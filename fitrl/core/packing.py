@@ -72,11 +72,12 @@ class PackedLayout:
         return padded.reshape(-1)[self.source]
 
 
-def pack_layout(attention_mask: torch.Tensor, multiple: int = 1) -> PackedLayout:
+def pack_layout(attention_mask: torch.Tensor, multiple: int = 1, one_per_row: bool = False) -> PackedLayout:
     """The packed layout of a padded micro-batch whose rows each hold one contiguous run of real
     tokens (a left-padded prompt then a right-padded response). One host sync (the lengths).
     ``multiple``: the packed width rounded up to a multiple of it (filler at the rows' ends), so
-    a sequence-parallel group splits every row in equal chunks."""
+    a sequence-parallel group splits every row in equal chunks. ``one_per_row``: each sequence
+    in a row of its own (padding moved to the rows' ends: attention stays plain causal)."""
     B, T = attention_mask.shape
     device = attention_mask.device
     mask = attention_mask.bool()
@@ -87,7 +88,7 @@ def pack_layout(attention_mask: torch.Tensor, multiple: int = 1) -> PackedLayout
         if n and b - a != n:
             raise ValueError(f"row {i} of the micro-batch has padding between its tokens; packing needs one run per row")
     width = max(max(lengths, default=0), 1)
-    rows = pack_rows(lengths, width)
+    rows = [[i] for i in range(B)] if one_per_row else pack_rows(lengths, width)
     used = max(sum(lengths[i] for i in row) for row in rows) if rows else 1
     used = -(-used // multiple) * multiple
     source = torch.empty((len(rows), used), dtype=torch.long)

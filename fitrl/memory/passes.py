@@ -33,24 +33,24 @@ def pass_transient(run: Run, phase: str, batch: int, seq_len: int, **kw) -> int:
     in flight in one layer, its queries, keys and values twice more (the contiguous chunks sent
     and the buffers received). Everything the rank saves has its chunk's size: the exchanged
     queries, keys, values and attention output hold (heads / u) x seq_len positions, as many
-    values as the chunk's.
-
-    Planned rows hold one sequence each (equal lengths), whose attention is plain causal. Rows
-    that pack several sequences add what is not planned here: their (rows, seq_len, seq_len)
-    bool mask and, with grouped-query attention, the keys and values repeated to the query heads
-    (transformers' SDPA repeats them whenever a mask is given)."""
+    values as the chunk's. Less the chunk's attention mask, which the trace of a padded batch
+    holds (a bool one, and per layer SDPA's additive copy: kept for backward in an update) and a
+    Ulysses pass never builds: it keeps one sequence per row, attending plain causal."""
     u = run.ulysses
     if u <= 1:
         return traced_transient(run, phase, batch, seq_len, **kw)
     chunk = -(-seq_len // u)
     local = traced_transient(run, phase, batch, chunk, response_len=min(run.response_len, chunk - 1), **kw)
-    return local + exchange_in_flight(run.shape, batch, chunk, DTYPE_BYTES[kw.get("dtype") or run.compute_dtype])
+    return max(0, local + ulysses_beyond_trace(run.shape, phase, batch, chunk,
+                                               DTYPE_BYTES[kw.get("dtype") or run.compute_dtype]))
 
 
-def exchange_in_flight(shape, batch: int, chunk: int, dtype_bytes: int) -> int:
-    """A Ulysses layer's queries, keys and values twice over (the chunks sent, the buffers
-    received): ``batch`` rows of ``chunk`` positions each."""
-    return 2 * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * batch * chunk * dtype_bytes
+def ulysses_beyond_trace(shape, phase: str, batch: int, chunk: int, dtype_bytes: int) -> int:
+    """What a Ulysses pass holds beyond the trace of its chunk (:func:`pass_transient`): one
+    layer's queries, keys and values twice over, less the chunk's masks."""
+    in_flight = 2 * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * batch * chunk * dtype_bytes
+    masks = batch * chunk * chunk * (1 + dtype_bytes * (shape.layers if phase == "update" else 1))
+    return in_flight - masks
 
 
 def bf16_widening(run: Run, head_rows: int, tokens: int) -> int:

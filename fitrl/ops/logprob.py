@@ -214,7 +214,8 @@ def response_logprobs(
         if not can_pack(model, position_ids, model_kwargs):
             raise ValueError(f"sequence parallelism needs a packed forward, which {type(model).__name__} with these "
                              "inputs cannot run (images, a multimodal rope or sliding-window attention)")
-        layout = pack_layout(attention_mask, multiple=sequence_group.size)
+        # one sequence per row: causal attention over each whole row, no (rows, S, S) mask (fitrl/distributed/ulysses.py)
+        layout = pack_layout(attention_mask, multiple=sequence_group.size, one_per_row=True)
     else:
         layout = choose_layout(model, input_ids, attention_mask, position_ids, response_length, model_kwargs,
                                share_prompts=share_prompts, pack=pack)

@@ -156,7 +156,8 @@ class Actor:
             return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
         lengths = batch["attention_mask"].sum(-1).tolist()
         # images ride only with a multimodal rope's (B, k, T) positions, which can_pack refuses
-        packed = (self.cfg.packing or self.sequence_group is not None) and can_pack(self.model, batch["position_ids"], None)
+        # (Ulysses keeps one sequence per row: its forward holds the padded size)
+        packed = self.cfg.packing and self.sequence_group is None and can_pack(self.model, batch["position_ids"], None)
         bins = micro_batches_by_tokens(lengths, budget, packed=packed)
         count = all_reduce_max(len(bins), batch["attention_mask"].device)
         return bins if count == len(bins) else micro_batches_by_tokens(lengths, budget, count, packed)

@@ -142,7 +142,9 @@ STORIES = (
         Change(("data.max_prompt_length=8192",), "the report's: `max_prompt_length` 8192 (its response 2048 "
                                                  "and 256 prompts are the config's already)"),
         tried=(Change(("actor.fsdp.offload_params=false", "actor.fsdp.offload_optimizer=false",
-                       "ref.fsdp.cpu_offload=false"), "the report's first step: offload off"),),
+                       "ref.fsdp.cpu_offload=false"), "the report's first step: offload off"),
+               Change(("actor.ulysses_size=2",), "what a fitrl user would now try first: keep the 22,000-token "
+                                                 "prompts, split each sequence over 2 ranks (Ulysses)")),
         figures=(
             Figure("sequences per step", "1,280",
                    lambda o: f"{o.plan.cfg.data.rollout_batch_size * o.plan.cfg.rollout.n:,}"),

@@ -20,9 +20,11 @@ from typing import Optional
 
 from fitrl.config import ConfigError
 from fitrl.config.loader import config_from_dict, config_to_dict
+from fitrl.distributed.heads import INNER as ULYSSES_INNER, check_heads
 from fitrl.memory.change import Change
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import Plan
+from fitrl.ops.sharing import full_attention
 from fitrl.planner.plan import plan_config
 
 LORA_RANK = 16  # the LoRA recommendation's rank (all-linear, the actor.lora defaults otherwise)
@@ -100,6 +102,11 @@ def candidates(plan: Plan) -> list[Change]:
         if v > 1:
             out.append(Change([(key, v // 2)], cost, f"{key} {v} -> {v // 2}"))
     out += engine.candidates(plan, "cache")
+    u = _next_ulysses(plan) if ray else None
+    if u:
+        out.append(Change([("actor.ulysses_size", u)],
+                          f"slower: {u}x fewer data-parallel ranks, an all-to-all around every attention layer",
+                          f"actor.ulysses_size {cfg.actor.ulysses_size} -> {u} (each sequence split over {u} ranks)"))
     flip("actor.model.gradient_checkpointing", "~30% slower update (recompute)", True)
     if cuda and ray:
         flip("actor.fsdp.offload_optimizer", "slower: optimizer states copied each update", True)
@@ -119,6 +126,19 @@ def candidates(plan: Plan) -> list[Change]:
         out.append(Change([("data.max_pixels", d.max_pixels // 4)], "lower image resolution (task change)",
                           f"data.max_pixels {d.max_pixels:,} -> {d.max_pixels // 4:,}"))
     return out
+
+
+def _next_ulysses(plan: Plan) -> Optional[int]:
+    """The smallest Ulysses group above the current one that the world, the model's heads and
+    the run allow (fitrl/models/check.py, ``check_sequence_parallel``), if any."""
+    cfg, shape = plan.cfg, plan.shape
+    if (shape.vision is not None or cfg.algorithm.adv_estimator == "gae" or not full_attention(shape.raw)
+            or cfg.actor.model.attn_implementation not in ULYSSES_INNER):
+        return None
+    for u in range(cfg.actor.ulysses_size + 1, cfg.world_size + 1):
+        if not cfg.world_size % u and check_heads(shape.heads, shape.kv_heads, u) is None:
+            return u
+    return None
 
 
 def _apply(plan: Plan, change: Change) -> Optional[Plan]:

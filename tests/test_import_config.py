@@ -75,6 +75,16 @@ def test_a_verl_script_with_list_variables_and_a_critic():
                                                              "asynchronous RL is not built yet")
 
 
+def test_padding_free_and_ulysses_keys_translate():
+    verl = import_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.model.use_remove_padding=True",
+                                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]).config
+    assert (verl["actor.packing"], verl["actor.ulysses_size"]) == (True, 2)
+    off = import_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.model.use_remove_padding=False"])
+    assert off.config["actor.packing"] is False
+    easyr1 = import_config(str(FOREIGN / "easyr1/examples/config.yaml")).config
+    assert easyr1["actor.ulysses_size"] == 1
+
+
 def test_a_verl_command_line_and_its_defaults():
     imp = import_config(None, ["actor_rollout_ref.model.path=/m", "algorithm.adv_estimator=grpo",
                                "actor_rollout_ref.rollout.n=8", "+trainer.unknown_key=3"])

@@ -110,3 +110,34 @@ def test_model_refusals_name_the_model_and_why(config, attn, message):
     assert str(e.value).startswith("actor.ulysses_size=4 cannot split actor.model.path='/models/x': ")
     check_sequence_parallel({"model_type": "qwen2", "num_attention_heads": 8, "num_key_value_heads": 4},
                             ModelConfig(path="/models/x"), "actor.model", 4)  # divisible: no refusal
+
+
+def test_dispatch_gives_a_group_one_shard_and_keeps_one_result():
+    from fitrl.data.batch import Batch
+    from fitrl.workers.group import RoleHandle, WorkerGroup, dispatch
+
+    class Worker:
+        @dispatch("dp", sequence_parallel=True)
+        def passes(self, batch):
+            return batch
+
+        @dispatch("dp")
+        def generate(self, batch):
+            return batch
+
+    class Recorder(WorkerGroup):
+        world_size, worker_cls = 4, Worker
+
+        def call_all(self, method, per_rank_args, kwargs):
+            self.seen = [args[0]["x"].tolist() for args in per_rank_args]
+            return [args[0] for args in per_rank_args]
+
+    group = Recorder()
+    handle = RoleHandle(group, sequence_parallel=2)
+    batch = Batch({"x": torch.arange(8)})
+    assert handle.passes(batch)["x"].tolist() == list(range(8))  # each group's result once, in order
+    assert group.seen == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
+    handle.generate(batch)  # generation splits over every rank
+    assert group.seen == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="groups of 3 do not divide 4 ranks"):
+        RoleHandle(group, sequence_parallel=3)

@@ -23,7 +23,7 @@ class Rule:
     status: str = TRANSLATED
     why: str = ""
     choose: Optional[Callable[[Any], "Rule"]] = None
-    """A rule that depends on the value (``ulysses_size=1`` means nothing; 4 cannot be done)."""
+    """A rule that depends on the value (a key whose translation depends on what it is set to)."""
 
 
 def to(key: str, convert: Callable[[Any], Any] = lambda v: v, status: str = TRANSLATED, why: str = "") -> Rule:
@@ -83,10 +83,6 @@ ENGINE_APPROX = Rule(lambda v, src: [("rollout.engine", _engine(v))], APPROXIMAT
                      "fitrl's engines are hf and vllm: SGLang runs as vllm")
 
 
-def _ulysses(v: Any) -> Rule:
-    return drop(NO_EFFECT + " (one rank per sequence, as fitrl)") if int(v or 1) <= 1 else drop(ULYSSES)
-
-
 def _warmup_ratio(v: Any, src: dict) -> list[tuple[str, Any]]:
     return [("actor.optim.warmup_steps", 0)] if not v else []
 
@@ -95,8 +91,7 @@ WARMUP_RATIO = Rule(_warmup_ratio, APPROXIMATED, "a ratio of the total steps: se
 NO_EFFECT = "no effect in fitrl"
 ASYNC = "fitrl's rollout is synchronous: asynchronous RL is not built yet"
 AGENTS = "multi-turn agents with tools are not built yet"
-PACKING = "fitrl trims the padding-only columns of each micro-batch; padding-free packing is not built yet"
-ULYSSES = "fitrl has no sequence parallelism yet (one rank holds a whole sequence)"
+CRITIC_BY_COUNT = "fitrl's critic micro-batches are counted in sequences (critic.micro_batch_size): no token budget"
 ALL_PROMPTS_FIT = "fitrl drops prompts longer than data.max_prompt_length and counts them at start-up"
 EPOCHS = "fitrl counts steps: set trainer.max_steps (epochs x training rows / data.rollout_batch_size)"
 HUB = "fitrl reads local files only"
@@ -120,7 +115,7 @@ VERL: dict[str, Rule] = {
     "data.gen_batch_size": drop("fitrl's dynamic sampling draws data.rollout_batch_size prompts per round"),
     "actor_rollout_ref.model.path": to("actor.model.path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": to("actor.model.gradient_checkpointing"),
-    "actor_rollout_ref.model.use_remove_padding": drop(PACKING),
+    "actor_rollout_ref.model.use_remove_padding": to("actor.packing", bool),
     "actor_rollout_ref.model.lora_rank": to("actor.lora.rank"),
     "actor_rollout_ref.model.lora_alpha": to("actor.lora.alpha"),
     "actor_rollout_ref.model.target_modules": to("actor.lora.target_modules", _files),
@@ -159,7 +154,7 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.actor.fsdp_config.param_offload": to("actor.fsdp.offload_params"),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": to("actor.fsdp.offload_optimizer"),
     "actor_rollout_ref.actor.fsdp_config.offload_policy": to("actor.fsdp.cpu_offload"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Rule(None, choose=lambda v: _ulysses(v)),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": to("actor.ulysses_size", lambda v: max(1, int(v or 1))),
     "actor_rollout_ref.model.use_fused_kernels": drop(NO_EFFECT),
     "actor_rollout_ref.model.trust_remote_code": drop(NO_EFFECT),
     "actor_rollout_ref.rollout.mode": Rule(None, choose=lambda v: drop(NO_EFFECT) if v == "sync" else drop(ASYNC)),
@@ -172,9 +167,9 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": drop("see ppo_max_token_len_per_gpu"),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": drop("see ppo_max_token_len_per_gpu"),
     "data.return_raw_chat": drop(NO_EFFECT),
-    "critic.model.use_remove_padding": drop(PACKING),
-    "critic.use_dynamic_bsz": drop(PACKING),
-    "critic.ppo_max_token_len_per_gpu": drop(PACKING),
+    "critic.model.use_remove_padding": to("critic.packing", bool),
+    "critic.use_dynamic_bsz": drop(CRITIC_BY_COUNT),
+    "critic.ppo_max_token_len_per_gpu": drop(CRITIC_BY_COUNT),
     "actor_rollout_ref.rollout.name": ENGINE,
     "actor_rollout_ref.rollout.n": to("rollout.n"),
     "actor_rollout_ref.rollout.temperature": to("rollout.temperature"),
@@ -313,9 +308,9 @@ EASYR1: dict[str, Rule] = {
     "worker.actor.loss_avg_mode": to("algorithm.loss_agg_mode",
                                      lambda v: {"token": "token-mean", "seq": "seq-mean-token-mean"}.get(v, v)),
     "worker.actor.ppo_epochs": to("actor.ppo_epochs"),
-    "worker.actor.padding_free": drop(PACKING),
-    "worker.actor.dynamic_batching": drop(PACKING),
-    "worker.actor.ulysses_size": Rule(None, choose=lambda v: _ulysses(v)),
+    "worker.actor.padding_free": to("actor.packing", bool),
+    "worker.actor.dynamic_batching": drop("fitrl forms micro-batches by tokens with actor.micro_batch_token_budget: set it"),
+    "worker.actor.ulysses_size": to("actor.ulysses_size", lambda v: max(1, int(v or 1))),
     "worker.actor.model.model_path": to("actor.model.path"),
     "worker.actor.model.enable_gradient_checkpointing": to("actor.model.gradient_checkpointing"),
     "worker.actor.model.freeze_vision_tower": to("actor.model.freeze_vision_tower"),

@@ -101,3 +101,52 @@ def assert_same_adam_step(state: dict, ref: dict, before: dict, *, label: str = 
         if ratio > worst:
             worst, where = ratio, name
     assert worst <= 1.0, f"{label}: {where} differs by {worst:.2f}x its rounding bound"
+
+
+def logprobs_and_grads(model, ids, mask, pos, R, *, temperature: float, entropy_grad: bool, **layout):
+    """One :func:`fitrl.ops.logprob.response_logprobs` pass (``layout``: ``share_prompts``,
+    ``pack``) and the gradients of a loss over its log-probs (and entropies, with
+    ``entropy_grad``) on the real response tokens: (log-probs, entropies, gradients)."""
+    import torch
+
+    from fitrl.ops.logprob import response_logprobs
+
+    live = mask[:, -R:].bool()
+    adv = torch.randn(ids.shape[0], R, generator=torch.Generator().manual_seed(4))
+    lp, ent = response_logprobs(model, ids, mask, pos, R, temperature=temperature, chunk_size=5, with_entropy=True,
+                                entropy_grad=entropy_grad, **layout)
+    loss = (lp * adv * live).sum() + ((ent * live).sum() if entropy_grad else 0.0)
+    return lp.detach(), ent.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+def assert_same_pass(plain, other, live) -> None:
+    """Two :func:`logprobs_and_grads` results agree on the real tokens, to rounding."""
+    import torch
+
+    (lp0, ent0, g0), (lp1, ent1, g1) = plain, other
+    assert torch.allclose(lp0[live], lp1[live], atol=2e-5), (lp0 - lp1)[live].abs().max()
+    assert torch.allclose(ent0[live], ent1[live], atol=2e-5)
+    for a, b in zip(g0, g1):  # summed in another order: rounding, relative to the tensor's norm
+        assert (a - b).norm() <= 1e-5 * a.norm() + 1e-7, ((a - b).norm(), a.norm())
+    assert any(a.abs().sum() > 0 for a in g0)
+
+
+def assert_text_full_attention_only(can, model) -> None:
+    """``can(model, position_ids, model_kwargs)`` (a split forward's applicability) holds for a
+    text model's plain positions and for nothing with images, a multimodal rope's positions or
+    sliding-window attention."""
+    import copy
+
+    import torch
+
+    pos = torch.zeros(2, 4, dtype=torch.long)
+    assert can(model, pos, None)
+    assert not can(model, pos, {"pixel_values": torch.zeros(1)})  # images ride with the prompt
+    assert not can(model, pos[:, None].expand(2, 3, 4), None)  # a multimodal rope's positions
+    sliding = copy.deepcopy(model)
+    if getattr(sliding.config, "layer_types", None):  # qwen2
+        sliding.config.layer_types = ["sliding_attention"] * len(sliding.config.layer_types)
+    else:  # llama: a Mistral-style window
+        sliding.config.sliding_window = 16
+    assert not can(sliding, pos, None)
+

@@ -16,6 +16,7 @@ from fitrl.data.batch import Batch
 from fitrl.ops.logprob import choose_layout, response_logprobs
 from fitrl.ops.packed import can_pack
 from fitrl.roles.actor import Actor, WeightedMetrics
+from helpers import assert_same_pass, assert_text_full_attention_only, logprobs_and_grads
 
 
 def test_rows_are_first_fit_decreasing():
@@ -81,21 +82,10 @@ def positions_run(model, fn):
 def test_packed_forward_equals_the_padded_one(model, temperature, entropy_grad):
     ids, mask, pos, R = mixed_batch(model.config.vocab_size)
     live = mask[:, -R:].bool()
-    adv = torch.randn(ids.shape[0], R, generator=torch.Generator().manual_seed(4))
-    params = list(model.parameters())
-    out = {}
-    for pack in (False, True):
-        lp, ent = response_logprobs(model, ids, mask, pos, R, temperature=temperature, chunk_size=5,
-                                    with_entropy=True, entropy_grad=entropy_grad, pack=pack)
-        loss = (lp * adv * live).sum() + ((ent * live).sum() if entropy_grad else 0.0)
-        out[pack] = lp.detach(), ent.detach(), torch.autograd.grad(loss, params)
-    (lp0, ent0, g0), (lp1, ent1, g1) = out[False], out[True]
-    assert torch.allclose(lp0[live], lp1[live], atol=2e-5), (lp0 - lp1)[live].abs().max()
-    assert torch.allclose(ent0[live], ent1[live], atol=2e-5)
-    assert (lp1[~live] == 0).all()  # padding response positions: nothing computed
-    for a, b in zip(g0, g1):  # summed in another order: rounding, relative to the tensor's norm
-        assert (a - b).norm() <= 1e-5 * a.norm() + 1e-7, ((a - b).norm(), a.norm())
-    assert any(a.abs().sum() > 0 for a in g0)
+    padded, packed = (logprobs_and_grads(model, ids, mask, pos, R, temperature=temperature, entropy_grad=entropy_grad,
+                                         pack=pack) for pack in (False, True))
+    assert_same_pass(padded, packed, live)
+    assert (packed[0][~live] == 0).all()  # padding response positions: nothing computed
 
 
 def test_packing_runs_rows_times_the_longest(model):
@@ -119,16 +109,8 @@ def test_the_fewest_positions_win(model):
 
 
 def test_only_where_it_is_exact(model):
+    assert_text_full_attention_only(can_pack, model)
     pos = torch.zeros(2, 4, dtype=torch.long)
-    assert can_pack(model, pos, None)
-    assert not can_pack(model, pos, {"pixel_values": torch.zeros(1)})  # images
-    assert not can_pack(model, pos[:, None].expand(2, 3, 4), None)  # a multimodal rope's positions
-    sliding = copy.deepcopy(model)
-    if getattr(sliding.config, "layer_types", None):  # qwen2
-        sliding.config.layer_types = ["sliding_attention"] * len(sliding.config.layer_types)
-    else:  # llama: a Mistral-style window
-        sliding.config.sliding_window = 16
-    assert not can_pack(sliding, pos, None)
     flex = copy.deepcopy(model)
     flex.config._attn_implementation = "flex_attention"
     assert not can_pack(flex, pos, None)

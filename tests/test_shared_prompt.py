@@ -11,7 +11,7 @@ from fitrl.core.padding import position_ids_from_mask
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.shared_prompt import can_share, find_prompt_groups
 from fitrl.roles.actor import Actor, WeightedMetrics
-from helpers import tiny_rollout
+from helpers import assert_same_pass, assert_text_full_attention_only, logprobs_and_grads, tiny_rollout
 
 
 def test_groups_are_found_by_prompt_ids_and_padding_only():
@@ -58,20 +58,10 @@ def grouped_batch(vocab, P=7, R=9):
 def test_shared_prompt_forward_equals_the_plain_one(model, temperature, entropy_grad):
     ids, mask, pos, R = grouped_batch(model.config.vocab_size)
     live = mask[:, -R:].bool()
-    adv = torch.randn(ids.shape[0], R, generator=torch.Generator().manual_seed(4))
-    params = list(model.parameters())
-    out = {}
-    for share in (False, True):
-        lp, ent = response_logprobs(model, ids, mask, pos, R, temperature=temperature, chunk_size=5,
-                                    with_entropy=True, entropy_grad=entropy_grad, share_prompts=share)
-        loss = (lp * adv * live).sum() + ((ent * live).sum() if entropy_grad else 0.0)
-        out[share] = lp.detach(), ent.detach(), torch.autograd.grad(loss, params)
-    (lp0, ent0, g0), (lp1, ent1, g1) = out[False], out[True]
-    assert torch.allclose(lp0[live], lp1[live], atol=2e-5), (lp0 - lp1)[live].abs().max()
-    assert torch.allclose(ent0[live], ent1[live], atol=2e-5)
-    for a, b in zip(g0, g1):  # summed in another order: rounding, relative to the tensor's norm
-        assert (a - b).norm() <= 1e-5 * a.norm() + 1e-7, ((a - b).norm(), a.norm())
-    assert any(a.abs().sum() > 0 for a in g0)
+    plain, shared = (logprobs_and_grads(model, ids, mask, pos, R, temperature=temperature, entropy_grad=entropy_grad,
+                                        share_prompts=share) for share in (False, True))
+    assert_same_pass(plain, shared, live)
+    lp0 = plain[0]
     with torch.no_grad():
         lp2, _ = response_logprobs(model, ids, mask, pos, R, temperature=temperature, share_prompts=True)
     assert torch.allclose(lp0[live], lp2[live], atol=2e-5)
@@ -97,15 +87,7 @@ def test_each_prompt_runs_once(model):
 def test_only_where_it_is_exact(model):
     pos = torch.zeros(2, 4, dtype=torch.long)
     model.eval()
-    assert can_share(model, pos, None)
-    assert not can_share(model, pos, {"pixel_values": torch.zeros(1)})  # images ride with the prompt
-    assert not can_share(model, pos[:, None].expand(2, 3, 4), None)  # a multimodal rope's positions
-    sliding = copy.deepcopy(model)
-    if getattr(sliding.config, "layer_types", None):  # qwen2
-        sliding.config.layer_types = ["sliding_attention"] * len(sliding.config.layer_types)
-    else:  # llama: a Mistral-style window
-        sliding.config.sliding_window = 16
-    assert not can_share(sliding, pos, None)
+    assert_text_full_attention_only(can_share, model)
     ckpt = copy.deepcopy(model)
     with pytest.warns(FutureWarning):  # as fitrl/models/loading.py turns it on
         ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

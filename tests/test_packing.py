@@ -186,3 +186,18 @@ def test_token_budget_counts_packed_size():
         assert len(packed) <= len(padded)  # never more forwards than padded
         forced = micro_batches_by_tokens(lengths, budget, min_count=len(packed) + 1, packed=True)
         assert len(forced) == min(len(lengths), len(packed) + 1)
+
+
+def test_a_vision_language_actor_is_told_packing_does_not_apply(tmp_path, tiny_model_dir):
+    from fitrl.config.loader import load_config
+    from fitrl.config.schema import adjustments
+    from fitrl.models.check import check_model_configs
+    from fitrl.models.tiny import make_tiny_model
+
+    vl = make_tiny_model(tmp_path / "vl", arch="qwen2_5_vl")
+    cfg = load_config(None, [f"actor.model.path={vl}"])
+    check_model_configs(cfg)
+    assert any("actor.packing does not apply to a vision-language model" in n for n in adjustments(cfg))
+    text = load_config(None, [f"actor.model.path={tiny_model_dir}"])
+    check_model_configs(text)
+    assert not adjustments(text)

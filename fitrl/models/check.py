@@ -32,6 +32,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
+from fitrl.config.schema import adjusted
 from fitrl.core.errors import ModelDirError
 from fitrl.distributed.heads import INNER as ULYSSES_INNER, check_heads
 from fitrl.ops.sharing import full_attention
@@ -398,6 +399,9 @@ def check_model_configs(cfg) -> None:
         check_model_type(config, model.path, head)
         if head == "causal_lm" and cfg.actor.ulysses_size > 1:
             check_sequence_parallel(config, model, prefix, cfg.actor.ulysses_size)
+        if prefix == "actor.model" and cfg.actor.packing and is_vision_language(config.get("model_type", "")):
+            adjusted(cfg, "actor.packing does not apply to a vision-language model (its images ride with the prompt "
+                          "and its rope has three position axes): its forwards stay padded")
 
 
 def check_sequence_parallel(config: dict[str, Any], model, prefix: str, size: int) -> None:

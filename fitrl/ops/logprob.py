@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 from torch.nn import functional as F
 
-from fitrl.core.packing import PackedLayout, pack_layout
+from fitrl.core.packing import PackedLayout, pack_layout, packed_size
 from fitrl.core.padding import model_positions, trim_padding
 from fitrl.distributed.ulysses import SequenceGroup
 from fitrl.ops.packed import can_pack, packed_forward
@@ -254,10 +254,8 @@ def choose_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         if groups.shared and shared < cost:
             best, cost = groups, shared
     if pack and can_pack(model, position_ids, model_kwargs):
-        layout = pack_layout(attention_mask)
-        rows, width = layout.shape
-        if rows * width < cost:
-            best = layout
+        if packed_size(attention_mask.sum(-1).tolist()) < cost:  # (the layout's tensors only when it wins)
+            best = pack_layout(attention_mask)
     return best
 
 

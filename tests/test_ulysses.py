@@ -49,15 +49,29 @@ def run_ranks(fn, world, *args):
     return out
 
 
+def prompts_only_in_the_first_half(vocab):
+    """Long prompts, short responses: the first rank of 2 predicts no response token at all."""
+    from fitrl.data.batch import Batch
+    from test_packing import mixed_batch
+
+    ids, mask, pos, R = mixed_batch(vocab, prompts=(20, 20, 19, 20), responses=(2, 1, 3, 2), seed=3)
+    response_mask = mask[:, -R:].clone()
+    g = torch.Generator().manual_seed(3)
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, -R:],
+                  "response_mask": response_mask, "advantages": torch.randn(4, 1, generator=g) * response_mask,
+                  "old_logprobs": -torch.rand(4, R, generator=g) - 2.0, "ref_logprobs": -torch.rand(4, R, generator=g) - 2.0})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp2"])
-def test_two_ranks_update_like_one(tiny_model_dir, fsdp):
+@pytest.mark.parametrize("fsdp,make", [(False, rl_batch), (True, rl_batch), (True, prompts_only_in_the_first_half)],
+                         ids=["replicated", "fsdp2", "fsdp2-one-rank-without-responses"])
+def test_two_ranks_update_like_one(tiny_model_dir, fsdp, make):
     from transformers import AutoModelForCausalLM
 
     from fsdp_spawn import ulysses_update_on_rank
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    batch = rl_batch(model.config.vocab_size)
+    batch = make(model.config.vocab_size)
     actor = Actor(model, ActorConfig(micro_batch_size=4, packing=True), AlgorithmConfig(use_kl_loss=True),
                   total_steps=1, max_response_length=12)
     logp1 = actor.compute_logprob(batch, temperature=1.0)["old_logprobs"]

@@ -13,11 +13,14 @@ Per mode (``actor.packing`` false, then true), in a fresh subprocess each:
 Micro-batches: ``--micro`` sequences each (consecutive), or with ``--budget N`` the actor's token
 budget (``actor.micro_batch_token_budget``: padded or packed size within N). Reported: real
 tokens/s (prompt + response tokens of the batch / seconds, the best of ``--repeats`` after one
-warm-up), the positions the forwards ran, and the peak RSS above the process's RSS before the
-pass (VmHWM reset through /proc/self/clear_refs). Log-probs compared across modes (max |d|).
+warm-up), the positions the forwards ran, the peak RSS above the process's RSS before the
+pass (VmHWM reset through /proc/self/clear_refs), and the plan's traced transient of the largest
+forward the mode ran (``plan_mib``: live tensors, so compare it with ``--malloc mmap``, where RSS
+follows them). Log-probs compared across modes (max |d|).
 
     .venv/bin/python bench/packing.py                     # 32 sequences, responses 16..2048, micro 8
     .venv/bin/python bench/packing.py --budget 8192
+    .venv/bin/python bench/packing.py --phases update --repeats 1 --malloc mmap   # peaks beside the plan
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,8 +77,8 @@ def run_one(spec: dict) -> dict:
     cfg = ActorConfig(micro_batch_size=spec["micro"], logprob_micro_batch_size=spec["micro"],
                       micro_batch_token_budget=spec["budget"], packing=spec["packing"], share_prompts=False)
     actor = Actor(model, cfg, AlgorithmConfig(), total_steps=10)
-    positions = []
-    hook = model.model.layers[0].register_forward_hook(lambda m, a, o: positions.append(a[0].shape[:2].numel()))
+    shapes = []  # (rows, width) of each forward
+    hook = model.model.layers[0].register_forward_hook(lambda m, a, o: shapes.append(tuple(a[0].shape[:2])))
 
     def once():
         if spec["phase"] == "logprob":
@@ -85,7 +89,7 @@ def run_one(spec: dict) -> dict:
     once()  # warm-up (allocator, thread pools)
     times, peak = [], 0
     for _ in range(spec["repeats"]):
-        positions.clear()
+        shapes.clear()
         before = status_kib("VmRSS") * 1024
         reset_peak_rss()
         start = time.perf_counter()
@@ -97,7 +101,20 @@ def run_one(spec: dict) -> dict:
         torch.save(out, spec["out"])
     tokens = sum(prompts) + sum(responses)
     return {"seconds": min(times), "tokens": tokens, "tokens_per_s": tokens / min(times),
-            "positions": sum(positions), "peak_mib": peak / MiB}
+            "positions": sum(r * w for r, w in shapes), "peak_mib": peak / MiB, "shapes": sorted(set(shapes))}
+
+
+def plan_mib(model: str, phase: str, shapes: list, chunk: int = 1024) -> float:
+    """The plan's traced transient (fitrl/memory/trace.py; the live tensors, before the CPU heap's
+    growth) of the largest of these (rows, width) forwards, every row full (a padded batch's
+    attention mask included, as a packed one's has one too)."""
+    from fitrl.memory.trace import trace_spec, transient_bytes
+    from fitrl.models.shape import ModelShape
+
+    shape = ModelShape.from_path(model)
+    return max(transient_bytes(trace_spec(shape, phase="update" if phase == "update" else "logprob", batch=rows,
+                                          seq_len=width, response_len=width - 16, chunk=chunk), shape.layers)
+               for rows, width in shapes) / MiB
 
 
 def main() -> None:
@@ -113,6 +130,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--phases", default="logprob,update")
+    ap.add_argument("--malloc", choices=("glibc", "mmap"), default="glibc",
+                    help="mmap: MALLOC_MMAP_THRESHOLD_=65536, RSS follows live tensors (the plan column's terms)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -125,17 +144,18 @@ def main() -> None:
     print(f"# {args.arch}-{args.size}, {args.sequences} sequences, responses {args.min_response}..{args.max_response} "
           f"log-uniform, {'budget ' + str(args.budget) if args.budget else f'micro {args.micro}'}, "
           f"{args.threads} threads, torch {torch.__version__}")
-    print(f"{'phase':8} {'packing':8} {'seconds':>8} {'tokens/s':>9} {'positions':>10} {'peak MiB':>9}")
+    print(f"{'phase':8} {'packing':8} {'seconds':>8} {'tokens/s':>9} {'positions':>10} {'peak MiB':>9} {'plan MiB':>9}")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if args.malloc == "mmap" else None
     for phase in args.phases.split(","):
         results = {}
         for packing in (False, True):
             spec = dict(vars(args), model=str(model), phase=phase, packing=packing, out=str(tmp / f"{packing}.pt"))
             spec.pop("child")
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                                  text=True, check=True)
+                                  text=True, check=True, env=env)
             r = results[packing] = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"{phase:8} {str(packing).lower():8} {r['seconds']:8.2f} {r['tokens_per_s']:9.0f} "
-                  f"{r['positions']:10d} {r['peak_mib']:9.0f}")
+                  f"{r['positions']:10d} {r['peak_mib']:9.0f} {plan_mib(str(model), phase, r['shapes']):9.0f}")
         speedup = results[True]["tokens_per_s"] / results[False]["tokens_per_s"]
         line = f"{phase}: packing {speedup:.2f}x tokens/s, peak {results[True]['peak_mib'] / results[False]['peak_mib']:.2f}x"
         if phase == "logprob":

@@ -44,10 +44,11 @@ def guard_check_on_rank(rank, world, port, low_on, queue):
         dist.destroy_process_group()
 
 
-def ulysses_update_on_rank(rank, world, port, model_dir, batch, sp, fsdp, queue):
+def ulysses_update_on_rank(rank, world, port, model_dir, batch, sp, fsdp, checkpointing, queue):
     """An actor update with ``sp``-way Ulysses sequence parallelism (a group of every ``sp``
     consecutive ranks; each group gets the same ``batch``), FSDP2-sharded over every rank when
-    ``fsdp``. Rank 0 reports the log-probs, metrics and the full updated weights."""
+    ``fsdp``, with activation checkpointing when ``checkpointing``. Rank 0 reports the
+    log-probs, metrics and the full updated weights."""
     import torch
     import torch.distributed as dist
 
@@ -62,6 +63,8 @@ def ulysses_update_on_rank(rank, world, port, model_dir, batch, sp, fsdp, queue)
         from fitrl.roles.actor import Actor
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if fsdp:
             shard(model, FSDPConfig(), model.model.layers, torch.device("cpu"))
         actor = Actor(model, ActorConfig(micro_batch_size=4, packing=True), AlgorithmConfig(use_kl_loss=True),

@@ -6,8 +6,8 @@ Every rank of a sequence-parallel group of size u holds the same packed micro-ba
 through the model: embeddings, norms, MLPs and the head are per token, so their activations are
 1/u of the whole. Only attention needs every position; around it, an all-to-all turns each rank's
 (rows, heads, S/u, d) queries, keys and values into (rows, heads/u, S, d): the whole sequence for
-a slice of the heads. Attention runs there, masked as the packed sequences require, and a second
-all-to-all brings (rows, S, heads/u, d) back to (rows, S/u, heads, d). The per-rank activation
+a slice of the heads. Attention runs there, plain causal (each row holds one sequence), and a
+second all-to-all brings (rows, S, heads/u, d) back to (rows, S/u, heads, d). The per-rank activation
 peak falls by about u; the exchanges carry 4 x (rows x S/u x hidden) values per layer each way.
 
 Gradients: both exchanges are their own adjoints (an all-to-all of equal chunks), so autograd
@@ -18,8 +18,8 @@ backward hands each rank its own positions' gradient.
 
 The attention runs through transformers' attention interface under its own name
 (:data:`ATTENTION`), set on the model's config only for the length of :func:`sequence_parallel`;
-its mask function is a no-op (the model's mask is built for the chunk; the mask that matters is
-built here from the whole row's positions).
+its mask function is a no-op (the model's mask would be built for the chunk; the whole row's is
+plain causal).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class _Active:
     group: Optional[dist.ProcessGroup]
     size: int
     inner: str
-    mask: Optional[torch.Tensor]  # (rows, 1, S, S) bool: True where a query may attend to a key; None: causal
+    model: torch.nn.Module
 
 
 _ACTIVE: Optional[_Active] = None
@@ -119,10 +119,8 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside fitrl.distributed.ulysses.sequence_parallel")
     g, u = active.group, active.size
     q, k, v = (seq_to_heads(t, g, u) for t in (query, key, value))
-    mask = active.mask
-    if mask is not None and active.inner == "eager":  # an additive mask
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
-    elif mask is None and active.inner == "eager":  # eager has no causal flag: its mask says it
+    mask = None  # SDPA: its causal flag
+    if active.inner == "eager":  # eager has no causal flag: an additive mask says it
         S = q.shape[2]
         mask = torch.full((S, S), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
     kwargs.pop("is_causal", None)
@@ -131,7 +129,7 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _no_mask(*args, **kwargs):
-    return None  # the chunk's mask is never read: ulysses_attention builds the whole row's
+    return None  # the chunk's mask would never be read: the whole row's attention is plain causal
 
 
 def _register() -> None:
@@ -142,33 +140,27 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, _no_mask)
 
 
-def packed_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """(rows, S) packed positions -> (rows, 1, S, S) bool: a query attends to the keys of its own
-    sequence (a run of consecutive positions, restarting at each boundary) at or before it."""
-    first = position_ids[:, :1] - 1
-    seq = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # (rows, S) sequence ids
-    S = position_ids.shape[-1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
-    return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]
-
-
 @contextlib.contextmanager
-def sequence_parallel(model: torch.nn.Module, group, size: int, position_ids: torch.Tensor,
-                      one_per_row: bool = False) -> Iterator[None]:
+def sequence_parallel(model: torch.nn.Module, group, size: int) -> Iterator[None]:
     """While inside, ``model``'s attention layers exchange heads over ``group`` (``size`` ranks)
-    and attend over the whole packed rows whose positions are ``position_ids`` (rows, S).
-    ``one_per_row``: no row holds two sequences (a sequence, then filler), so plain causal
-    attention is exact and no (rows, S, S) mask is built (the filler attends to the sequence
-    before it; nothing reads the filler's outputs)."""
+    and attend plain causal over the whole rows: every row holds one sequence (then filler, which
+    attends to the sequence before it; nothing reads the filler's outputs), so no (rows, S, S)
+    mask is needed. Held over a pass's forwards *and* backwards (fitrl/roles/actor.py): a layer
+    that gradient checkpointing recomputes in backward must exchange heads again. Re-entering
+    for the same model is a no-op; generation and other passes outside it run the model's own
+    attention."""
     global _ACTIVE
+    if _ACTIVE is not None:
+        if _ACTIVE.model is model:
+            yield
+            return
+        raise RuntimeError("sequence_parallel is already active for another model")
     config = model.config
     inner = config._attn_implementation
     if inner not in INNER:
         raise ValueError(f"sequence parallelism wraps sdpa or eager attention, not {inner!r}")
-    if _ACTIVE is not None:
-        raise RuntimeError("sequence_parallel does not nest")
     _register()
-    _ACTIVE = _Active(group, size, inner, None if one_per_row else packed_mask(position_ids))
+    _ACTIVE = _Active(group, size, inner, model)
     config._attn_implementation = ATTENTION
     try:
         yield

@@ -21,11 +21,12 @@ from typing import Callable, Optional
 import torch
 
 from fitrl.core.packing import PackedLayout, packed_positions
-from fitrl.distributed.ulysses import SequenceGroup, gather_sequence, sequence_parallel
+from fitrl.distributed.ulysses import ATTENTION as ULYSSES_ATTENTION, SequenceGroup, gather_sequence, sequence_parallel
 from fitrl.ops.sharing import full_attention
 
-# attention implementations that read packed positions as sequence boundaries
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# attention implementations that read packed positions as sequence boundaries (and Ulysses's, set
+# for the length of a sequence-parallel pass: its rows hold one sequence each)
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", ULYSSES_ATTENTION)
 
 
 def can_pack(model: torch.nn.Module, position_ids: torch.Tensor, model_kwargs: Optional[dict]) -> bool:
@@ -68,7 +69,9 @@ def packed_forward(model: torch.nn.Module, head: torch.nn.Module,
         lo = sequence_group.rank * w
         col = keep % W
         mine = (col >= lo) & (col < lo + w)  # (K,) the response tokens this rank predicts
-        context = sequence_parallel(model, sequence_group.group, sequence_group.size, pos, layout.single)
+        if not layout.single:
+            raise ValueError("a Ulysses forward needs one sequence per row (pack_layout(one_per_row=True))")
+        context = sequence_parallel(model, sequence_group.group, sequence_group.size)  # a no-op inside the pass's
         ids, pos = ids[:, lo:lo + w], pos[:, lo:lo + w]
         keep, labels = ((keep // W) * w + col - lo)[mine], labels[mine]
 

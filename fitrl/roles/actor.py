@@ -7,6 +7,7 @@ mini-batch loss whatever the micro-batch size (tested as an invariance).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
 from fitrl.distributed.fsdp import fsdp_modules
-from fitrl.distributed.ulysses import SequenceGroup, sum_gradients
+from fitrl.distributed.ulysses import SequenceGroup, sequence_parallel, sum_gradients
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.packed import can_pack
@@ -140,11 +141,12 @@ class Actor:
         shape = batch["responses"].shape
         logp = torch.zeros(shape, dtype=torch.float32, device=batch["responses"].device)
         entropy = torch.zeros_like(logp)
-        for ix in self.partition(batch, self.cfg.logprob_micro_batch_size):
-            GUARD.check(logp.device)  # safe point (read-only phase; same count on every rank)
-            PROGRESS.beat()
-            logp[ix], entropy[ix] = self._forward(batch.index(ix), temperature, with_entropy=True)
-            self.after_micro_batch()
+        with self.sequence_parallel():
+            for ix in self.partition(batch, self.cfg.logprob_micro_batch_size):
+                GUARD.check(logp.device)  # safe point (read-only phase; same count on every rank)
+                PROGRESS.beat()
+                logp[ix], entropy[ix] = self._forward(batch.index(ix), temperature, with_entropy=True)
+                self.after_micro_batch()
         return Batch({"old_logprobs": logp, "entropy": entropy})
 
     def partition(self, batch: Batch, size: int) -> list[list[int]]:
@@ -246,20 +248,26 @@ class Actor:
         loss. ``folded`` (rows in ``mini``'s order): receives the forward's detached log-probs,
         which serve as the behaviour log-probs when ``mini`` has none."""
         denom = self.denominators(mini)
-        for ix in self.partition(mini, self.cfg.micro_batch_size):
-            PROGRESS.beat()  # a micro-batch: progress for the hang watchdog
-            micro = mini.index(ix)
-            if supervised:
-                loss, m, logp = self._micro_nll(micro, denom)
-            else:
-                loss, m, logp = self._micro_loss(micro, denom, temperature, own_old_logprobs=folded is not None)
-            with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):
-                loss.backward()
-            if folded is not None:
-                folded[ix] = logp
-            metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)
-            del micro, loss
-            self.after_micro_batch()
+        with self.sequence_parallel():  # (over backward too: checkpointed layers run forward again)
+            for ix in self.partition(mini, self.cfg.micro_batch_size):
+                PROGRESS.beat()  # a micro-batch: progress for the hang watchdog
+                micro = mini.index(ix)
+                if supervised:
+                    loss, m, logp = self._micro_nll(micro, denom)
+                else:
+                    loss, m, logp = self._micro_loss(micro, denom, temperature, own_old_logprobs=folded is not None)
+                with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):
+                    loss.backward()
+                if folded is not None:
+                    folded[ix] = logp
+                metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)
+                del micro, loss
+                self.after_micro_batch()
+
+    def sequence_parallel(self):
+        """Ulysses over a pass of this actor (fitrl/distributed/ulysses.py), or nothing."""
+        g = self.sequence_group
+        return sequence_parallel(self.model, g.group, g.size) if g is not None else contextlib.nullcontext()
 
     def folded_mismatch(self, batch: Batch, old: torch.Tensor) -> dict[str, float]:
         """The rollout engine's log-probs against the update's own (what the separate pass would

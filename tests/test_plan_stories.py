@@ -127,12 +127,16 @@ def test_story_3_engine_that_keeps_its_cache_does_not_grow(outcomes):
 
 def test_story_4_offload_off_does_not_help_the_device(outcomes):
     """The report's first step (offload off) moves the states onto the devices; the prompt length is
-    what fits."""
+    what fits, or, keeping the 22,000-token prompts, Ulysses over 2 ranks: each rank's log-prob and
+    update activations halve."""
     o = outcomes["4"]
-    (offload_off,) = o.tried
+    offload_off, ulysses = o.tried
     assert not offload_off.fits
     assert fs.peak(offload_off, "gpu")[1] > fs.peak(o.plan, "gpu")[1]
     assert {p.resource for p in o.plan.problems()} == {"gpu"}
+    assert ulysses.cfg.actor.ulysses_size == 2 and ulysses.cfg.data.max_prompt_length == 22000 and ulysses.fits
+    for phase in ("old_logprob", "update"):
+        assert ulysses.peaks()[phase][0] < 0.75 * o.plan.peaks()[phase][0], phase
 
 
 def test_story_5_every_rank_loads_onto_its_gpu_rank0_init_one_host_copy(outcomes):

@@ -62,10 +62,10 @@ def prompts_only_in_the_first_half(vocab):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp,make,checkpointing", [
-    (False, rl_batch, False), (True, rl_batch, False), (True, prompts_only_in_the_first_half, False),
+    (False, rl_batch, False), (True, prompts_only_in_the_first_half, False),
     # a checkpointed layer runs forward again in backward: it must exchange heads again
     (True, rl_batch, True),
-], ids=["replicated", "fsdp2", "fsdp2-one-rank-without-responses", "fsdp2-checkpointing"])
+], ids=["replicated", "fsdp2-one-rank-without-responses", "fsdp2-checkpointing"])
 def test_two_ranks_update_like_one(tiny_model_dir, fsdp, make, checkpointing):
     from transformers import AutoModelForCausalLM
 

@@ -113,8 +113,5 @@ def packed_positions(layout: PackedLayout, position_ids: torch.Tensor) -> torch.
     """(B, T) padded positions -> (rows, W) packed ones. Real tokens keep theirs (0 at each
     sequence's start: the restart that marks a boundary); a row's filler slots count 0, 1, ... as
     a sequence of their own, so no real token attends to them, nor they to it."""
-    pos = layout.gather(position_ids)
-    if layout.filler.any():
-        fill_rank = layout.filler.long().cumsum(-1) - 1  # 0, 1, ... within each row's filler
-        pos = torch.where(layout.filler, fill_rank, pos)
-    return pos
+    fill_rank = layout.filler.long().cumsum(-1) - 1  # 0, 1, ... within each row's filler
+    return torch.where(layout.filler, fill_rank, layout.gather(position_ids))

@@ -169,6 +169,11 @@ def sequence_parallel(model: torch.nn.Module, group, size: int) -> Iterator[None
         _ACTIVE = None
 
 
+def over_pass(model: torch.nn.Module, group: Optional[SequenceGroup]):
+    """:func:`sequence_parallel` for a role's pass with this rank's group, or nothing without one."""
+    return sequence_parallel(model, group.group, group.size) if group is not None else contextlib.nullcontext()
+
+
 class _GatherSequence(torch.autograd.Function):
     """Forward: the sum over the group of per-rank tensors, each zero outside its rank's positions
     (so the sum is the whole). Backward: the gradient as it is: every rank computes the same loss

@@ -406,18 +406,21 @@ def check_model_configs(cfg) -> None:
 
 def check_sequence_parallel(config: dict[str, Any], model, prefix: str, size: int) -> None:
     """Can ``size``-way Ulysses split this model's sequences (fitrl/distributed/ulysses.py)?"""
-    why = None
-    if is_vision_language(config.get("model_type", "")):
-        why = "a vision-language model's images and multimodal rope are not split over ranks yet"
-    elif model.attn_implementation not in ULYSSES_INNER:
-        why = f"{prefix}.attn_implementation={model.attn_implementation!r}: use sdpa or eager"
-    elif not full_attention(config):
-        why = "its sliding-window attention layers are not supported"
-    else:
-        why = check_heads(config.get("num_attention_heads"), config.get("num_key_value_heads"), size)
+    why = ulysses_refusal(config, model.attn_implementation, size, f"{prefix}.attn_implementation")
     if why:
         raise ModelDirError(f"actor.ulysses_size={size} cannot split {prefix}.path={model.path!r}: {why}")
 
+
+def ulysses_refusal(config: dict[str, Any], attn: str, size: int, attn_key: str = "attn_implementation") -> Optional[str]:
+    """Why ``size``-way Ulysses cannot split a model with this ``config.json`` and attention
+    implementation (None: it can); the start-up check and the recommender both ask here."""
+    if is_vision_language(config.get("model_type", "")):
+        return "a vision-language model's images and multimodal rope are not split over ranks yet"
+    if attn not in ULYSSES_INNER:
+        return f"{attn_key}={attn!r}: use sdpa or eager"
+    if not full_attention(config):
+        return "its sliding-window attention layers are not supported"
+    return check_heads(config.get("num_attention_heads"), config.get("num_key_value_heads"), size)
 
 
 def check_run_models(cfg) -> Any:

@@ -20,11 +20,10 @@ from typing import Optional
 
 from fitrl.config import ConfigError
 from fitrl.config.loader import config_from_dict, config_to_dict
-from fitrl.distributed.heads import INNER as ULYSSES_INNER, check_heads
 from fitrl.memory.change import Change
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import Plan
-from fitrl.ops.sharing import full_attention
+from fitrl.models.check import ulysses_refusal
 from fitrl.planner.plan import plan_config
 
 LORA_RANK = 16  # the LoRA recommendation's rank (all-linear, the actor.lora defaults otherwise)
@@ -131,12 +130,11 @@ def candidates(plan: Plan) -> list[Change]:
 def _next_ulysses(plan: Plan) -> Optional[int]:
     """The smallest Ulysses group above the current one that the world, the model's heads and
     the run allow (fitrl/models/check.py, ``check_sequence_parallel``), if any."""
-    cfg, shape = plan.cfg, plan.shape
-    if (shape.vision is not None or cfg.algorithm.adv_estimator == "gae" or not full_attention(shape.raw)
-            or cfg.actor.model.attn_implementation not in ULYSSES_INNER):
+    cfg = plan.cfg
+    if cfg.algorithm.adv_estimator == "gae":
         return None
     for u in range(cfg.actor.ulysses_size + 1, cfg.world_size + 1):
-        if not cfg.world_size % u and check_heads(shape.heads, shape.kv_heads, u) is None:
+        if not cfg.world_size % u and ulysses_refusal(plan.shape.raw, cfg.actor.model.attn_implementation, u) is None:
             return u
     return None
 

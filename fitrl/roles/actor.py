@@ -7,7 +7,6 @@ mini-batch loss whatever the micro-batch size (tested as an invariance).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
 from fitrl.distributed.fsdp import fsdp_modules
-from fitrl.distributed.ulysses import SequenceGroup, sequence_parallel, sum_gradients
+from fitrl.distributed.ulysses import SequenceGroup, over_pass, sum_gradients
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.packed import can_pack
@@ -266,8 +265,7 @@ class Actor:
 
     def sequence_parallel(self):
         """Ulysses over a pass of this actor (fitrl/distributed/ulysses.py), or nothing."""
-        g = self.sequence_group
-        return sequence_parallel(self.model, g.group, g.size) if g is not None else contextlib.nullcontext()
+        return over_pass(self.model, self.sequence_group)
 
     def folded_mismatch(self, batch: Batch, old: torch.Tensor) -> dict[str, float]:
         """The rollout engine's log-probs against the update's own (what the separate pass would

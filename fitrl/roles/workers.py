@@ -11,7 +11,6 @@ FSDP2-sharded module (:func:`fitrl.models.loading.build_model`); the code here i
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import contextmanager
 
 import torch
@@ -24,7 +23,7 @@ from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
 from fitrl.data.supervised import supervised_batch, target_ids
 from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
-from fitrl.distributed.ulysses import sequence_groups, sequence_parallel
+from fitrl.distributed.ulysses import over_pass, sequence_groups
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.models.params import parameter_set
@@ -233,9 +232,8 @@ class ReferenceWorker:
     def compute_ref_logprob(self, batch: Batch) -> Batch:
         batch = batch.to(self.device)
         out = []
-        g = self.sequence_group
-        ulysses = sequence_parallel(self.model, g.group, g.size) if g is not None else contextlib.nullcontext()
-        with self.offload.phase(), autocast(self.device, low_precision(self.cfg.autocast_dtype("ref"))), ulysses:
+        with self.offload.phase(), autocast(self.device, low_precision(self.cfg.autocast_dtype("ref"))), \
+                over_pass(self.model, self.sequence_group):
             for micro in batch.split(self.cfg.ref.logprob_micro_batch_size):
                 GUARD.check(self.device)  # safe point (read-only phase)
                 lp, _ = response_logprobs(

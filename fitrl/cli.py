@@ -174,7 +174,8 @@ def judge_rise(rewards: list[float], window: int = 10) -> dict:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from fitrl.models.tiny import describe, make_tiny_model
 
-    out = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, head_dim=args.head_dim)
+    out = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, head_dim=args.head_dim,
+                          head=args.head)
     info = describe(out)
     print(f"wrote {out}: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     return 0
@@ -256,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=None, metavar="N",
                    help="attention head size of the decoder (default: the size's own, 16 for tiny): the same width "
                         "in hidden_size/N heads, e.g. 32 for a tiny model vLLM's CPU attention can run")
+    p.add_argument("--head", default="causal_lm", choices=["causal_lm", "reward"],
+                   help="reward: a reward model (sequence classification, one score) for reward.sources' kind: model")
     p.set_defaults(fn=cmd_make_tiny_model)
 
     from fitrl.checkpoint.export import add_export_command

@@ -37,7 +37,7 @@ def test_loop_on_cuda_records_gpu_memory_per_phase(tiny_model_dir, tmp_path):
 
 def test_offload_between_phases_keeps_weights_on_the_host(tiny_model_dir, tmp_path):
     from fitrl.config.schema import FSDPConfig
-    from fitrl.roles.workers import OffloadBetweenPhases
+    from fitrl.roles.offload import OffloadBetweenPhases
 
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters())

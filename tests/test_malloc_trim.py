@@ -9,7 +9,7 @@ import torch
 from fitrl.config.schema import FSDPConfig
 from fitrl.memory import calibration as C
 from fitrl.roles import workers
-from fitrl.roles.workers import OffloadBetweenPhases
+from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry import memory as mem
 from helpers import toy_config
 

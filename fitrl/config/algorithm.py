@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from fitrl.core.errors import ConfigError
+from fitrl.config.reward_sources import RewardSourceConfig, check_sources
 
 @dataclass
 class KLRewardConfig:
@@ -120,6 +121,8 @@ class RewardConfig:
     """What makes a validation response correct for ``val/accuracy/*@n``: a component's name, or ``score``; unset: the ``accuracy`` component, else ``exact``, else the score."""
     correct_threshold: float = 1.0
     """A response is correct when that value is >= this."""
+    sources: dict[str, RewardSourceConfig] = field(default_factory=dict)
+    """The reward as a weighted sum of named sources (rule functions, reward models, LLM judges; each logged as ``reward/<name>``); empty: ``function`` is the whole reward. See docs/reward-models.md."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -130,3 +133,4 @@ class RewardConfig:
             raise ConfigError(f"reward.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
         if not math.isfinite(self.fallback_score):
             raise ConfigError(f"reward.fallback_score must be a finite number, got {self.fallback_score}")
+        check_sources(self.sources)

@@ -42,6 +42,9 @@ class _Row(NamedTuple):
     id_text: str
     """The text the ids encode (every image token)."""
     media: Optional[RowMedia]
+    messages: list
+    """The prompt as chat messages before any template, text only (what a reward model or a
+    judge renders through its own chat template: fitrl/roles/model_reward.py)."""
 
 
 class PromptDataset:
@@ -174,7 +177,7 @@ class PromptDataset:
         id_text = text
         if media_of_row is not None:  # one <|image_pad|> per image token: the ids (and the length filter) count them
             id_text = self.vision.expand_placeholders(text, media_of_row.image_tokens, media_of_row.video_tokens)
-        return _Row(source, row, text, id_text, media_of_row)
+        return _Row(source, row, text, id_text, media_of_row, _text_messages(messages))
 
     def _tokenize(self, tokenizer: Any, rows: list[_Row]) -> list[list[int]]:
         """Every prompt's ids, in one batched call: fast tokenizers parallelise it, which matters
@@ -193,7 +196,8 @@ class PromptDataset:
             if len(prompt_ids) > self.max_prompt_length:
                 continue
             extra = {k: v for k, v in r.row.items() if k not in own}
-            ex = dict(prompt_ids=list(prompt_ids), prompt_text=r.text, answer=lookup(r.row, self.answer_key),
+            ex = dict(prompt_ids=list(prompt_ids), prompt_text=r.text, prompt_messages=r.messages,
+                      answer=lookup(r.row, self.answer_key),
                       extra=extra, source=r.source, index=len(examples))
             m = r.media
             if m is not None:
@@ -320,6 +324,7 @@ class PromptDataset:
             "prompt_ids": [r["prompt_ids"] for r in rows],
             "answer": [r["answer"] for r in rows],
             "prompt_text": [r["prompt_text"] for r in rows],
+            "prompt_messages": [r["prompt_messages"] for r in rows],
             "source": [r["source"] for r in rows],
             "extra": [r["extra"] for r in rows],
             "uid": [f"{tag}-{j}" for j in range(len(rows))],
@@ -409,3 +414,12 @@ class PromptSampler:
         if not 0 <= state["cursor"] < self.size or state["epoch"] < 0:
             raise ValueError(f"invalid sampler state {state}")
         self._epoch, self._cursor, self._order = int(state["epoch"]), int(state["cursor"]), None
+
+
+def _text_messages(messages: list[dict]) -> list[dict]:
+    """Messages with text content only: a multimodal content list keeps its text parts."""
+    def text(content) -> str:
+        if isinstance(content, str):
+            return content
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return [{"role": m["role"], "content": text(m["content"])} for m in messages]

@@ -34,7 +34,7 @@ from fitrl.models.shape import ModelShape
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
     from fitrl.algo import AlgorithmSpec
 
-PHASES = ("load", "rollout", "weight_sync", "old_logprob", "ref_logprob", "update", "validation", "checkpoint_save")
+PHASES = ("load", "rollout", "reward", "weight_sync", "old_logprob", "ref_logprob", "update", "validation", "checkpoint_save")
 ACTOR_PHASES = {"rollout", "weight_sync", "old_logprob", "update", "validation", "checkpoint_save"}
 
 
@@ -141,7 +141,9 @@ def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
     from fitrl.memory.engines import engine_planner  # (engines imports this module's types)
 
     ck = getattr(cfg, "checkpoint", None)
-    skip = {"ref_logprob": not spec.reference,
+    reward = getattr(cfg, "reward", None)  # a reward model's or a judge's phase: only with one
+    skip = {"reward": reward is None or not any(s.kind != "function" for s in reward.sources.values()),
+            "ref_logprob": not spec.reference,
             "old_logprob": cfg.old_logprob_source != "pass",
             "weight_sync": not engine_planner(cfg).syncs_weights(cfg),
             "validation": not cfg.data.val_files,

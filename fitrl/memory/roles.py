@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from fitrl.core.registry import Registry
 from fitrl.memory.model import ACTOR_PHASES
-from fitrl.memory.states import States, frozen_states, lora_states, trained_states
+from fitrl.memory.states import DTYPE_BYTES, States, frozen_states, lora_states, trained_states
+from fitrl.memory.trace import model_transient
+from fitrl.models.shape import ModelShape
 
 if TYPE_CHECKING:
     from fitrl.memory.run import Run
@@ -48,6 +50,11 @@ class RolePlanner(ABC):
     def passes(self, run: Run) -> set[str]:
         """The phases whose traced log-prob or update transients its process holds (:mod:`.trainer`)."""
         return set()
+
+    def own_pass(self, run: Run, phase: str) -> dict[str, int]:
+        """What the role's own model computes with in ``phase`` beyond the policy's passes (a
+        reward model's scoring forward, a judge's generation): usage entries and their bytes."""
+        return {}
 
 
 ROLE_PLANNERS: Registry[RolePlanner] = Registry("role memory planner", "")
@@ -116,5 +123,90 @@ class CriticPlanner(RolePlanner):
         return {"old_logprob", "update"}
 
 
-for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner()):
+def _sources(run: Run, kind: str) -> list[tuple[Any, ModelShape]]:
+    """The run's ``reward.sources`` of ``kind`` with their models' shapes (config.json only)."""
+    return [(src, ModelShape.from_path(src.model.path)) for src in run.cfg.reward.sources.values()
+            if src.kind == kind]
+
+
+def _scored_seqs(run: Run, phase: str) -> int:
+    """Sequences one rank scores in ``phase``: the step's rollout, or a validation call's."""
+    return run.generated_seqs("validation") if phase == "validation" else run.seqs_per_rank
+
+
+class _ModelRewardPlanner(RolePlanner):
+    """The models of ``reward.sources`` of one kind (fitrl/roles/model_reward.py): frozen weights in
+    each source's dtype, on the device in the phases that score (the step's ``reward``, and
+    validation), sharded over the ranks under FSDP2 like the reference's; with several sources
+    the first's ``fsdp`` section says where they all live between phases."""
+    kind = ""
+
+    def built(self, run: Run) -> bool:
+        return any(s.kind == self.kind for s in run.cfg.reward.sources.values())
+
+    def states(self, run: Run) -> tuple[States, Any]:
+        sources = _sources(run, self.kind)
+        params = sum(self._weights(run, src, shape) for src, shape in sources)
+        return States(params), sources[0][0].fsdp
+
+    def _weights(self, run: Run, src, shape: ModelShape) -> int:
+        return frozen_states(shape, run.shard_world(src.fsdp.strategy), src.model.dtype,
+                             pinned=run.cuda and src.fsdp.cpu_offload and run.fsdp).params
+
+    def active_phases(self, run: Run) -> set[str]:
+        return {"reward"} | ({"validation"} if run.cfg.data.val_files else set())
+
+    def own_pass(self, run: Run, phase: str) -> dict[str, int]:
+        if phase not in self.active_phases(run):
+            return {}
+        parts: dict[str, int] = {}
+        for src, shape in _sources(run, self.kind):  # one source at a time: the largest
+            for k, v in self._pass(run, phase, src, shape).items():
+                parts[k] = max(parts.get(k, 0), v)
+        return parts
+
+    def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
+        raise NotImplementedError
+
+
+class RewardModelPlanner(_ModelRewardPlanner):
+    """Reward models: one forward per micro-batch, no KV cache, one score per sequence; a
+    sequence-classification model has a one-label score head instead of the LM head."""
+    name, title, kind = "reward_model", "reward model rank (Ray actor)", "model"
+
+    def _weights(self, run: Run, src, shape: ModelShape) -> int:
+        full = super()._weights(run, src, shape)
+        if shape.tied:  # the embedding stays; the score head is hidden x 1
+            return full
+        head = shape.vocab * shape.hidden * DTYPE_BYTES[src.model.dtype] // run.shard_world(src.fsdp.strategy)
+        return full - head
+
+    def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
+        b = min(src.micro_batch_size, max(1, _scored_seqs(run, phase)))
+        cap = src.max_length or run.seq_len
+        return {"activations": model_transient(shape, "score", b, cap, src.model.dtype, src.model.attn_implementation)}
+
+
+JUDGE_TEMPLATE_CHARS_PER_TOKEN = 2
+"""A grading template's tokens, bounded from its characters before any tokenizer loads (English
+text runs 3-4 characters a token; 2 leaves room for the chat template's own tokens)."""
+
+
+class JudgePlanner(_ModelRewardPlanner):
+    """LLM judges: ``generate`` over micro-batches of grading prompts (the run's caps plus the
+    template), greedy, ``max_tokens`` new tokens: a growing KV cache, the prefill's transients or
+    the fp32 scores of the vocabulary, whichever is larger."""
+    name, title, kind = "judge", "judge rank (Ray actor)", "judge"
+
+    def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
+        b = min(src.micro_batch_size, max(1, _scored_seqs(run, phase)))
+        prompt = (src.max_length or run.seq_len) + len(src.template) // JUDGE_TEMPLATE_CHARS_PER_TOKEN
+        cb = DTYPE_BYTES[src.model.dtype]
+        kv = b * (prompt + src.max_tokens) * shape.kv_bytes_per_token(cb)
+        prefill = model_transient(shape, "prefill", b, prompt, src.model.dtype, src.model.attn_implementation)
+        prefill -= b * prompt * shape.kv_bytes_per_token(cb)  # (counted in the cache)
+        return {"kv cache": kv, "activations": max(prefill, 2 * b * shape.vocab * 4)}
+
+
+for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner(), RewardModelPlanner(), JudgePlanner()):
     ROLE_PLANNERS.add(_planner.name, _planner)

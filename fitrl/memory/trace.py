@@ -53,7 +53,8 @@ DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class TraceSpec:
     """One phase's micro-step on one device. ``text_config`` is a frozen tuple of (key, value)."""
     text_config: tuple
-    phase: str                  # "logprob" (no grad), "update" (forward + backward), "prefill" (generate's first forward)
+    phase: str                  # "logprob" (no grad), "update" (forward + backward), "prefill" (generate's first
+                                # forward), "score" (a reward model's forward: fitrl/roles/model_reward.py)
     batch: int                  # sequences in the micro-batch
     seq_len: int                # prompt + response tokens per sequence (the prompt alone for prefill)
     response_len: int           # response tokens (log-probs are taken over these)
@@ -126,7 +127,7 @@ def _traced(spec: TraceSpec, layers: int, on: str = "meta") -> int:
 def _trace(spec: TraceSpec, layers: int, on: str) -> int:
     # lazy: torch and transformers take seconds to import; `fitrl --help` must not wait for them
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     import fitrl.ops.logprob as logprob_ops
     from fitrl.memory.live_bytes import StorageBytes
@@ -139,7 +140,11 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
     identity = lambda ids, mask, pos, r: (ids, mask, pos, r)  # noqa: E731  (no padding columns to trim)
     with _tensors_on(on) as made_on, mock.patch.object(logprob_ops, "trim_padding", identity):
         with made_on():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+            if spec.phase == "score":  # a reward model: the decoder and a one-label score head
+                config.num_labels, config.pad_token_id = 1, 0
+                model = AutoModelForSequenceClassification.from_config(config, dtype=dtype, attn_implementation=attn)
+            else:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
             if spec.lora_rank:
                 _inject_fake_adapters(model, spec, dtype)
             B, T, R = spec.batch, spec.seq_len, spec.response_len
@@ -167,6 +172,9 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
             if spec.phase == "prefill":
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+            elif spec.phase == "score":
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=mask, use_cache=False)
             elif spec.phase == "logprob":
                 with torch.no_grad():
                     logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True)
@@ -277,3 +285,10 @@ def trace_spec(shape, *, phase: str, batch: int, seq_len: int, response_len: int
     adapters = (lora.rank, tuple(lora.target_modules), lora.dropout) if lora is not None and lora.enabled else (0, (), 0.0)
     return TraceSpec(tuple(sorted(cfg.items())), phase, batch, seq_len, response_len, dtype, checkpointing,
                      max(1, chunk), entropy_grad, attn, *adapters)
+
+
+def model_transient(shape, phase: str, batch: int, seq_len: int, dtype: str, attn: str = "sdpa") -> int:
+    """A no-grad pass of a model other than the policy (a reward model's ``score``, a judge's
+    ``prefill``) over ``batch`` sequences of ``seq_len`` tokens, traced on its own shape."""
+    spec = trace_spec(shape, phase=phase, batch=batch, seq_len=seq_len, response_len=1, dtype=dtype, attn=attn)
+    return transient_bytes(spec, shape.layers)

@@ -86,6 +86,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             u.add("host", f"pinned cache ({label}grads)", pinned_grads)
             u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",
                   st.optimizer)
+            for part, size in ROLE_PLANNERS.get(role).own_pass(run, ph).items():  # a reward model's, a judge's
+                u.add(dev, part, size * (1.0 if cuda else C.CPU_ALLOCATOR_SLACK))
         seqs = run.seqs_per_rank
         # under Ray each call's shard arrives pickled: the pixel values of the prompts it touches,
         # this process's own copy (in-process the driver's copy is the only one: counted there)

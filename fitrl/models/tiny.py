@@ -173,7 +173,7 @@ def _split_heads(arch: str, size: str, size_cfg: dict[str, Any], head_dim: int |
 
 
 def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int = 0,
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, head: str = "causal_lm") -> Path:
     """Write a random-initialised HF causal LM + tokenizer to ``out_dir`` and return its path.
 
     ``arch``: one of ``ARCHS`` (``qwen2``, ``llama``) or ``VL_ARCHS`` (``qwen2_vl``,
@@ -182,9 +182,13 @@ def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int 
     ``head_dim``: the decoder's attention head size (one of :func:`head_dims`; None: the size's
     own): the same width in ``hidden_size // head_dim`` heads, the q/kv ratio kept where possible,
     e.g. ``head_dim=32`` for a ``tiny`` model that vLLM's CPU attention can run. Raises
-    ``ValueError`` for anything else. Deterministic in all four arguments.
+    ``ValueError`` for anything else. ``head``: ``causal_lm``, or ``reward`` for a reward model (a
+    text architecture's ``...ForSequenceClassification`` with one label: reward.sources'
+    ``kind: model``). Deterministic in all five arguments.
     """
     spec, size_cfg = _check(arch, size)
+    if head not in ("causal_lm", "reward") or (head == "reward" and spec.vision is not None):
+        raise ValueError(f"head {head!r}: make_tiny_model builds causal_lm, or reward for a text architecture")
     head_dim = _split_heads(arch, size, size_cfg, head_dim)
 
     import torch
@@ -213,10 +217,13 @@ def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int 
             pad_token_id=pad_id,
             **size_cfg,
         )
-    model_cls = getattr(transformers, spec.model_class)
     with torch.random.fork_rng(devices=[]):  # seed without disturbing the caller's RNG
         torch.manual_seed(seed)
-        model = model_cls(config)
+        if head == "reward":
+            config.num_labels = 1
+            model = transformers.AutoModelForSequenceClassification.from_config(config)
+        else:
+            model = getattr(transformers, spec.model_class)(config)
     model.to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
 
@@ -228,6 +235,8 @@ def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int 
     meta: dict[str, Any] = {"arch": arch, "size": size, "seed": seed}
     if head_dim is not None:  # only when it changes the model: the default files stay byte-identical
         meta["head_dim"] = head_dim
+    if head != "causal_lm":
+        meta["head"] = head
     (out / "fitrl_tiny.json").write_text(json.dumps(dict(meta, generator="fitrl.models.tiny"), indent=2) + "\n")
     return out
 

@@ -4,25 +4,23 @@
 ``rollout.engine`` names (:class:`~fitrl.rollout.engine.RolloutEngine`; the default ``hf`` engine
 shares the trained module, so generation sees the latest weights without a copy).
 ``ReferenceWorker`` = a frozen model computing log-probs. ``CriticWorker`` = a value model + a
-:class:`Critic`. No role flags; each is registered in :data:`ROLES` with its memory planner
+:class:`Critic`. The reward models' and judges' ranks are in fitrl/roles/model_reward.py. No role flags; each is registered in :data:`ROLES` with its memory planner
 beside it (fitrl/memory/roles.py). Under the Ray backend each rank's model is an
 FSDP2-sharded module (:func:`fitrl.models.loading.build_model`); the code here is the same.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from fitrl.checkpoint.sharded import load_role, save_role
 from fitrl.config.batch_sizes import BatchSizes
-from fitrl.config.schema import FitrlConfig, FSDPConfig, SamplingConfig
+from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.core.device import autocast, resolve_device
 from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
 from fitrl.data.supervised import supervised_batch, target_ids
-from fitrl.distributed.fsdp import full_state_dict, move_model, move_optimizer_state
+from fitrl.distributed.fsdp import full_state_dict
 from fitrl.distributed.ulysses import over_pass, sequence_groups
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
@@ -30,11 +28,11 @@ from fitrl.models.params import parameter_set
 from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
 from fitrl.roles.critic import Critic
+from fitrl.roles.offload import OffloadBetweenPhases, low_precision
 from fitrl.rollout import build_engine
 from fitrl.rollout.engine import EngineContext
 from fitrl.rollout.layout import eos_ids, gather_rollouts
 from fitrl.telemetry.guard import GUARD
-from fitrl.telemetry.memory import trim_heap
 from fitrl.workers.group import dispatch
 
 ROLES: Registry[type] = Registry("role", "")
@@ -42,54 +40,6 @@ ROLES: Registry[type] = Registry("role", "")
 planner is registered under the same name (fitrl/memory/roles.py, ``ROLE_PLANNERS``); a role
 without one never runs (fitrl/trainer/run.py, ``make_group``) and fails
 ``tests/test_extension_points.py``."""
-
-
-class OffloadBetweenPhases:
-    """Keeps a role's parameters (and optimizer states) in host memory between its phases when
-    ``fsdp.offload_params`` / ``offload_optimizer`` ask for it (a no-op on a CPU device), and gives
-    what a phase freed back at its end: CUDA's cached blocks, or on a CPU device with ``trim``
-    (``memory.trim_heap``) the heap's free pages (glibc ``malloc_trim``), which glibc would
-    otherwise keep resident into the next step (bench/RESULTS.md, "Host memory on CPU")."""
-
-    def __init__(self, model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None, trim: bool = False):
-        self.model, self.fsdp, self.device, self.optimizer = model, fsdp, device, optimizer
-        self.active = device.type != "cpu" and not fsdp.cpu_offload
-        self.trim = trim and device.type == "cpu"
-        self.release()
-
-    @contextmanager
-    def phase(self, needs_optimizer: bool = False):
-        if self.active and self.fsdp.offload_params:
-            move_model(self.model, self.device)
-        if self.active and needs_optimizer and self.fsdp.offload_optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, self.device)
-        try:
-            yield
-        finally:
-            self.release()
-
-    def release(self) -> None:
-        if self.active and self.fsdp.offload_params:
-            move_model(self.model, "cpu")
-        if self.active and self.fsdp.offload_optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, "cpu")
-        if self.active:
-            torch.cuda.empty_cache()  # give the freed blocks back for the next role's phase
-        if self.trim:
-            trim_heap()
-
-    def micro_batch_done(self) -> None:
-        """Between micro-batches of a phase: on a CPU device with ``trim``, the heap's free pages
-        too. Without it glibc's heap grows over a phase's micro-batches by an amount that changes
-        from run to run (an update's peak 1.1-1.9x its live tensors, bench/RESULTS.md, "Host memory
-        on CPU"); trimmed, each micro-batch starts from what is held."""
-        if self.trim:
-            trim_heap()
-
-
-def low_precision(name: str | None) -> torch.dtype | None:
-    return getattr(torch, name) if name else None
 
 
 class PolicyWorker:
@@ -288,5 +238,8 @@ class CriticWorker:
             self.critic.load_state_dict(extra)
 
 
-for _name, _worker in (("actor", PolicyWorker), ("ref", ReferenceWorker), ("critic", CriticWorker)):
+from fitrl.roles.model_reward import JudgeWorker, RewardModelWorker  # noqa: E402  (needs no name of this module)
+
+for _name, _worker in (("actor", PolicyWorker), ("ref", ReferenceWorker), ("critic", CriticWorker),
+                       ("reward_model", RewardModelWorker), ("judge", JudgeWorker)):
     ROLES.add(_name, _worker)

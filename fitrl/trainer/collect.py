@@ -19,7 +19,8 @@ from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.core.errors import RunStopped
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
-from fitrl.roles.reward import REWARD_COMPONENTS, RewardScorer, Scored
+from fitrl.roles.reward import REWARD_COMPONENTS, Scored
+from fitrl.roles.reward_sources import RewardSources
 from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.perf import Lengths, sequence_lengths
@@ -44,7 +45,7 @@ class CollectStats:
 
 
 class RolloutCollector:
-    def __init__(self, cfg: FitrlConfig, policy: RoleHandle, reward: RewardScorer, data: PromptDataset,
+    def __init__(self, cfg: FitrlConfig, policy: RoleHandle, reward: RewardSources, data: PromptDataset,
                  sampler: PromptSampler, sampling: SamplingConfig, needs_baseline: bool, pad_id: int):
         self.cfg, self.policy, self.reward = cfg, policy, reward
         self.data, self.sampler, self.sampling = data, sampler, sampling
@@ -101,8 +102,7 @@ class RolloutCollector:
             batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
         stats.generated.setdefault("rollout", []).append(sequence_lengths(batch))
         with timer.phase("reward"):
-            scored = self.reward.score(batch["response_text"], batch["answer"], batch["source"],
-                                       extras=batch["extra"])
+            scored = self.reward.score_batch(batch)
             self._add_reward_health(stats, scored)
             batch.update(scores=self._shape(batch, scored.scores))
             batch.put_named(REWARD_COMPONENTS, scored.components)
@@ -111,8 +111,7 @@ class RolloutCollector:
                 greedy = self.policy.generate(prompts, SamplingConfig(temperature=0.0, n=1,
                                                                       max_tokens=self.sampling.max_tokens))
                 stats.generated.setdefault("baseline_rollout", []).append(sequence_lengths(greedy))
-                base = self.reward.score(greedy["response_text"], greedy["answer"], greedy["source"],
-                                         extras=greedy["extra"])
+                base = self.reward.score_batch(greedy)
                 self._add_reward_health(stats, base, prefix="baseline_")
                 base = self._shape(greedy, base.scores)
                 batch.update(baseline_scores=base.repeat_interleave(self.sampling.n))

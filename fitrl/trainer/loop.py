@@ -27,7 +27,8 @@ from fitrl.config.schema import FitrlConfig
 from fitrl.core.errors import Interrupted
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
-from fitrl.roles.reward import REWARD_COMPONENTS, RewardScorer
+from fitrl.roles.reward import REWARD_COMPONENTS
+from fitrl.roles.reward_sources import RewardSources
 from fitrl.telemetry.memory import host_memory
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.collect import RolloutCollector, group_index
@@ -70,7 +71,7 @@ def masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, fl
 class RLTrainer:
     def __init__(self, cfg: FitrlConfig, *, policy: RoleHandle, ref: Optional[RoleHandle],
                  critic: Optional[RoleHandle], train_data: Optional[PromptDataset],
-                 val_data: Optional[PromptDataset], reward: RewardScorer, run_dir: Path, console: Console,
+                 val_data: Optional[PromptDataset], reward: RewardSources, run_dir: Path, console: Console,
                  pad_id: int, checkpoints: Optional[CheckpointManager] = None,
                  history: Optional[list[dict[str, float]]] = None):
         self.cfg, self.policy, self.ref, self.critic = cfg, policy, ref, critic
@@ -314,7 +315,7 @@ class RLTrainer:
         for i in range(0, len(indices), self.cfg.data.val_batch_size):
             prompts = self.val_data.batch(indices[i:i + self.cfg.data.val_batch_size], f"val{step}.{i}")
             out = self.policy.generate(prompts, self.val_sampling)
-            scored = self.reward.score(out["response_text"], out["answer"], out["source"], extras=out["extra"])
+            scored = self.reward.score_batch(out)
             self.writer.add_samples(step, "val", out, scored)  # generations.jsonl, tracker tables
             for k, v in scored.health.items():
                 health[k] = health.get(k, 0.0) + v

@@ -18,7 +18,8 @@ from fitrl.core.errors import DataError, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.check import check_model_configs, check_run_models
 from fitrl.models.families import media_spec_of
-from fitrl.roles.reward import RewardScorer
+from fitrl.roles.model_reward import check_reward_sources
+from fitrl.roles.reward_sources import RewardSources
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.roles.workers import ROLES
 from fitrl.tracking import check_installed
@@ -145,8 +146,9 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         plan = preflight(cfg, console)  # memory.plan: stops a run predicted not to fit before anything loads
         # Cheap checks before any model is loaded: a typo in the reward, a broken model directory
         # or bad data fails in seconds.
-        reward = stack.enter_context(RewardScorer(cfg.reward))
+        reward = stack.enter_context(RewardSources(cfg.reward))
         tokenizer = check_run_models(cfg)  # weights' headers, the tokenizer (loaded once, here)
+        check_reward_sources(cfg)  # reward models' and judges' directories and chat templates
         train_data, val_data = build_datasets(cfg, tokenizer)
         checkpoints = CheckpointManager(cfg, run_dir, console)
         resume = checkpoints.resume_point()  # config checked against the checkpoint's before any model loads
@@ -175,6 +177,9 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         if needs.critic:
             check_critic_batch_sizes(cfg, world_size=cfg.world_size)
             critic = make_group("critic", cfg, "critic", stack, colocate_with=policy)
+        reward.attach(make_group("reward_model", cfg, "reward_model", stack, colocate_with=policy)
+                      if reward.needs("model") else None,
+                      make_group("judge", cfg, "judge", stack, colocate_with=policy) if reward.needs("judge") else None)
 
         numbers = derived_batch_numbers(cfg, world_size=cfg.data_parallel_size)
         console.print(f"[bold]fitrl[/] run dir: {run_dir}")

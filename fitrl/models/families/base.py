@@ -31,8 +31,9 @@ from fitrl.core.registry import Registry
 from fitrl.data.media import MediaSpec
 from fitrl.models.shape import VisionTower
 
-HEADS = ("causal_lm", "value")
-"""What :meth:`ModelFamily.builders` can build: ``causal_lm`` (policy, reference), ``value`` (critic)."""
+HEADS = ("causal_lm", "value", "reward")
+"""What :meth:`ModelFamily.builders` can build: ``causal_lm`` (policy, reference, judge), ``value``
+(critic), ``reward`` (a reward model: one score per sequence)."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``actor.model.dtype`` names to torch dtypes."""

@@ -13,7 +13,7 @@ from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, M
 
 class CausalLMFamily(ModelFamily):
     """``AutoModelForCausalLM`` for the policy, ``AutoModelForTokenClassification`` (one label)
-    for the value model; one FSDP unit per decoder layer; positions count real tokens."""
+    for the value model, ``AutoModelForSequenceClassification`` (one label) for a reward model; one FSDP unit per decoder layer; positions count real tokens."""
 
     name = "causal_lm"
 
@@ -22,6 +22,8 @@ class CausalLMFamily(ModelFamily):
             return auto_builders("AutoModelForCausalLM", model)
         if head == "value":
             return _value_model_builders(model)
+        if head == "reward":  # the score at each sequence's last token (fitrl/roles/model_reward.py)
+            return auto_builders("AutoModelForSequenceClassification", model, num_labels=1)
         raise ValueError(f"unknown model head {head!r}; valid: {', '.join(HEADS)}")
 
     def blocks_to_shard(self, model: nn.Module) -> list[nn.Module]:

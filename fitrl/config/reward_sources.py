@@ -1,0 +1,99 @@
+"""``reward.sources``: the reward as a weighted sum of rule functions, reward models and LLM
+judges (fitrl/rewards/mix.py adds them; fitrl/roles/model_reward.py runs the models). Field
+docstrings are what ``fitrl config --doc`` prints."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from fitrl.config.roles import FSDPConfig, ModelConfig
+from fitrl.core.errors import ConfigError
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the response to the question below from 0 to 10.\n"
+    "Question: {prompt}\n"
+    "Reference answer: {answer}\n"
+    "Response: {response}\n"
+    "Reply with one line: Score: <0-10>")
+"""The judge's default grading prompt; ``{prompt}``, ``{response}`` and ``{answer}`` are filled in."""
+
+DEFAULT_JUDGE_PATTERN = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+"""The judge's default verdict pattern: its first group is the grade."""
+
+TEMPLATE_FIELDS = ("prompt", "response", "answer")
+
+
+@dataclass
+class RewardSourceConfig:
+    kind: Literal["function", "model", "judge"] = "function"
+    """``function``: a rule function (``function``, else ``reward.function``) in the reward worker pool; ``model``: a sequence-classification reward model scoring prompt + response through its own chat template; ``judge``: a causal LM asked to grade with ``template``, its verdict parsed by ``pattern``."""
+    weight: float = 1.0
+    """This source's weight in the total reward (the sum of weight x score over the sources)."""
+    function: Optional[str] = None
+    """``kind: function``: a registered name or ``path/to/file.py:function``; unset: ``reward.function``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """``kind: function``: keyword arguments of the function (unset with ``function`` unset: ``reward.kwargs``)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """``kind: model`` / ``judge``: the local model directory (``model.path``), its dtype and attention kernel."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """``kind: model`` / ``judge``: sharding and offload of the model (``offload_params``: in host memory between scoring calls)."""
+    micro_batch_size: int = 16
+    """``kind: model`` / ``judge``: sequences per forward (per generate call for a judge)."""
+    max_length: int = 0
+    """``kind: model`` / ``judge``: the longest scored (or prompted) sequence in tokens, longer ones keep their end; 0: the run's prompt plus response caps (a judge's template adds to that)."""
+    normalize: Literal["none", "batch"] = "none"
+    """``batch``: the source's scores standardised over each scoring call (mean 0, std 1) before weighting."""
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    """``kind: judge``: the grading prompt, sent as the user turn through the judge's chat template; ``{prompt}``, ``{response}`` and ``{answer}`` (the row's answer, optional) are filled in."""
+    pattern: str = DEFAULT_JUDGE_PATTERN
+    """``kind: judge``: a regular expression whose first group, in the judge's reply, is the grade (its first match)."""
+    max_score: float = 10.0
+    """``kind: judge``: the grade is divided by this (a grade of 0-10 becomes 0-1)."""
+    max_tokens: int = 32
+    """``kind: judge``: tokens the judge may reply with (greedy decoding)."""
+    unparsed_score: float = 0.0
+    """``kind: judge``: the score of a reply the pattern does not match; counted in ``reward/<source>/unparsed``."""
+
+    def check(self, key: str) -> None:
+        if not self.weight == self.weight or abs(self.weight) == float("inf"):
+            raise ConfigError(f"{key}.weight must be a finite number, got {self.weight}")
+        if self.kind == "function":
+            return
+        if not self.model.path:
+            raise ConfigError(f"{key}.model.path is empty: a {self.kind} source needs a local model directory "
+                              f"(e.g. one from `fitrl make-tiny-model --head {'reward' if self.kind == 'model' else 'causal_lm'}`)")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"{key}.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_length < 0:
+            raise ConfigError(f"{key}.max_length must be >= 0 (0: the run's caps), got {self.max_length}")
+        if self.kind != "judge":
+            return
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError(f"{key}.pattern {self.pattern!r} is not a regular expression: {e}") from None
+        if re.compile(self.pattern).groups < 1:
+            raise ConfigError(f"{key}.pattern {self.pattern!r} has no group: put the grade in parentheses, "
+                              f"e.g. 'Score: (\\d+)'")
+        unknown = [f for f in re.findall(r"\{(\w*)\}", self.template) if f not in TEMPLATE_FIELDS]
+        if unknown or "{response}" not in self.template:
+            raise ConfigError(f"{key}.template must contain {{response}} and may use only "
+                              f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}; it has "
+                              f"{', '.join('{' + f + '}' for f in unknown) or 'no {response}'}")
+        if not self.max_score > 0:
+            raise ConfigError(f"{key}.max_score must be > 0, got {self.max_score}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"{key}.max_tokens must be >= 1, got {self.max_tokens}")
+
+
+def check_sources(sources: dict[str, RewardSourceConfig]) -> None:
+    for name, src in sources.items():
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", name):
+            raise ConfigError(f"reward.sources.{name}: a source's name is a metric name: letters, digits, '_' "
+                              f"and '-', starting with a letter")
+        src.check(f"reward.sources.{name}")
+    if sources and not any(s.weight for s in sources.values()):
+        raise ConfigError("reward.sources: every weight is 0, so the reward is 0 everywhere: give one source a "
+                          "non-zero weight")

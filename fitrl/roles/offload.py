@@ -1,0 +1,59 @@
+"""Keeping a role's weights in host memory between its phases, and giving back what a phase freed."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from fitrl.config.schema import FSDPConfig
+from fitrl.distributed.fsdp import move_model, move_optimizer_state
+from fitrl.telemetry.memory import trim_heap
+
+
+class OffloadBetweenPhases:
+    """Keeps a role's parameters (and optimizer states) in host memory between its phases when
+    ``fsdp.offload_params`` / ``offload_optimizer`` ask for it (a no-op on a CPU device), and gives
+    what a phase freed back at its end: CUDA's cached blocks, or on a CPU device with ``trim``
+    (``memory.trim_heap``) the heap's free pages (glibc ``malloc_trim``), which glibc would
+    otherwise keep resident into the next step (bench/RESULTS.md, "Host memory on CPU")."""
+
+    def __init__(self, model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
+                 optimizer: torch.optim.Optimizer | None = None, trim: bool = False):
+        self.model, self.fsdp, self.device, self.optimizer = model, fsdp, device, optimizer
+        self.active = device.type != "cpu" and not fsdp.cpu_offload
+        self.trim = trim and device.type == "cpu"
+        self.release()
+
+    @contextmanager
+    def phase(self, needs_optimizer: bool = False):
+        if self.active and self.fsdp.offload_params:
+            move_model(self.model, self.device)
+        if self.active and needs_optimizer and self.fsdp.offload_optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, self.device)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self.active and self.fsdp.offload_params:
+            move_model(self.model, "cpu")
+        if self.active and self.fsdp.offload_optimizer and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, "cpu")
+        if self.active:
+            torch.cuda.empty_cache()  # give the freed blocks back for the next role's phase
+        if self.trim:
+            trim_heap()
+
+    def micro_batch_done(self) -> None:
+        """Between micro-batches of a phase: on a CPU device with ``trim``, the heap's free pages
+        too. Without it glibc's heap grows over a phase's micro-batches by an amount that changes
+        from run to run (an update's peak 1.1-1.9x its live tensors, bench/RESULTS.md, "Host memory
+        on CPU"); trimmed, each micro-batch starts from what is held."""
+        if self.trim:
+            trim_heap()
+
+
+def low_precision(name: str | None) -> torch.dtype | None:
+    return getattr(torch, name) if name else None

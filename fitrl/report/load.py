@@ -105,7 +105,7 @@ class PlanPredictions:
         if process == "driver":
             return ["driver"]
         m = re.fullmatch(r"(?:(\w+)\.)?rank(\d+)", process)
-        if m and m.group(1) in ("ref", "critic"):
+        if m and m.group(1) in ROLES_OF_THEIR_OWN:
             return [m.group(1)]
         if not m or m.group(1) not in (None, "policy"):
             return []
@@ -126,6 +126,11 @@ class PlanPredictions:
         if not found or (resource == "gpu" and total == 0.0):
             return None
         return total
+
+
+ROLES_OF_THEIR_OWN = ("ref", "critic", "reward_model", "judge")
+"""Roles whose Ray ranks are processes of their own: the plan's kind of the same name
+(fitrl/memory/roles.py, ``own_process``; tests/test_report.py checks the two agree)."""
 
 
 @dataclass

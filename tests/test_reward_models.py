@@ -226,7 +226,7 @@ def test_ray_run_with_a_reward_model_trains_three_steps(ray_cluster, tiny_model_
     cfg = toy_config(tiny_model_dir, tmp_path, "trainer.max_steps=3", "trainer.device=cpu", "trainer.backend=ray",
                      "trainer.devices_per_node=2", "data.rollout_batch_size=4", "rollout.n=2",
                      "actor.mini_batch_size=4", "actor.micro_batch_size=2", "trainer.val_before_train=false",
-                     "trainer.val_freq=0", "memory.plan=on", "memory.uss_min_phase_s=0",
+                     "trainer.val_freq=0", "memory.plan=warn", "memory.uss_min_phase_s=0",
                      *sources(rule={"weight": 1.0}, rm={"kind": "model", "model.path": tiny_reward_model_dir,
                                                         "weight": 0.5, "micro_batch_size": 2}))
     train(cfg, Console(file=io.StringIO()))

@@ -62,6 +62,10 @@ class RewardSources:
     def attach(self, reward_models: Optional[RoleHandle], judges: Optional[RoleHandle]) -> None:
         self.reward_models, self.judges = reward_models, judges
 
+    def groups(self) -> dict[str, RoleHandle]:
+        """The model roles' worker groups by role name (their memory is recorded like every role's)."""
+        return {name: h for name, h in (("reward_model", self.reward_models), ("judge", self.judges)) if h is not None}
+
     def score_batch(self, batch: Batch) -> Scored:
         """Totals, components and health for the batch's responses."""
         if not self.mixed:

@@ -96,7 +96,8 @@ class RLTrainer:
         # the memory guard, signals and divergence (a LoRA run's reference is the policy group
         # itself: its memory records are the policy's)
         self.stops = RunStops(cfg, watched={"policy": policy, **({"ref": ref} if ref and ref is not policy else {}),
-                                            **({"critic": critic} if critic else {})},
+                                            **({"critic": critic} if critic else {}),
+                                            **reward.groups()},
                               saved=self.roles, writer=self.writer, console=console, checkpoints=checkpoints)
         self.memory = self.stops.memory
         self.step = 0

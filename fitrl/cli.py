@@ -8,6 +8,7 @@ misspelt registry name costs the import of the registries (torch, ~2 s) first.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -21,7 +22,11 @@ from fitrl.core.errors import Hung, Interrupted, RunStopped, UserError, WorkerFa
 DEMOS = {
     "text": ("examples/arith_demo.yaml", "qwen2", None, "examples/arith_sft.yaml"),
     "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "fitrl.data.toy_images:write_shapes_data", None),
+    "reward_model": ("examples/arith_rm.yaml", "qwen2", None, "examples/arith_sft.yaml"),
 }
+# the demo variants whose reward comes from a model trained for the task, made when missing
+# ("module:function(out_dir, seed)", written to reward.sources.<name>.model.path)
+REWARD_MODELS = {"reward_model": "fitrl.models.tiny_reward:train_arith_reward_model"}
 # overrides of the demo that the warm start takes too (the rest are GRPO's)
 WARM_START_KEYS = ("trainer.seed=", "trainer.device=", "trainer.num_threads=", "trainer.progress_bar=")
 
@@ -53,7 +58,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Make the tiny model (and the data) if missing, warm-start it with supervised steps on the
     answers, train GRPO from there, and judge validation accuracy before and after GRPO and the
     reward curve (a collapse to a degenerate policy is called that)."""
-    config, arch, write_data, warm_start = DEMOS["vl" if args.vl else "text"]
+    variant = "vl" if args.vl else "reward_model" if args.reward_model else "text"
+    config, arch, write_data, warm_start = DEMOS[variant]
     root = Path(__file__).resolve().parent.parent
     if not Path(config).is_file() and (root / config).is_file():
         os.chdir(root)  # the demo's data and model paths are relative to the repository root
@@ -75,6 +81,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         module, name = write_data.split(":")
         console.print(f"writing the toy data to {data_files[0].parent} ({write_data})")
         getattr(importlib.import_module(module), name)(data_files[0].parent, seed=0)
+    if variant in REWARD_MODELS:
+        _make_reward_models(cfg, REWARD_MODELS[variant], console)
     if warm_start and args.warm_start_steps != 0:
         cfg.actor.model.path = _warm_start(warm_start, model_dir, args, console, cfg.trainer.run_dir)
     where: dict = {}
@@ -93,6 +101,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if gain is not None:  # validation accuracy says whether GRPO made the policy better
         return 0 if gain["after"] > gain["before"] else 1
     return 1 if verdict.get("judged") and not verdict["rose"] else 0
+
+
+def _make_reward_models(cfg, maker: str, console) -> None:
+    """Train the demo's reward models (``reward.sources`` of kind model) whose directories are missing."""
+    import importlib
+
+    module, name = maker.split(":")
+    for source, src in cfg.reward.sources.items():
+        if src.kind == "model" and not (Path(src.model.path) / "config.json").is_file():
+            console.print(f"training the reward model {source} in {src.model.path} to predict the task's rule score "
+                          f"({maker}; about a minute)", highlight=False)
+            figures = getattr(importlib.import_module(module), name)(src.model.path, seed=0)
+            console.print(f"reward model {source}: held-out correlation with the rule "
+                          f"{figures['held_out_correlation']:.3f} over {figures['held_out_pairs']} pairs", highlight=False)
 
 
 def _warm_start(config: str, model_dir: Path, args: argparse.Namespace, console, run_dir: str | None) -> str:
@@ -174,8 +196,19 @@ def judge_rise(rewards: list[float], window: int = 10) -> dict:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from fitrl.models.tiny import describe, make_tiny_model
 
-    out = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, head_dim=args.head_dim,
-                          head=args.head)
+    if args.train_on:
+        if args.head != "reward" or args.arch != "qwen2" or args.size != "tiny":
+            print("fitrl: --train-on arith trains a tiny qwen2 reward model: give --head reward (and the default "
+                  "--arch and --size)", file=sys.stderr)
+            return 2
+        from fitrl.models.tiny_reward import train_arith_reward_model
+
+        figures = train_arith_reward_model(args.out_dir, seed=args.seed)
+        print(f"trained on the arith task: {json.dumps(figures)}")
+        out = Path(args.out_dir)
+    else:
+        out = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, head_dim=args.head_dim,
+                              head=args.head)
     info = describe(out)
     print(f"wrote {out}: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     return 0
@@ -242,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "by supervised steps then GRPO; or with --vl questions about pictures")
     p.add_argument("--vl", action="store_true", help="a tiny vision-language model (Qwen2.5-VL architecture) on "
                                                      "pictures of shapes: examples/shapes_vl.yaml")
+    p.add_argument("--reward-model", action="store_true",
+                   help="GRPO on the score of a tiny reward model trained for the task (made when missing), the rule "
+                        "only logged: examples/arith_rm.yaml")
     p.add_argument("--warm-start-steps", type=int, default=None,
                    help="supervised steps before GRPO (text demo; default: examples/arith_sft.yaml's; 0: none)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith_demo.yaml (--vl: examples/shapes_vl.yaml)")
@@ -259,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "in hidden_size/N heads, e.g. 32 for a tiny model vLLM's CPU attention can run")
     p.add_argument("--head", default="causal_lm", choices=["causal_lm", "reward"],
                    help="reward: a reward model (sequence classification, one score) for reward.sources' kind: model")
+    p.add_argument("--train-on", choices=["arith"], default=None,
+                   help="with --head reward: train it to predict the toy arithmetic task's rule score (about a minute)")
     p.set_defaults(fn=cmd_make_tiny_model)
 
     from fitrl.checkpoint.export import add_export_command

@@ -114,7 +114,8 @@ def test_chat_prompt_ids_text_answer_extra(tmp_path, tokenizer):
     ds = make([path], tokenizer)
     assert len(ds) == 3 and ds.num_rows == 3 and ds.num_filtered == 0
     ex = ds[1]
-    assert set(ex) == {"prompt_ids", "prompt_text", "answer", "extra", "source", "index"}
+    assert set(ex) == {"prompt_ids", "prompt_text", "prompt_messages", "answer", "extra", "source", "index"}
+    assert ex["prompt_messages"] == [{"role": "user", "content": "What is 10 - 4?"}]  # (a reward model's input)
     assert ex["prompt_text"] == "<|im_start|>user\nWhat is 10 - 4?<|im_end|>\n<|im_start|>assistant\n"
     assert ex["prompt_ids"] == tokenizer(ex["prompt_text"], add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ex["prompt_ids"]) == ex["prompt_text"]

@@ -239,3 +239,56 @@ def test_ray_run_with_a_reward_model_trains_three_steps(ray_cluster, tiny_model_
         assert planned is not None
         # the CPU plan's stated band with glibc's default allocator (docs/memory.md, "How accurate it is")
         assert abs(planned - measured) <= 0.2 * measured, (rank, planned, measured)
+
+
+# ------------------------------------------------------------------------------------- the plan
+
+
+def test_plan_holds_reward_models_and_judges_on_their_ranks():
+    """Qwen2.5-7B as policy, reward model and judge on 8 x 80 GiB under Ray: each model source's
+    weights per rank (a reward model without the LM head), on the device only where it scores
+    when offloaded, its own forward's transients in the reward phase."""
+    from pathlib import Path
+
+    from fitrl.memory import calibration as C
+    from fitrl.memory.states import frozen_states
+    from fitrl.models.shape import ModelShape
+    from fitrl.planner import Hardware, plan_config
+
+    qwen = Path(EXAMPLE).parent / "failure_stories" / "models" / "qwen2.5-7b-instruct"
+    bf16 = {"model.dtype": "bfloat16", "model.path": qwen}
+    cfg = load_config(EXAMPLE, [f"actor.model.path={qwen}", "trainer.backend=ray", "trainer.devices_per_node=8",
+                                "actor.micro_batch_size=4", "reward.num_workers=0",
+                                *sources(rule={"weight": 1}, rm={"kind": "model", "fsdp.offload_params": "true", **bf16},
+                                         j={"kind": "judge", **bf16})])
+    plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=8, gpu_memory=80 * C.GIB, host_memory=2048 * C.GIB))
+    shape = ModelShape.from_path(qwen)
+    full = frozen_states(shape, 8, "bfloat16").params
+    head = shape.vocab * shape.hidden * 2 // 8  # untied: the reward model has a score head instead
+    rm, judge = plan.process("reward_model"), plan.process("judge")
+    assert rm.phases["reward"].gpu["reward_model params"] == full - head
+    assert rm.phases["update"].host["offloaded reward_model params"] == full - head  # offload_params
+    assert "reward_model params" not in rm.phases["update"].gpu
+    assert judge.phases["update"].gpu["judge params"] == full  # (not offloaded: on the device throughout)
+    assert rm.phases["reward"].gpu["activations"] > 0 and "activations" not in rm.phases["update"].gpu
+    assert judge.phases["reward"].gpu["kv cache"] > 0
+    assert "reward" not in plan_config(load_config(EXAMPLE, [f"actor.model.path={qwen}"]),
+                                       Hardware(nodes=1, gpus_per_node=1, gpu_memory=80 * C.GIB)).processes[0].phases
+
+
+def test_the_report_knows_every_role_of_its_own():
+    from fitrl.memory.roles import ROLE_PLANNERS
+    from fitrl.report.load import ROLES_OF_THEIR_OWN
+
+    assert set(ROLES_OF_THEIR_OWN) == {p.name for p in ROLE_PLANNERS.in_order() if p.own_process}
+
+
+def test_the_toy_reward_model_trains_and_reports_its_figures(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from fitrl.models.tiny_reward import train_arith_reward_model
+
+    figures = train_arith_reward_model(tmp_path / "rm", steps=3)
+    assert set(figures) >= {"held_out_correlation", "train_right_sum_ranked_first", "mean_score_by_kind"}
+    assert json.loads((tmp_path / "rm" / "fitrl_reward_model.json").read_text()) == figures
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").config.num_labels == 1

@@ -45,7 +45,7 @@ class Recommendation:
 def _get(cfg, key: str):
     obj = cfg
     for part in key.split("."):
-        obj = getattr(obj, part)
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)  # (reward.sources is by name)
     return obj
 
 
@@ -83,6 +83,13 @@ def candidates(plan: Plan) -> list[Change]:
     if reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
         out.append(Change([("ref.model", {"path": (cfg.ref.model or cfg.actor.model).path, "dtype": "bfloat16"})],
                           "faster (bf16 forward of the frozen model)", "ref.model.dtype float32 -> bfloat16"))
+    models = {n: src for n, src in cfg.reward.sources.items() if src.kind != "function"}  # reward models, judges
+    for n, src in models.items():
+        if cuda and src.fsdp.offload_params:
+            flip(f"reward.sources.{n}.fsdp.offload_params", "faster: no host<->device copies", False)
+        if src.model.dtype == "float32":
+            out.append(Change([(f"reward.sources.{n}.model.dtype", "bfloat16")], "faster (bf16 forward of a frozen model)",
+                              f"reward.sources.{n}.model.dtype float32 -> bfloat16"))
     out += engine.candidates(plan, "faster")
     longest = cfg.actor.micro_batch_size * cfg.rollout.max_response_length
     if cfg.actor.logprob_chunk_size > 1024 and longest > 1024:
@@ -96,6 +103,7 @@ def candidates(plan: Plan) -> list[Change]:
              ("actor.logprob_micro_batch_size", "slightly slower log-probs"),
              ("ref.logprob_micro_batch_size", "slightly slower reference log-probs"),
              ("actor.micro_batch_size", "slower update (more, smaller micro-batches)")]
+    halve += [(f"reward.sources.{n}.micro_batch_size", f"slower {n} scoring (smaller batches)") for n in models]
     for key, cost in halve:
         v = _get(cfg, key)
         if v > 1:
@@ -112,6 +120,8 @@ def candidates(plan: Plan) -> list[Change]:
         flip("actor.fsdp.offload_params", "slower: weights copied each phase", True)
         if reference:
             flip("ref.fsdp.offload_params", "slower: reference weights copied each step", True)
+        for n in models:  # on the device only in the phases it scores
+            flip(f"reward.sources.{n}.fsdp.offload_params", f"slower: {n}'s weights copied each step", True)
     rbs, mini = cfg.data.rollout_batch_size, cfg.actor.mini_batch_size
     if rbs > 1 and rbs % 2 == 0:
         changes = [("data.rollout_batch_size", rbs // 2)] + ([("actor.mini_batch_size", mini // 2)]

@@ -29,6 +29,7 @@ from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.models.loading import build_model, check_model_dir, load_tokenizer
+from fitrl.ops.score import last_token_scores, left_padded, right_padded
 from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry.guard import GUARD
 from fitrl.workers.group import dispatch
@@ -102,45 +103,6 @@ class _ModelSource:
         return [seq[-cap:] for seq in ids]
 
 
-def _right_padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
-    return ids, mask
-
-
-def _left_padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
-    return ids, mask
-
-
-def last_token_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) float32: the score head's output at each right-padded row's last real token. The
-    head's per-token output is read by a hook, not through the model's own pooling, which finds
-    the last token by the pad id and so misses a sequence that ends in a token equal to it."""
-    head = getattr(model, "score", None)
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no 'score' head: fitrl reads reward models whose "
-                         f"sequence-classification head is named score (Qwen2, Llama, Mistral, Gemma, ...)")
-    seen: list[torch.Tensor] = []
-    handle = head.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    try:
-        model(input_ids=ids, attention_mask=mask, use_cache=False)
-    finally:
-        handle.remove()
-    per_token = seen[-1]  # (B, T, 1)
-    last = mask.sum(-1) - 1
-    return per_token[torch.arange(len(ids), device=ids.device), last, 0].float()
-
-
 class RewardModelWorker:
     """The reward models of ``reward.sources`` (``kind: model``) on one rank."""
 
@@ -168,7 +130,7 @@ class RewardModelWorker:
             with s.offload.phase():
                 for i in range(0, len(seqs), s.src.micro_batch_size):
                     GUARD.check(self.device)  # safe point (read-only phase)
-                    ids, mask = _right_padded(seqs[i:i + s.src.micro_batch_size], s.pad)
+                    ids, mask = right_padded(seqs[i:i + s.src.micro_batch_size], s.pad)
                     scores.append(last_token_scores(s.model, ids.to(self.device), mask.to(self.device)).cpu())
                     s.offload.micro_batch_done()
             out[s.name] = torch.cat(scores) if scores else torch.zeros(0)
@@ -201,7 +163,7 @@ class JudgeWorker:
             with s.offload.phase():
                 for i in range(0, len(seqs), s.src.micro_batch_size):
                     GUARD.check(self.device)
-                    ids, mask = _left_padded(seqs[i:i + s.src.micro_batch_size], s.pad)
+                    ids, mask = left_padded(seqs[i:i + s.src.micro_batch_size], s.pad)
                     new = s.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                            max_new_tokens=s.src.max_tokens, do_sample=False, pad_token_id=s.pad)
                     replies += s.tokenizer.batch_decode(new[:, ids.shape[1]:].cpu(), skip_special_tokens=True)

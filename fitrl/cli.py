@@ -111,10 +111,12 @@ def _make_reward_models(cfg, maker: str, console) -> None:
     for source, src in cfg.reward.sources.items():
         if src.kind == "model" and not (Path(src.model.path) / "config.json").is_file():
             console.print(f"training the reward model {source} in {src.model.path} to predict the task's rule score "
-                          f"({maker}; about a minute)", highlight=False)
-            figures = getattr(importlib.import_module(module), name)(src.model.path, seed=0)
-            console.print(f"reward model {source}: held-out correlation with the rule "
-                          f"{figures['held_out_correlation']:.3f} over {figures['held_out_pairs']} pairs", highlight=False)
+                          f"({maker}; about two minutes)", highlight=False)
+            f = getattr(importlib.import_module(module), name)(src.model.path, seed=0)
+            console.print(f"reward model {source}: the right sum outranks every other number for "
+                          f"{f['train_right_sum_ranked_first']:.0%} of the train prompts and "
+                          f"{f['held_out_right_sum_ranked_first']:.0%} of the held-out ones; held-out correlation "
+                          f"with the rule {f['held_out_correlation']:.3f}", highlight=False)
 
 
 def _warm_start(config: str, model_dir: Path, args: argparse.Namespace, console, run_dir: str | None) -> str:

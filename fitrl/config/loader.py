@@ -409,6 +409,9 @@ def describe_fields(cls: type = FitrlConfig) -> list[tuple[str, str, str, str]]:
                 rows.append((key, _type_text(tp), repr(value), docs.get(name, "")))
             if sub is not None:
                 walk(sub, sub() if value is None else value, key + ".")
+            args = typing.get_args(tp)  # a section by name (reward.sources): one entry's fields
+            if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+                walk(args[1], args[1](), key + ".<name>.")
 
     walk(cls, cls(), "")
     return rows

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from fitrl.core.registry import Registry
 from fitrl.memory.model import ACTOR_PHASES
-from fitrl.memory.states import DTYPE_BYTES, States, frozen_states, lora_states, trained_states
+from fitrl.memory.states import (DTYPE_BYTES, States, frozen_states, layer_bytes, lora_states, root_bytes,
+                                 trained_states)
 from fitrl.memory.trace import model_transient
 from fitrl.models.shape import ModelShape
 
@@ -161,9 +162,16 @@ class _ModelRewardPlanner(RolePlanner):
             return {}
         parts: dict[str, int] = {}
         for src, shape in _sources(run, self.kind):  # one source at a time: the largest
-            for k, v in self._pass(run, phase, src, shape).items():
+            own = self._pass(run, phase, src, shape)
+            if run.fsdp:  # FSDP2 gathers the root unit and two layers in flight, as a policy's pass
+                b = DTYPE_BYTES[src.model.dtype]
+                own["gathered weights"] = self._root(shape, b) + 2 * layer_bytes(shape, b)
+            for k, v in own.items():
                 parts[k] = max(parts.get(k, 0), v)
         return parts
+
+    def _root(self, shape: ModelShape, dtype_bytes: int) -> int:
+        return root_bytes(shape, dtype_bytes)
 
     def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
         raise NotImplementedError
@@ -180,6 +188,9 @@ class RewardModelPlanner(_ModelRewardPlanner):
             return full
         head = shape.vocab * shape.hidden * DTYPE_BYTES[src.model.dtype] // run.shard_world(src.fsdp.strategy)
         return full - head
+
+    def _root(self, shape: ModelShape, dtype_bytes: int) -> int:
+        return super()._root(shape, dtype_bytes) - (0 if shape.tied else shape.vocab * shape.hidden * dtype_bytes)
 
     def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
         b = min(src.micro_batch_size, max(1, _scored_seqs(run, phase)))

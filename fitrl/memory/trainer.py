@@ -155,7 +155,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
         if cuda:
             allocator_reserve(ph, u)
         phases[ph] = u
-    if trainer and not cuda and run.cfg.plan.host_malloc == "glibc":
+    if not cuda and run.cfg.plan.host_malloc == "glibc":  # every role's process has glibc's heap
         _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
     return ProcessPlan(kind, run.hw.gpus_per_node if run.fsdp else 1, phases)
 

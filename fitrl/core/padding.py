@@ -21,6 +21,17 @@ def left_pad(sequences: list[list[int]], pad_id: int, width: int) -> tuple[torch
     return ids, mask
 
 
+def right_pad(sequences: list[list[int]], pad_id: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, width) ids and mask with each sequence left-aligned (responses; a reward model's rows,
+    whose positions then count real tokens as unpadded)."""
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[i, :len(seq)] = 1
+    return ids, mask
+
+
 def pad_right(t: torch.Tensor, width: int, value) -> torch.Tensor:
     """(B, w) -> (B, width), filling the new columns with ``value``."""
     return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fitrl.core.padding import left_pad
+from fitrl.core.padding import left_pad, right_pad
 from fitrl.data.batch import Batch
 
 
@@ -34,12 +34,7 @@ def supervised_batch(prompts: Batch, targets: list[list[int]], pad_id: int) -> B
     ``input_ids`` / ``attention_mask`` (B, P+R), ``responses`` / ``response_mask`` (B, R); the
     prompts' fields are kept (a vision-language row's images travel with it)."""
     prompt_ids, prompt_mask = left_pad(prompts["prompt_ids"], pad_id, max(len(p) for p in prompts["prompt_ids"]))
-    width = max(len(t) for t in targets)
-    responses = torch.full((len(targets), width), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((len(targets), width), dtype=torch.long)
-    for i, t in enumerate(targets):
-        responses[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        response_mask[i, :len(t)] = 1
+    responses, response_mask = right_pad(targets, pad_id, max(len(t) for t in targets))
     return Batch(tensors={"input_ids": torch.cat([prompt_ids, responses], 1),
                           "attention_mask": torch.cat([prompt_mask, response_mask], 1),
                           "responses": responses, "response_mask": response_mask},

@@ -64,9 +64,10 @@ def encode(tokenizer, rows: list[dict]) -> list[list[int]]:
 
 
 def scores(model, seqs: list[list[int]], pad: int) -> torch.Tensor:
-    from fitrl.ops.score import last_token_scores, right_padded
+    from fitrl.core.padding import right_pad
+    from fitrl.ops.score import last_token_scores
 
-    ids, mask = right_padded(seqs, pad)
+    ids, mask = right_pad(seqs, pad, max(map(len, seqs)))
     return last_token_scores(model, ids, mask)
 
 

@@ -1,30 +1,8 @@
-"""A reward model's forward: padded token lists and the score at each sequence's last token."""
+"""A reward model's forward: the score at each right-padded sequence's last token."""
 
 from __future__ import annotations
 
 import torch
-
-
-def right_padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of token lists padded on the right: positions count real tokens as unpadded."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
-    return ids, mask
-
-
-def left_padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) padded on the left, as ``generate`` continues every row from the last column."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
-    return ids, mask
 
 
 def last_token_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

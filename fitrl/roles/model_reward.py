@@ -29,7 +29,8 @@ from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.models.loading import build_model, check_model_dir, load_tokenizer
-from fitrl.ops.score import last_token_scores, left_padded, right_padded
+from fitrl.core.padding import left_pad, right_pad
+from fitrl.ops.score import last_token_scores
 from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry.guard import GUARD
 from fitrl.workers.group import dispatch
@@ -103,15 +104,21 @@ class _ModelSource:
         return [seq[-cap:] for seq in ids]
 
 
-class RewardModelWorker:
-    """The reward models of ``reward.sources`` (``kind: model``) on one rank."""
+class _SourcesWorker:
+    """The models of every ``reward.sources`` entry of ``kind`` on one rank, built as ``head``."""
+    kind, head = "", ""
 
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
-        self.sources = [_ModelSource(cfg, name, src, "reward", self.device)
-                        for name, src in sources_of(cfg, "model").items()]
+        self.sources = [_ModelSource(cfg, name, src, self.head, self.device)
+                        for name, src in sources_of(cfg, self.kind).items()]
+
+
+class RewardModelWorker(_SourcesWorker):
+    """The reward models of ``reward.sources`` (``kind: model``) on one rank."""
+    kind, head = "model", "reward"
 
     def render(self, source: _ModelSource, messages: list[dict], response: str) -> str:
         return source.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}],
@@ -130,22 +137,17 @@ class RewardModelWorker:
             with s.offload.phase():
                 for i in range(0, len(seqs), s.src.micro_batch_size):
                     GUARD.check(self.device)  # safe point (read-only phase)
-                    ids, mask = right_padded(seqs[i:i + s.src.micro_batch_size], s.pad)
+                    micro = seqs[i:i + s.src.micro_batch_size]
+                    ids, mask = right_pad(micro, s.pad, max(map(len, micro)))
                     scores.append(last_token_scores(s.model, ids.to(self.device), mask.to(self.device)).cpu())
                     s.offload.micro_batch_done()
             out[s.name] = torch.cat(scores) if scores else torch.zeros(0)
         return Batch(out)
 
 
-class JudgeWorker:
+class JudgeWorker(_SourcesWorker):
     """The LLM judges of ``reward.sources`` (``kind: judge``) on one rank: greedy replies."""
-
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.device = resolve_device(cfg.trainer.device)
-        GUARD.configure(cfg.memory)
-        self.sources = [_ModelSource(cfg, name, src, "causal_lm", self.device)
-                        for name, src in sources_of(cfg, "judge").items()]
+    kind, head = "judge", "causal_lm"
 
     @dispatch("dp")
     @torch.no_grad()
@@ -163,7 +165,8 @@ class JudgeWorker:
             with s.offload.phase():
                 for i in range(0, len(seqs), s.src.micro_batch_size):
                     GUARD.check(self.device)
-                    ids, mask = left_padded(seqs[i:i + s.src.micro_batch_size], s.pad)
+                    micro = seqs[i:i + s.src.micro_batch_size]
+                    ids, mask = left_pad(micro, s.pad, max(map(len, micro)))
                     new = s.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                            max_new_tokens=s.src.max_tokens, do_sample=False, pad_token_id=s.pad)
                     replies += s.tokenizer.batch_decode(new[:, ids.shape[1]:].cpu(), skip_special_tokens=True)

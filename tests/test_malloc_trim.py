@@ -8,7 +8,7 @@ import torch
 
 from fitrl.config.schema import FSDPConfig
 from fitrl.memory import calibration as C
-from fitrl.roles import workers
+from fitrl.roles import offload, workers
 from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry import memory as mem
 from helpers import toy_config
@@ -17,7 +17,7 @@ from helpers import toy_config
 @pytest.fixture
 def trims(monkeypatch):
     calls = []
-    monkeypatch.setattr(workers, "trim_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(offload, "trim_heap", lambda: calls.append(1) or True)
     return calls
 
 

@@ -54,8 +54,8 @@ def test_family_is_picked_by_model_type(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_unknown_head_is_refused(tiny_model_dir):
-    with pytest.raises(ValueError, match="unknown model head 'reward'"):
-        CAUSAL_LM.builders("reward", ModelConfig(path=str(tiny_model_dir)))
+    with pytest.raises(ValueError, match="unknown model head 'regression'"):
+        CAUSAL_LM.builders("regression", ModelConfig(path=str(tiny_model_dir)))
 
 
 def test_process_group_module_needs_no_torch():

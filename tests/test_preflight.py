@@ -47,7 +47,7 @@ def no_loading(monkeypatch):
     """Fail the test if the run gets as far as the reward, the tokenizer (and weight files) or the model weights."""
     def loaded(*args, **kwargs):
         raise AssertionError("the run went past the memory plan")
-    for name in ("RewardScorer", "check_run_models", "make_group"):
+    for name in ("RewardSources", "check_run_models", "make_group"):
         monkeypatch.setattr(fitrl.trainer.run, name, loaded)
 
 
@@ -90,7 +90,7 @@ def test_cli_too_big_exit_1_with_plan(tmp_path, capsys, node_256gib, no_loading)
 def test_warn_prints_the_plan_and_goes_on(tmp_path, monkeypatch, node_256gib):
     def stop(*args, **kwargs):
         raise Stop  # the next step of the run: it got past the plan
-    monkeypatch.setattr(fitrl.trainer.run, "RewardScorer", stop)
+    monkeypatch.setattr(fitrl.trainer.run, "RewardSources", stop)
     c, out = console()
     with pytest.raises(Stop):
         fitrl.trainer.run.train(toy_config(QWEN_7B, tmp_path / "run", *TOO_BIG, "memory.plan=warn"), c)

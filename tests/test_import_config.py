@@ -151,3 +151,17 @@ def test_the_switching_tables_name_real_keys():
                 key = key.rstrip(".")  # (`a.b.*`: the section)
                 if "." in key and key.split(".")[0] in roots:
                     assert key in schema or any(k.startswith(key + ".") for k in schema), f"{title} fitrl key {key}"
+
+
+def test_a_verl_reward_model_becomes_a_reward_source():
+    imp = import_config(None, ["reward_model.enable=true", "reward_model.model.path=/models/rm",
+                                                      "reward_model.micro_batch_size_per_gpu=8",
+                                                      "reward_model.model.input_tokenizer=/models/policy"], fmt="verl")
+    c = imp.config
+    assert (c["reward.sources.rm.kind"], c["reward.sources.rm.model.path"], c["reward.sources.rm.micro_batch_size"]) == \
+        ("model", "/models/rm", 8)
+    seen = lines(imp)
+    assert seen["reward_model.enable"][0] == "approximated" and "scores alone" in seen["reward_model.enable"][1]
+    assert seen["reward_model.model.input_tokenizer"][0] == "not translated"
+    off = import_config(None, ["reward_model.enable=false"], fmt="verl").config
+    assert not any(k.startswith("reward.sources") for k in off)

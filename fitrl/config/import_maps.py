@@ -209,7 +209,16 @@ VERL: dict[str, Rule] = {
     "algorithm.filter_groups.metric": to("algorithm.filter_groups.metric",
                                          lambda v: {"acc": "accuracy", "seq_reward": "score"}.get(v, v)),
     "algorithm.filter_groups.max_num_gen_batches": to("algorithm.filter_groups.max_num_gen_batches"),
-    "reward_model.enable": Rule(None, NOT_TRANSLATED, "reward models are not built yet: a rule reward is used"),
+    "reward_model.enable": Rule(None, choose=lambda v: Rule(
+        lambda v, src: [("reward.sources.rm.kind", "model"), ("reward.sources.rm.weight", 1.0)], APPROXIMATED,
+        "veRL's reward model scores alone, as here (reward.sources.rm: docs/reward-models.md); it is read "
+        "through its own tokenizer's chat template") if v else drop("no reward model")),
+    "reward_model.model.path": to("reward.sources.rm.model.path"),
+    "reward_model.model.input_tokenizer": drop("fitrl renders prompt + response with the reward model's own "
+                                               "chat template (the policy's tokenizer is never used for it)"),
+    "reward_model.model.fsdp_config.param_offload": to("reward.sources.rm.fsdp.offload_params"),
+    "reward_model.micro_batch_size_per_gpu": to("reward.sources.rm.micro_batch_size"),
+    "reward_model.max_length": to("reward.sources.rm.max_length", lambda v: 0 if v is None else int(v)),
     "reward_model.reward_manager": drop(NO_EFFECT),
     "reward_model.overlong_buffer.enable": to("algorithm.overlong.enable"),
     "reward_model.overlong_buffer.len": to("algorithm.overlong.buffer_length"),
@@ -250,7 +259,7 @@ VERL_PREFIXES: dict[str, Rule] = {
     "actor_rollout_ref.rollout.agent.": drop(AGENTS),
     "actor_rollout_ref.actor.checkpoint.": drop("fitrl's checkpoints always hold what a resume needs"),
     "actor_rollout_ref.actor.profiler.": drop(NO_EFFECT),
-    "reward_model.model.": drop("reward models are not built yet: a rule reward is used"),
+    "reward_model.model.": drop(NO_EFFECT),
 }
 """Rules for every key below a section."""
 

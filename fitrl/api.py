@@ -10,7 +10,10 @@ YAML file cannot hold is turned into config:
   content, so a rerun resumes from the same files);
 - ``reward_funcs``: Python callables, TRL's ``fn(completions, **columns)`` or fitrl's
   ``fn(response, answer)``, summed with ``reward_weights`` and logged one component each
-  (:mod:`fitrl.rewards.python`); they are scored in this process.
+  (:mod:`fitrl.rewards.python`); they are scored in this process. An entry that is a path is a
+  local reward model directory (TRL takes a model id there): a ``reward.sources`` entry of kind
+  ``model`` (``rm``, ``rm2``, ...) with its weight, beside the callables' source ``functions``
+  (docs/reward-models.md).
 
 Quick start: docs/python-api.md.
 """
@@ -30,7 +33,7 @@ Rows = Union[Sequence[Mapping[str, Any]], Any]
 
 def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Optional[str] = None,
           train_dataset: Optional[Rows] = None, eval_dataset: Optional[Rows] = None,
-          reward_funcs: Optional[Sequence[Callable[..., Any]]] = None,
+          reward_funcs: Optional[Sequence[Union[Callable[..., Any], str, Path]]] = None,
           reward_weights: Optional[Sequence[float]] = None,
           overrides: Union[Mapping[str, Any], Sequence[str], None] = None) -> list[dict[str, float]]:
     """Train and return each step's metrics (``metrics.jsonl`` holds them too).
@@ -55,13 +58,35 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
     if eval_dataset is not None:
         extra.append(f"data.val_files=[{_write_rows(eval_dataset, out, 'eval')}]")
     if reward_funcs is not None:
-        from fitrl.rewards.python import register_python_rewards
-
-        name = register_python_rewards(reward_funcs, reward_weights, answer_key=cfg.data.answer_key)
-        extra += [f"reward.function={name}", "reward.batched=true", "reward.num_workers=0"]
+        extra += _reward_items(list(reward_funcs), reward_weights, cfg.data.answer_key)
     if extra:
         cfg = load_config(path, items + extra)
     return run(cfg)
+
+
+def _reward_items(funcs: list, weights: Optional[Sequence[float]], answer_key: str) -> list[str]:
+    """The overrides ``reward_funcs`` stands for: the callables as one batched Python reward, and
+    each path as a reward model source."""
+    from fitrl.rewards.python import register_python_rewards
+
+    weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(funcs):
+        raise ConfigError(f"reward_weights has {len(weights)} weights for {len(funcs)} reward functions")
+    paths = [(f, w) for f, w in zip(funcs, weights) if isinstance(f, (str, Path))]
+    calls = [(f, w) for f, w in zip(funcs, weights) if not isinstance(f, (str, Path))]
+    items = []
+    if calls:
+        name = register_python_rewards([f for f, _ in calls], [w for _, w in calls], answer_key=answer_key)
+        items += [f"reward.function={name}", "reward.batched=true", "reward.num_workers=0"]
+    if not paths:
+        return items
+    if calls:  # the callables' weighted sum is one source beside the models
+        items += ["reward.sources.functions.kind=function", "reward.sources.functions.weight=1.0"]
+    for i, (path, w) in enumerate(paths):
+        name = "rm" if i == 0 else f"rm{i + 1}"
+        items += [f"reward.sources.{name}.kind=model", f"reward.sources.{name}.model.path={path}",
+                  f"reward.sources.{name}.weight={w}"]
+    return items
 
 
 def _dotted(values: Mapping[str, Any]) -> list[str]:

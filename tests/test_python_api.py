@@ -61,3 +61,24 @@ def test_mistakes_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="not JSON data"):
         fitrl.train(model=str(tmp_path), train_dataset=[{"prompt": object()}],
                     overrides={"trainer.output_dir": str(tmp_path)})
+
+
+def test_a_reward_model_path_among_the_reward_funcs(tiny_model_dir, tmp_path):
+    from fitrl.models.tiny import make_tiny_model
+
+    rm = make_tiny_model(tmp_path / "rm", seed=3, head="reward")
+
+    def brief(completions, **kwargs):
+        return [float(len(c) <= 3) for c in completions]
+
+    history = fitrl.train(model=str(tiny_model_dir), train_dataset=[{"prompt": f"What is {i} + 1?", "answer": i + 1}
+                                                                     for i in range(8)],
+                          reward_funcs=[brief, str(rm)], reward_weights=[0.5, 2.0],
+                          overrides={"trainer.output_dir": str(tmp_path / "runs"), "trainer.max_steps": 2,
+                                     "data.rollout_batch_size": 4, "rollout.n": 2, "actor.mini_batch_size": 4,
+                                     "memory.plan": "off", "trainer.progress_bar": False})
+    for h in history:  # 0.5 x brief (inside the functions' source) + 2 x the reward model's score
+        assert h["reward/mean"] == pytest.approx(h["reward/functions"] + 2.0 * h["reward/rm"], abs=1e-5)
+        assert h["reward/functions"] == pytest.approx(0.5 * h["reward/brief"], abs=1e-6)
+    with pytest.raises(ConfigError, match="1 weights for 2 reward functions"):
+        fitrl.train(model=str(tiny_model_dir), reward_funcs=[brief, str(rm)], reward_weights=[1.0])

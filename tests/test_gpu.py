@@ -177,3 +177,24 @@ def test_packed_forward_equals_the_padded_one_on_cuda(tiny_model_dir, attn):
     assert (out[False][0] - out[True][0])[live].abs().max() < 3e-2  # bf16 kernels: rounding, not sequence leaks
     for a, b in zip(out[False][1], out[True][1]):
         assert (a - b).norm() <= 5e-2 * a.norm() + 1e-6
+
+
+def test_reward_model_scores_on_cuda_as_on_cpu(tiny_model_dir, tmp_path):
+    """The reward-model role on the device: the same scores as on the CPU, and the reward phase's
+    GPU memory recorded in a run mixing it with the rule."""
+    from fitrl.data.batch import Batch
+    from fitrl.models.tiny import make_tiny_model
+    from fitrl.roles.model_reward import RewardModelWorker
+    from fitrl.trainer.run import train
+
+    rm = make_tiny_model(tmp_path / "rm", seed=1, head="reward")
+    src = ["reward.sources.rm.kind=model", f"reward.sources.rm.model.path={rm}", "reward.sources.rule.weight=1"]
+    batch = Batch(fields={"prompt_messages": [[{"role": "user", "content": "What is 1 + 2?"}]] * 3,
+                          "response_text": ["3", "four", ""]})
+    on = {dev: RewardModelWorker(toy_config(tiny_model_dir, tmp_path / dev, f"trainer.device={dev}", *src), rank=0,
+                                 world_size=1).score(batch)["rm"] for dev in ("cpu", "cuda")}
+    assert on["cuda"].tolist() == pytest.approx(on["cpu"].tolist(), abs=1e-4)
+    train(toy_config(tiny_model_dir, tmp_path / "run", "trainer.device=cuda", "trainer.max_steps=2",
+                     "trainer.val_freq=0", *src))
+    last = [m for m in read_metrics(tmp_path / "run") if "reward/mean" in m][-1]
+    assert last["mem/rank0/reward/gpu_peak_gib"] > 0 and "reward/rm" in last

@@ -21,6 +21,7 @@ from fitrl.memory.model import ACTOR_PHASES
 from fitrl.memory.states import (DTYPE_BYTES, States, frozen_states, layer_bytes, lora_states, root_bytes,
                                  trained_states)
 from fitrl.memory.trace import model_transient
+from fitrl.models.check import read_config_json
 from fitrl.models.shape import ModelShape
 
 if TYPE_CHECKING:
@@ -126,8 +127,8 @@ class CriticPlanner(RolePlanner):
 
 def _sources(run: Run, kind: str) -> list[tuple[Any, ModelShape]]:
     """The run's ``reward.sources`` of ``kind`` with their models' shapes (config.json only)."""
-    return [(src, ModelShape.from_path(src.model.path)) for src in run.cfg.reward.sources.values()
-            if src.kind == kind]
+    return [(src, ModelShape.from_dict(read_config_json(src.model.path, f"reward.sources.{name}.model.path")))
+            for name, src in run.cfg.reward.sources.items() if src.kind == kind]
 
 
 def _scored_seqs(run: Run, phase: str) -> int:

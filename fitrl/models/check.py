@@ -55,7 +55,8 @@ MAX_HEADER_BYTES = 100 * 2**20
 
 # transformers' own loaders for each head a role builds (model families may claim more types)
 _HEAD_MAPPINGS = {"causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-                  "value": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"}
+                  "value": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+                  "reward": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -402,6 +403,10 @@ def check_model_configs(cfg) -> None:
         if prefix == "actor.model" and cfg.actor.packing and is_vision_language(config.get("model_type", "")):
             adjusted(cfg, "actor.packing does not apply to a vision-language model (its images ride with the prompt "
                           "and its rope has three position axes): its forwards stay padded")
+    for name, src in cfg.reward.sources.items():  # reward models and judges: their own vocabularies
+        if src.kind != "function":
+            config = read_model_config(src.model.path, f"reward.sources.{name}.model.path")
+            check_model_type(config, src.model.path, "reward" if src.kind == "model" else "causal_lm")
 
 
 def check_sequence_parallel(config: dict[str, Any], model, prefix: str, size: int) -> None:

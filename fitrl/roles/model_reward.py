@@ -17,8 +17,6 @@ tokens as in an unpadded forward, and no real token attends to padding (causal a
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +26,8 @@ from fitrl.config.reward_sources import RewardSourceConfig
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
-from fitrl.models.loading import build_model, check_model_dir, load_tokenizer
+from fitrl.models.check import check_weights, read_model_config
+from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.core.padding import left_pad, right_pad
 from fitrl.ops.score import last_token_scores
 from fitrl.roles.offload import OffloadBetweenPhases
@@ -55,8 +54,9 @@ def check_reward_sources(cfg: FitrlConfig) -> None:
         if src.kind == "function":
             continue
         key = f"reward.sources.{name}.model.path"
-        check_model_dir(src.model.path, key)
-        archs = json.loads((Path(src.model.path) / "config.json").read_text()).get("architectures") or []
+        config = read_model_config(src.model.path, key)
+        check_weights(src.model.path, config, key)
+        archs = config.get("architectures") or []
         classifier = any(a.endswith("ForSequenceClassification") for a in archs)
         if src.kind == "model" and not classifier:
             raise ConfigError(f"{key}={src.model.path} is a {', '.join(archs) or 'model without architectures'}, not a "

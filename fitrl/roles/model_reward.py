@@ -26,12 +26,13 @@ from fitrl.config.reward_sources import RewardSourceConfig
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
+from fitrl.core.padding import left_pad, right_pad
 from fitrl.models.check import check_weights, read_model_config
 from fitrl.models.loading import build_model, load_tokenizer
-from fitrl.core.padding import left_pad, right_pad
 from fitrl.ops.score import last_token_scores
 from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
 from fitrl.workers.group import dispatch
 
 __all__ = ["JudgeWorker", "RewardModelWorker", "check_reward_sources", "judge_prompt", "sources_of"]
@@ -140,6 +141,7 @@ class RewardModelWorker(_SourcesWorker):
                     micro = seqs[i:i + s.src.micro_batch_size]
                     ids, mask = right_pad(micro, s.pad, max(map(len, micro)))
                     scores.append(last_token_scores(s.model, ids.to(self.device), mask.to(self.device)).cpu())
+                    PROGRESS.beat()  # a micro-batch: progress for the hang watchdog
                     s.offload.micro_batch_done()
             out[s.name] = torch.cat(scores) if scores else torch.zeros(0)
         return Batch(out)
@@ -170,6 +172,7 @@ class JudgeWorker(_SourcesWorker):
                     new = s.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                            max_new_tokens=s.src.max_tokens, do_sample=False, pad_token_id=s.pad)
                     replies += s.tokenizer.batch_decode(new[:, ids.shape[1]:].cpu(), skip_special_tokens=True)
+                    PROGRESS.beat()
                     s.offload.micro_batch_done()
             out[s.name] = replies
         return Batch(fields=out)

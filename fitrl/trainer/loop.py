@@ -122,6 +122,7 @@ class RLTrainer:
         if not t.hang_timeout_s and not any(t.hang_timeouts.values()):
             return contextlib.nullcontext()
         groups = [self.policy.group] + [h.group for h in (self.ref, self.critic) if h is not None and h is not self.policy]
+        groups += [h.group for h in self.reward.groups().values()]  # reward models', judges' ranks
 
         def report(text: str, event: dict) -> str:
             self.console.print(text, highlight=False, markup=False)

@@ -218,8 +218,9 @@ def test_a_run_mixes_a_rule_a_reward_model_and_a_judge(tiny_model_dir, tiny_rewa
 @pytest.mark.slow
 def test_ray_run_with_a_reward_model_trains_three_steps(ray_cluster, tiny_model_dir, tiny_reward_model_dir,
                                                         tmp_path):
-    """Two policy ranks and two reward-model ranks (Ray actors of their own, FSDP2 over gloo);
-    each reward-model rank's measured peak in the reward phase against the plan's."""
+    """Two policy ranks, two reward-model ranks and two judge ranks (Ray actors of their own,
+    FSDP2 over gloo: the judges' ranks reply with different numbers of tokens, on weights
+    gathered once); each reward-model rank's measured peak in the reward phase against the plan's."""
     from fitrl.report.load import load_run
     from fitrl.trainer.run import train
 
@@ -228,10 +229,12 @@ def test_ray_run_with_a_reward_model_trains_three_steps(ray_cluster, tiny_model_
                      "actor.mini_batch_size=4", "actor.micro_batch_size=2", "trainer.val_before_train=false",
                      "trainer.val_freq=0", "memory.plan=warn", "memory.uss_min_phase_s=0",
                      *sources(rule={"weight": 1.0}, rm={"kind": "model", "model.path": tiny_reward_model_dir,
-                                                        "weight": 0.5, "micro_batch_size": 2}))
+                                                        "weight": 0.5, "micro_batch_size": 2},
+                              j={"kind": "judge", "model.path": tiny_model_dir, "weight": 0.1, "max_tokens": 6}))
     train(cfg, Console(file=io.StringIO()))
     steps = [r for r in read_metrics(tmp_path) if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all("reward/j" in r and r["mem/judge.rank1/reward/host_peak_gib"] > 0 for r in steps)
     run = load_run(tmp_path)
     for rank in (0, 1):
         measured = steps[-1][f"mem/reward_model.rank{rank}/reward/host_peak_gib"]

@@ -164,12 +164,15 @@ class _ModelRewardPlanner(RolePlanner):
         parts: dict[str, int] = {}
         for src, shape in _sources(run, self.kind):  # one source at a time: the largest
             own = self._pass(run, phase, src, shape)
-            if run.fsdp:  # FSDP2 gathers the root unit and two layers in flight, as a policy's pass
-                b = DTYPE_BYTES[src.model.dtype]
-                own["gathered weights"] = self._root(shape, b) + 2 * layer_bytes(shape, b)
+            if run.fsdp:
+                own["gathered weights"] = self._gathered(shape, DTYPE_BYTES[src.model.dtype])
             for k, v in own.items():
                 parts[k] = max(parts.get(k, 0), v)
         return parts
+
+    def _gathered(self, shape: ModelShape, dtype_bytes: int) -> int:
+        """FSDP2's full weights in flight: the root unit and two layers, as a policy's pass."""
+        return self._root(shape, dtype_bytes) + 2 * layer_bytes(shape, dtype_bytes)
 
     def _root(self, shape: ModelShape, dtype_bytes: int) -> int:
         return root_bytes(shape, dtype_bytes)
@@ -207,8 +210,12 @@ text runs 3-4 characters a token; 2 leaves room for the chat template's own toke
 class JudgePlanner(_ModelRewardPlanner):
     """LLM judges: ``generate`` over micro-batches of grading prompts (the run's caps plus the
     template), greedy, ``max_tokens`` new tokens: a growing KV cache, the prefill's transients or
-    the fp32 scores of the vocabulary, whichever is larger."""
+    the fp32 scores of the vocabulary, whichever is larger; under FSDP2 the full weights."""
     name, title, kind = "judge", "judge rank (Ray actor)", "judge"
+
+    def _gathered(self, shape: ModelShape, dtype_bytes: int) -> int:
+        """Every weight for the whole call (fitrl/distributed/fsdp.py, ``gathered_for_generation``)."""
+        return shape.num_params * dtype_bytes
 
     def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
         b = min(src.micro_batch_size, max(1, _scored_seqs(run, phase)))

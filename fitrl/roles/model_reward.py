@@ -25,8 +25,9 @@ from fitrl.config import ConfigError
 from fitrl.config.reward_sources import RewardSourceConfig
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
-from fitrl.data.batch import Batch
 from fitrl.core.padding import left_pad, right_pad
+from fitrl.data.batch import Batch
+from fitrl.distributed.fsdp import gathered_for_generation
 from fitrl.models.check import check_weights, read_model_config
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.ops.score import last_token_scores
@@ -164,7 +165,9 @@ class JudgeWorker(_SourcesWorker):
                      for m, r, a in zip(batch["prompt_messages"], batch["response_text"], batch["answer"])]
             seqs = s.encode(turns, s.cap + _template_tokens(s))
             replies: list[str] = []
-            with s.offload.phase():
+            # FSDP2: the full weights once for the call (ranks decode different numbers of tokens,
+            # which per-layer all-gathers in every step would have to match)
+            with s.offload.phase(), gathered_for_generation(s.model):
                 for i in range(0, len(seqs), s.src.micro_batch_size):
                     GUARD.check(self.device)
                     micro = seqs[i:i + s.src.micro_batch_size]

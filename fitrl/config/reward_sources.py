@@ -71,10 +71,10 @@ class RewardSourceConfig:
         if self.kind != "judge":
             return
         try:
-            re.compile(self.pattern)
+            pattern = re.compile(self.pattern)
         except re.error as e:
             raise ConfigError(f"{key}.pattern {self.pattern!r} is not a regular expression: {e}") from None
-        if re.compile(self.pattern).groups < 1:
+        if pattern.groups < 1:
             raise ConfigError(f"{key}.pattern {self.pattern!r} has no group: put the grade in parentheses, "
                               f"e.g. 'Score: (\\d+)'")
         unknown = [f for f in re.findall(r"\{(\w*)\}", self.template) if f not in TEMPLATE_FIELDS]

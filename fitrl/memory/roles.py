@@ -14,6 +14,8 @@ modules read these through :func:`fitrl.memory.run.role_states`, ``process_roles
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitrl.core.registry import Registry
@@ -127,8 +129,20 @@ class CriticPlanner(RolePlanner):
 
 def _sources(run: Run, kind: str) -> list[tuple[Any, ModelShape]]:
     """The run's ``reward.sources`` of ``kind`` with their models' shapes (config.json only)."""
-    return [(src, ModelShape.from_dict(read_config_json(src.model.path, f"reward.sources.{name}.model.path")))
+    return [(src, _source_shape(src.model.path, f"reward.sources.{name}.model.path"))
             for name, src in run.cfg.reward.sources.items() if src.kind == kind]
+
+
+def _source_shape(path: str, key: str) -> ModelShape:
+    """A source model's shape, its ``config.json`` read once per version of the file: a plan asks
+    for it in every phase, and the recommender plans again for every change it tries."""
+    file = Path(path) / "config.json"
+    return _shape_of(path, key, file.stat().st_mtime_ns if file.is_file() else 0)
+
+
+@lru_cache(maxsize=64)
+def _shape_of(path: str, key: str, version: int) -> ModelShape:
+    return ModelShape.from_dict(read_config_json(path, key))
 
 
 def _scored_seqs(run: Run, phase: str) -> int:
@@ -186,15 +200,18 @@ class RewardModelPlanner(_ModelRewardPlanner):
     sequence-classification model has a one-label score head instead of the LM head."""
     name, title, kind = "reward_model", "reward model rank (Ray actor)", "model"
 
+    @staticmethod
+    def _lm_head(shape: ModelShape, dtype_bytes: int) -> int:
+        """The untied LM head a causal LM's shape counts and a reward model has not (its score head
+        is hidden x 1; a tied embedding stays)."""
+        return 0 if shape.tied else shape.vocab * shape.hidden * dtype_bytes
+
     def _weights(self, run: Run, src, shape: ModelShape) -> int:
-        full = super()._weights(run, src, shape)
-        if shape.tied:  # the embedding stays; the score head is hidden x 1
-            return full
-        head = shape.vocab * shape.hidden * DTYPE_BYTES[src.model.dtype] // run.shard_world(src.fsdp.strategy)
-        return full - head
+        head = self._lm_head(shape, DTYPE_BYTES[src.model.dtype]) // run.shard_world(src.fsdp.strategy)
+        return super()._weights(run, src, shape) - head
 
     def _root(self, shape: ModelShape, dtype_bytes: int) -> int:
-        return super()._root(shape, dtype_bytes) - (0 if shape.tied else shape.vocab * shape.hidden * dtype_bytes)
+        return super()._root(shape, dtype_bytes) - self._lm_head(shape, dtype_bytes)
 
     def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
         b = min(src.micro_batch_size, max(1, _scored_seqs(run, phase)))

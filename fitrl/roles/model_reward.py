@@ -100,10 +100,10 @@ class _ModelSource:
         end = self.tokenizer.eos_token_id
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (end or 0)
 
-    def encode(self, texts: list[str], cap: int) -> list[list[int]]:
+    def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text (the chat template wrote its special tokens), the last ``cap`` kept."""
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [seq[-cap:] for seq in ids]
+        return [seq[-self.cap:] for seq in ids]
 
 
 class _SourcesWorker:
@@ -134,7 +134,7 @@ class RewardModelWorker(_SourcesWorker):
         out = {}
         for s in self.sources:
             texts = [self.render(s, m, r) for m, r in zip(batch["prompt_messages"], batch["response_text"])]
-            seqs = s.encode(texts, s.cap)
+            seqs = s.encode(texts)
             scores = []
             with s.offload.phase():
                 for i in range(0, len(seqs), s.src.micro_batch_size):
@@ -152,6 +152,11 @@ class JudgeWorker(_SourcesWorker):
     """The LLM judges of ``reward.sources`` (``kind: judge``) on one rank: greedy replies."""
     kind, head = "judge", "causal_lm"
 
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+        super().__init__(cfg, rank=rank, world_size=world_size)
+        for s in self.sources:  # a prompted sequence holds the template's own tokens besides the run's caps
+            s.cap += _template_tokens(s)
+
     @dispatch("dp")
     @torch.no_grad()
     def judge(self, batch: Batch) -> Batch:
@@ -163,7 +168,7 @@ class JudgeWorker(_SourcesWorker):
                         [{"role": "user", "content": judge_prompt(s.src, m, r, a)}], add_generation_prompt=True,
                         tokenize=False)
                      for m, r, a in zip(batch["prompt_messages"], batch["response_text"], batch["answer"])]
-            seqs = s.encode(turns, s.cap + _template_tokens(s))
+            seqs = s.encode(turns)
             replies: list[str] = []
             # FSDP2: the full weights once for the call (ranks decode different numbers of tokens,
             # which per-layer all-gathers in every step would have to match)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fitrl.agents.env import check_agent_spec
 from fitrl.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgorithmSpec, algorithm_spec
 from fitrl.core.errors import ConfigError
 from fitrl.core.registry import CHECKED_ON_LOAD
@@ -40,6 +41,7 @@ def check_choices(cfg: "FitrlConfig") -> None:
     KL_ESTIMATORS.check(a.kl_estimator)
     KL_ESTIMATORS.check(a.kl_in_reward.estimator, "algorithm.kl_in_reward.estimator")
     check_reward_spec(cfg.reward.function)
+    check_agent_spec(cfg.rollout.agent.env, cfg.rollout.agent.tools)
     for name in cfg.trainer.loggers:
         TRACKERS.check(name)  # whether its package is installed is checked when training starts
     for registry in CHECKED_ON_LOAD:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
+from fitrl.config.agent import AgentConfig
 from fitrl.config.plan import parse_bytes
 from fitrl.core.errors import ConfigError
 
@@ -101,6 +102,8 @@ class RolloutConfig(Sampling):
     ``generate``."""
     val: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, n=1))
     """Sampling for validation (greedy, one response per prompt, by default)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes with an environment and tools (docs/agents.md); off unless ``rollout.agent.env`` is set."""
 
     def __post_init__(self) -> None:
         check_sampling(self, "rollout", training=True)

@@ -79,9 +79,12 @@ class PromptDataset:
         vision: Optional[MediaSpec] = None,
         media: Optional[DataConfig] = None,
         max_rows: Optional[int] = None,
+        tools: Optional[list[dict]] = None,
     ) -> None:
         """``max_rows``: read only the first this many rows of each file (the memory planner's
-        sample of prompt lengths, fitrl/memory/lengths.py); unset: every row.
+        sample of prompt lengths, fitrl/memory/lengths.py); unset: every row. ``tools``: the JSON
+        schemas of a multi-turn run's tools (``rollout.agent.tools``), rendered into every prompt
+        by the chat template, as the model sees them (and as the length filter must count them).
 
         Built in four steps: the options checked (:meth:`_template`), each row templated and its
         media read (:meth:`_read_rows`), every prompt tokenised in one call (:meth:`_tokenize`),
@@ -94,6 +97,7 @@ class PromptDataset:
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.system_prompt, self.apply_chat_template = system_prompt, apply_chat_template
         self.vision = vision
+        self.tools = tools or None
         self.media = media if media is not None else DataConfig()
         self.bad_image_counts: Counter[str] = Counter()  # rows skipped (data.on_bad_image=skip), by reason
         template = self._template(tokenizer, prompt_template)
@@ -169,7 +173,7 @@ class PromptDataset:
             messages, media_of_row = self.vision.read_row_media(source, row, messages, opts=self.media,
                                                                 base_dir=base_dir)
         if self.apply_chat_template:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True, tokenize=False)
         elif len(messages) == 1 and messages[0]["role"] == "user":
             text = messages[0]["content"]
         else:
@@ -214,13 +218,14 @@ class PromptDataset:
 
     @classmethod
     def from_config(cls, files: list[str], tokenizer: Any, d: DataConfig, *, name: str,
-                    vision: Optional[MediaSpec], max_rows: Optional[int] = None) -> "PromptDataset":
+                    vision: Optional[MediaSpec], max_rows: Optional[int] = None,
+                    tools: Optional[list[dict]] = None) -> "PromptDataset":
         """The prompts of ``files`` built as the run builds them from ``data.*`` (the trainer's
         datasets, and the planner's sample of prompt lengths: both must see the same prompts)."""
         return cls(files, tokenizer, name=name, prompt_key=d.prompt_key, answer_key=d.answer_key,
                    prompt_template=d.prompt_template, system_prompt=d.system_prompt,
                    apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length,
-                   vision=vision, media=d, max_rows=max_rows)
+                   vision=vision, media=d, max_rows=max_rows, tools=tools)
 
     @staticmethod
     def _messages(source: str, row: dict, prompt_key: str, template: Optional[jinja2.Template],

@@ -97,6 +97,7 @@ def sample_prompt_length(cfg: FitrlConfig) -> tuple[int, int]:
     """(the longest prompt in tokens, prompts read) of the first rows of ``data.train_files`` as
     the run builds them (prompts over ``data.max_prompt_length`` are dropped by the run, and here)."""
     # lazy: fitrl.data imports torch, transformers the tokenizer: neither for `fitrl --help`
+    from fitrl.agents.tools import tool_schemas
     from fitrl.data.dataset import PromptDataset
     from fitrl.models.families import media_spec_of
     from fitrl.models.check import load_local_tokenizer
@@ -110,6 +111,8 @@ def sample_prompt_length(cfg: FitrlConfig) -> tuple[int, int]:
     vision = media_spec_of(model.path)
     rows = VISION_SAMPLE_ROWS if vision is not None else SAMPLE_ROWS
     tokenizer = load_local_tokenizer(model.tokenizer_path or model.path)
+    agent = cfg.rollout.agent
+    tools = tool_schemas(agent.tools) if agent.enabled else None  # rendered into every prompt (and counted)
     ds = PromptDataset.from_config(d.train_files, tokenizer, d, name="train", vision=vision,
-                                   max_rows=-(-rows // len(d.train_files)))
+                                   max_rows=-(-rows // len(d.train_files)), tools=tools)
     return max(len(ds[i]["prompt_ids"]) for i in range(len(ds))), len(ds)

@@ -21,12 +21,45 @@ _CONTENT = (
     "{%- endif %}"
 )
 
+# Tools (``apply_chat_template(..., tools=[...])``) as Qwen2.5 renders them: their JSON schemas in
+# the system turn, the model's calls as <tool_call> JSON, each tool reply a <tool_response> in a
+# user turn (consecutive replies in one). Without tools and tool messages the text is what it
+# was before tools existed, byte for byte.
+_TOOLS_SYSTEM = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+)
+_TOOL_CALLS = (
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['function']['name'] + '\\\", \\\"arguments\\\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+)
+
 _CHATML_TEMPLATE = (
+    _TOOLS_SYSTEM +
     "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}" + _CONTENT + "{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}{%- generation %}" + _CONTENT + "{{- '<|im_end|>' }}{%- endgeneration %}"
+    "{%- if message['role'] == 'assistant' %}{%- generation %}" + _CONTENT + _TOOL_CALLS +
+    "{{- '<|im_end|>' }}{%- endgeneration %}"
     "{%- else %}" + _CONTENT + "{{- '<|im_end|>' }}{%- endif %}"
     "{{- '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

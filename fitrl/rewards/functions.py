@@ -13,8 +13,6 @@ No torch here: reward worker processes import this module, and torch would cost 
 from __future__ import annotations
 
 import difflib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitrl.core.errors import ConfigError, UserError
+from fitrl.core.user_code import import_named
 from fitrl.rewards.arith import arith_reward
 from fitrl.rewards.by_source import by_source_reward
 from fitrl.rewards.choice import choice_reward
@@ -84,42 +83,7 @@ def resolve_reward_fn(spec: str) -> Callable[..., Any]:
     if ":" not in spec:
         raise ConfigError(f"reward.function={spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
                           "nor 'path/to/file.py:function' / 'package.module:function'")
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(f"reward.function: file not found: {where}")
-        module_spec = importlib.util.spec_from_file_location(f"fitrl_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except SyntaxError as e:
-            raise ConfigError(f"reward.function: {e.filename or where}:{e.lineno}: syntax error: {e.msg}") from e
-        except Exception as e:  # the user's module failed at import: its own error, one line
-            raise ConfigError(f"reward.function: importing {where} raised {_raised_at(e, where)}") from e
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(f"reward.function: cannot import module {where!r}: {e}") from e
-        except SyntaxError as e:
-            raise ConfigError(f"reward.function: {e.filename}:{e.lineno}: syntax error: {e.msg}") from e
-        except Exception as e:
-            raise ConfigError(f"reward.function: importing module {where!r} raised {_raised_at(e, where)}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"reward.function: {where} has no function {name!r}")
-    return fn
-
-
-def _raised_at(error: BaseException, fallback: str) -> str:
-    """``NameError: ... (at file.py:3)``: the error and the innermost frame of the user's code."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if "importlib" not in f.filename]
-    where = f"{user[-1].filename}:{user[-1].lineno}" if user else fallback
-    return f"{type(error).__name__}: {error} (at {where})"
+    return import_named(spec, "reward.function")
 
 
 @dataclass

@@ -54,18 +54,29 @@ class _Worker:
         self.started = time.monotonic()
         self.ready = False
         self.call: Optional[int] = None      # index of the call in flight
+        self.info: Any = None
         self.deadline = 0.0
 
 
 class RewardPool:
-    """``num_workers`` processes calling ``RewardFunction.load(spec, kwargs, batched=batched)``."""
+    """``num_workers`` processes calling ``RewardFunction.load(spec, kwargs, batched=batched)``.
 
-    def __init__(self, spec: str, kwargs: dict[str, Any], *, batched: bool, num_workers: int, timeout: float):
+    Another kind of worker (the agents' tool sandbox, fitrl/agents/sandbox.py) reuses the pool's
+    deadlines and replacement with its own ``worker_code`` (a ``python -c`` line that runs a
+    ``worker_main(fd, driver_pid)`` like :func:`worker_main`), ``init`` message and ``what``."""
+
+    worker_code = _WORKER_CODE
+    what = "reward"
+    """The worker's kind, as errors name it (``a reward worker could not load ...``)."""
+
+    def __init__(self, spec: str, kwargs: dict[str, Any], *, batched: bool, num_workers: int, timeout: float,
+                 init: Optional[tuple] = None):
+        """``init``: what a worker receives after ``sys.path`` (default ``(spec, kwargs, batched)``)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.spec, self.timeout = spec, timeout
         self.restarts = 0                      # workers replaced after a timeout or a crash, ever
-        self._init = (spec, dict(kwargs), batched)
+        self._init = init if init is not None else (spec, dict(kwargs), batched)
         # Started now and not waited for: they load while the driver loads the model.
         self._workers = [self._start() for _ in range(num_workers)]
         # Runs at close() or when the pool is garbage-collected; holds the list, not the pool.
@@ -74,7 +85,7 @@ class RewardPool:
     def _start(self) -> _Worker:
         parent, child = Pipe(duplex=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_FITRL_ROOT, os.environ.get("PYTHONPATH")])))
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(child.fileno()), str(os.getpid())],
+        proc = subprocess.Popen([sys.executable, "-c", self.worker_code, str(child.fileno()), str(os.getpid())],
                                 pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()                          # the worker holds the only other end: EOF when it dies
         parent.send((list(sys.path), *self._init))
@@ -121,14 +132,14 @@ class RewardPool:
                     results[w.call] = Outcome("timeout", detail=f"no result within {self.timeout:g}s; worker killed")
                     self._replace(w)
                 elif not w.ready and now >= w.started + START_TIMEOUT_S:
-                    raise RewardError(f"a reward worker did not load {self.spec} within {START_TIMEOUT_S:g}s")
+                    raise RewardError(f"a {self.what} worker did not load {self.spec} within {START_TIMEOUT_S:g}s")
         return results  # type: ignore[return-value]
 
     def _receive(self, w: _Worker, results: list[Optional[Outcome]]) -> None:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            why = f"reward worker process died (exit code {_reap(w.proc)})"
+            why = f"{self.what} worker process died (exit code {_reap(w.proc)})"
             if not w.ready:
                 raise RewardError(f"{why} while loading {self.spec}") from None
             if w.call is not None:
@@ -137,8 +148,9 @@ class RewardPool:
             return
         if msg[0] == "ready":
             w.ready = True
+            w.info = msg[2] if len(msg) > 2 else None  # what the worker reports of itself (a sandbox's layers)
         elif msg[0] == "init_error":
-            raise RewardError(f"a reward worker could not load {self.spec}: {msg[1]}")
+            raise RewardError(f"a {self.what} worker could not load {self.spec}: {msg[1]}")
         else:
             i, status, value, detail = msg
             results[i] = Outcome(status, value, detail)

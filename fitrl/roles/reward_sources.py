@@ -43,8 +43,11 @@ class RewardSources:
     """Scores a rollout batch (``score_batch``); ``attach`` gives it the model roles' handles once
     their groups exist (the rule functions are checked first, before any model loads)."""
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, agent_reward: str = ""):
+        """``agent_reward``: ``rollout.agent.reward`` of a multi-turn run (``function``,
+        ``environment`` or ``sum``: fitrl/config/agent.py); empty for single-turn runs."""
         self.cfg = cfg
+        self.agent_reward = agent_reward
         self.mixed = bool(cfg.sources)
         if not self.mixed:
             self.functions = {"": RewardScorer(cfg)}
@@ -67,7 +70,21 @@ class RewardSources:
         return {name: h for name, h in (("reward_model", self.reward_models), ("judge", self.judges)) if h is not None}
 
     def score_batch(self, batch: Batch) -> Scored:
-        """Totals, components and health for the batch's responses."""
+        """Totals, components and health for the batch's responses (an episode's: its last model
+        turn's text), with a multi-turn run's environment rewards (component ``env``) as
+        ``rollout.agent.reward`` says."""
+        if "env_reward" not in batch.fields:
+            return self._score(batch)
+        env = torch.tensor(batch["env_reward"], dtype=torch.float32)
+        if self.agent_reward == "environment":
+            return Scored(env, {"env": env})
+        scored = self._score(batch)
+        scored.components["env"] = env
+        if self.agent_reward == "sum":
+            scored.scores = scored.scores + env
+        return scored
+
+    def _score(self, batch: Batch) -> Scored:
         if not self.mixed:
             return self._function("", batch)
         parts: dict[str, torch.Tensor] = {}

@@ -30,6 +30,7 @@ from fitrl.roles.actor import Actor
 from fitrl.roles.critic import Critic
 from fitrl.roles.offload import OffloadBetweenPhases, low_precision
 from fitrl.rollout import build_engine
+from fitrl.rollout.agent import AgentRollout
 from fitrl.rollout.engine import EngineContext
 from fitrl.rollout.layout import eos_ids, gather_rollouts
 from fitrl.telemetry.guard import GUARD
@@ -63,6 +64,14 @@ class PolicyWorker:
                                     context=self.engine_context())
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer,
                                             trim=cfg.memory.trim_heap)
+        self.agent = None  # multi-turn episodes on the engine (rollout.agent; fitrl/rollout/agent.py)
+        if cfg.rollout.agent.enabled:
+            end = eos_ids(self.model, self.tokenizer)
+            self.agent = AgentRollout(self.rollout, self.tokenizer, cfg.rollout.agent,
+                                      max_response_length=cfg.rollout.max_response_length, eos_ids=end,
+                                      pad_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                                      else end[0], inputs=inputs, max_error_fraction=cfg.reward.max_error_fraction,
+                                      max_prompt_length=cfg.data.max_prompt_length)
 
     def engine_context(self) -> EngineContext:
         """What an engine with its own copy of the policy (vLLM) needs: where the model's files are,
@@ -83,7 +92,7 @@ class PolicyWorker:
         with self.offload.phase(), autocast(self.device, self.autocast_dtype):  # (no weight changes inside)
             self.rollout.wake()
             try:
-                return self.rollout.generate(prompts, sampling).to("cpu")
+                return (self.agent or self.rollout).generate(prompts, sampling).to("cpu")
             finally:
                 self.rollout.sleep()
 

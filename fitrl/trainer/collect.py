@@ -21,6 +21,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
 from fitrl.roles.reward import REWARD_COMPONENTS, Scored
 from fitrl.roles.reward_sources import RewardSources
+from fitrl.rollout.agent import agent_metrics
 from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.perf import Lengths, sequence_lengths
@@ -101,6 +102,8 @@ class RolloutCollector:
         with timer.phase("rollout"):
             batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
         stats.generated.setdefault("rollout", []).append(sequence_lengths(batch))
+        for k, v in agent_metrics(batch).items():  # multi-turn episodes: turns, tools, cuts (per round: the last)
+            stats.metrics[k] = v
         with timer.phase("reward"):
             scored = self.reward.score_batch(batch)
             self._add_reward_health(stats, scored)

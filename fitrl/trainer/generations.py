@@ -10,7 +10,11 @@ Each validation, and every ``trainer.log_samples_freq`` training steps, up to
 
 ``source`` is the row's ``data.source_key`` column (absent without one), ``origin`` the file
 and line of the row, ``prompt`` the exact text the policy saw (chat template applied),
-``reward`` the score trained on (after overlong shaping, for training samples). One sample per
+``reward`` the score trained on (after overlong shaping, for training samples). A multi-turn
+episode (``rollout.agent``) adds ``conversation`` (its messages: the model's turns with their
+parsed ``tool_calls``, the tools' and environment's replies) and ``agent`` (its turns, tool calls,
+errors, timeouts, tool seconds and ``cut``: the limit that ended it, if one did); its
+``response`` is the last model turn. One sample per
 prompt comes first (the first response of each group), so a table shows different prompts.
 """
 
@@ -53,6 +57,9 @@ def sample_rows(step: int, split: str, batch: Batch, scores: torch.Tensor, compo
         row["answer"] = batch["answer"][i]
         row["reward"] = float(scores[i])
         row["reward_components"] = {k: float(v[i]) for k, v in components.items()}
+        if "conversation" in batch:  # a multi-turn episode: every turn, tool calls and results included
+            row["conversation"] = batch["conversation"][i]
+            row["agent"] = batch["agent_stats"][i]
         rows.append(row)
     return rows
 

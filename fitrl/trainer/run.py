@@ -13,6 +13,7 @@ from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config import ConfigError, FitrlConfig, save_config
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_batch_numbers
+from fitrl.agents.tools import tool_schemas
 from fitrl.core.device import resolve_device
 from fitrl.core.errors import DataError, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
@@ -22,6 +23,7 @@ from fitrl.roles.model_reward import check_reward_sources
 from fitrl.roles.reward_sources import RewardSources
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.roles.workers import ROLES
+from fitrl.rollout.agent import check_agent
 from fitrl.tracking import check_installed
 from fitrl.trainer.loop import RLTrainer
 from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
@@ -41,12 +43,13 @@ def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, P
     d = cfg.data
     # a vision-language policy (None for a text model): image rows, pixel budget, tokenizer check
     vision = media_spec_of(cfg.actor.model.path)
+    tools = tool_schemas(cfg.rollout.agent.tools) if cfg.rollout.agent.enabled else None  # in every prompt
     train = None
     if not cfg.trainer.val_only:
         if not d.train_files:
             raise ConfigError("data.train_files is empty: give at least one jsonl/json/parquet file")
-        train = PromptDataset.from_config(d.train_files, tokenizer, d, name="train", vision=vision)
-    val = PromptDataset.from_config(d.val_files, tokenizer, d, name="val", vision=vision) if d.val_files else None
+        train = PromptDataset.from_config(d.train_files, tokenizer, d, name="train", vision=vision, tools=tools)
+    val = PromptDataset.from_config(d.val_files, tokenizer, d, name="val", vision=vision, tools=tools) if d.val_files else None
     if train is not None and len(train) < d.rollout_batch_size:
         # The sampler would wrap around within each step: the same prompts twice in one batch, a
         # group-relative advantage computed over duplicates, and no word about it.
@@ -146,8 +149,10 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         plan = preflight(cfg, console)  # memory.plan: stops a run predicted not to fit before anything loads
         # Cheap checks before any model is loaded: a typo in the reward, a broken model directory
         # or bad data fails in seconds.
-        reward = stack.enter_context(RewardSources(cfg.reward))
+        agent = cfg.rollout.agent
+        reward = stack.enter_context(RewardSources(cfg.reward, agent_reward=agent.reward if agent.enabled else ""))
         tokenizer = check_run_models(cfg)  # weights' headers, the tokenizer (loaded once, here)
+        check_agent(cfg, tokenizer)  # the environment imports, the tools' schemas render in the chat template
         check_reward_sources(cfg)  # reward models' and judges' directories and chat templates
         train_data, val_data = build_datasets(cfg, tokenizer)
         checkpoints = CheckpointManager(cfg, run_dir, console)

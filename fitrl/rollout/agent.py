@@ -89,18 +89,21 @@ class EnvTurnEncoder:
     and tokenized once. The text between the end-of-turn token and the next role (``\\n`` in
     ChatML) is the reply's, since the model's turn ends at its end-of-turn token."""
 
-    BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    ANSWER = "fitrl-stand-in-answer"
+    BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ANSWER}]
 
     def __init__(self, tokenizer, tools: list[dict], eos_ids: list[int]):
         self.tokenizer, self.tools = tokenizer, tools or None
         self.base = self._render(self.BASE, generation_prompt=False)
+        # the end-of-turn token the template writes right after the answer, and what follows it
+        rest = self.base[self.base.rfind(self.ANSWER) + len(self.ANSWER):]
         ends = [tokenizer.decode([e]) for e in eos_ids]
-        cut = max(self.base.rfind(e) + len(e) if self.base.rfind(e) >= 0 else -1 for e in ends)
-        if cut < 0:
+        written = [e for e in ends if e and rest.startswith(e)]
+        if not written:
             raise ConfigError(f"the chat template does not end an assistant turn with an end-of-turn token "
-                              f"({', '.join(map(repr, ends))}): a model turn's end could not be joined to the "
+                              f"({', '.join(map(repr, ends[:4]))}): a model turn's end could not be joined to the "
                               "environment's reply; use a chat model's tokenizer")
-        self.after_end = self.base[cut:]
+        self.after_end = rest[len(max(written, key=len)):]
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,

@@ -15,6 +15,7 @@ from fitrl.agents.builtin_tools import calculator, python
 from fitrl.agents.env import (BUILTIN_ENVIRONMENTS, EnvironmentError_, check_agent_spec, checked_step,
                               load_environment)
 from fitrl.agents.sandbox import SandboxLimits, ToolSandbox
+from fitrl.memory import calibration as C
 from fitrl.agents.tools import parse_tool_calls, reply_text, tool_schemas
 from fitrl.config.agent import AgentConfig
 from fitrl.config.schema import SamplingConfig
@@ -309,8 +310,10 @@ def test_the_sandbox_contains_every_escape_and_goes_on(tmp_path):
     try:
         outcomes = dict(zip(calls, sandbox.call([("python", {"code": c}) for c in calls.values()])))
         after = sandbox.call([("python", {"code": "print(6 * 7)"})])[0]
+        rss = [_rss(w.proc.pid) for w in sandbox._workers]
     finally:
         sandbox.close()
+    assert max(rss) <= 2 * C.TOOL_WORKER_HOST, rss  # the plan's figure for an idle worker holds
     assert outcomes["loop"].status == "timeout"
     assert outcomes["alloc"].status == "error" and outcomes["alloc"].detail.startswith("MemoryError")
     assert outcomes["segfault"].status == "error" and "died (exit code -11)" in outcomes["segfault"].detail
@@ -323,3 +326,22 @@ def test_the_sandbox_contains_every_escape_and_goes_on(tmp_path):
     assert not outside.exists() and secret.read_text() == "s3cret"
     assert not os.path.exists(sandbox.scratch_root)  # removed at close
     assert "audit hook" in sandbox.layers and "rlimits" in sandbox.layers
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_the_plan_counts_the_tool_workers_and_what_their_calls_may_allocate(tiny_model_dir):
+    from fitrl.config import load_config
+    from fitrl.planner.plan import Hardware, plan_config
+
+    arith = Path(__file__).resolve().parents[1] / "examples" / "arith.yaml"
+    cfg = load_config(arith, [f"actor.model.path={tiny_model_dir}", "trainer.device=cpu", "rollout.agent.env=tools",
+                              "rollout.agent.tools=[calculator]", "rollout.agent.tool_workers=3",
+                              "rollout.agent.tool_memory=1GiB", "data.max_prompt_length=1024"])
+    plan = plan_config(cfg, Hardware.cpu(ranks_per_node=1, host_memory=64 * C.GIB))
+    assert plan.node_host("update")["tool workers"] == 3 * C.TOOL_WORKER_HOST
+    assert "tool calls (bound)" not in plan.node_host("update")
+    assert plan.node_host("rollout")["tool calls (bound)"] == 3 * (C.GIB - C.TOOL_WORKER_HOST)

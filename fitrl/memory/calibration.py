@@ -58,6 +58,11 @@ REWARD_WORKER_HOST = 58 * MIB
 torch) after a call, ``arith`` and ``math`` alike: 58 MiB (50 MiB USS), 4 workers,
 ``.venv/bin/python bench/process_memory.py``. The driver starts them (``reward.num_workers``):
 node 0's, counted with the node."""
+TOOL_WORKER_HOST = 18 * MIB
+"""An idle tool sandbox worker (fitrl/agents/sandbox.py: no torch, no transformers): 17.2 MiB RSS
+after a calculator and a python call (tests/test_agents.py bounds it at twice this). A call may
+grow it up to ``rollout.agent.tool_memory`` (its ``RLIMIT_AS``), which the rollout phases plan."""
+
 VLLM_PROCESS_RUNTIME = int(3.0 * GIB)
 """Assumed: host RSS of a vLLM engine process besides weights (CUDA, vLLM, compiled graphs);
 failure story 2 (docs/architecture.md, "Failure stories") reports ~20 GB per engine worker while loading a 7B (16.6 GB of bf16 weights)."""

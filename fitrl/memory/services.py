@@ -45,6 +45,12 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
         if ph not in ("load", "validation") and run.fsdp:
             d.add("host", "batch", run.batch_bytes(seqs_step))
         n.add("host", "reward workers", cfg.reward.num_workers * C.REWARD_WORKER_HOST)
+        agent = cfg.rollout.agent
+        if agent.enabled and agent.tools:  # each policy rank's sandbox (fitrl/agents/sandbox.py)
+            tool_workers = agent.tool_workers * (max(cfg.world_size // hw.nodes, 1) if run.fsdp else 1)
+            n.add("host", "tool workers", tool_workers * C.TOOL_WORKER_HOST)
+            if ph in ("rollout", "validation"):  # what a call may allocate: its RLIMIT_AS, the bound
+                n.add("host", "tool calls (bound)", tool_workers * max(agent.memory_bytes() - C.TOOL_WORKER_HOST, 0))
         if run.fsdp:
             n.add("host", "ray", C.RAY_SYSTEM_HOST)
             if ph != "load":

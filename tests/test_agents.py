@@ -71,6 +71,28 @@ def test_a_tool_without_a_documented_signature_is_one_config_line(tmp_path):
         check_agent_spec(str(tmp_path / "nope.py") + ":Env", [])
 
 
+def test_the_tiny_chat_template_renders_tools_as_qwen_and_nothing_else_changed(tiny_model_dir):
+    """Without tools the text is what the template wrote before tools existed (the single-turn
+    demo's prompts are byte for byte the same); with them, Qwen2.5's layout."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    tools = tool_schemas(["calculator"])
+    text = tok.apply_chat_template(conv[:2] + [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "calculator", "arguments": {"expression": "1+2"}}}]},
+        {"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}], tools=tools, tokenize=False)
+    assert text.startswith("<|im_start|>system\nS\n\n# Tools\n")
+    assert '"name": "calculator"' in text.split("\n</tools>")[0]
+    assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+                         '"1+2"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n'
+                         '<tool_response>\n4\n</tool_response><|im_end|>\n')
+
+
 def test_environment_classes_and_steps_are_checked(tmp_path):
     f = tmp_path / "envs.py"
     f.write_text("class NotAnEnv:\n    pass\n")

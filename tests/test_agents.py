@@ -21,9 +21,10 @@ from fitrl.config.agent import AgentConfig
 from fitrl.config.schema import SamplingConfig
 from fitrl.core.errors import ConfigError
 from fitrl.data.batch import Batch
-from fitrl.rollout.agent import AgentRollout, EnvTurnEncoder, agent_metrics
+from fitrl.rollout.agent import AgentRollout, agent_metrics
 from fitrl.rollout.engine import RolloutEngine
 from fitrl.rollout.hf import HFRollout
+from agent_helpers import Talk3, check_three_turn_trajectories, spy_on_turns
 
 # -- tool calls and tools (no model) ---------------------------------------------------------------
 
@@ -182,15 +183,6 @@ def test_a_two_turn_episode_by_hand(tokenizer):
     assert (m["agent/turns"], m["agent/tool_calls"], m["agent/tool_errors"], m["agent/cut/turns"]) == (2, 1, 0, 0)
 
 
-class Talk3(Environment):
-    """Replies to every turn with a user message; done after the third."""
-
-    def step(self, turn):
-        if turn.index == 2:
-            return Step(reward=1.0, done=True)
-        return Step(messages=[{"role": "user", "content": f"go on {turn.index + 1}"}], reward=0.25)
-
-
 def _eos_biased(model, eos: int, bias: float):
     """The model ends its turns often (a random model almost never samples EOS otherwise)."""
     shift = torch.zeros(model.config.vocab_size)
@@ -211,38 +203,14 @@ def test_hf_episodes_are_token_exact_and_their_logprobs_are_the_sampled_ones(tin
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     hook = _eos_biased(model, eos, 6.0)
     engine = HFRollout(model, tokenizer, decode="loop")
-    sampled: list[list[list[int]]] = []
-    real_generate = engine.generate
-
-    def spy(prompts, sampling):
-        out = real_generate(prompts, sampling)
-        sampled.append([r[m.bool()].tolist() for r, m in zip(out["responses"], out["response_mask"])])
-        return out
-
-    engine.generate = spy
+    sampled = spy_on_turns(engine)
     agent = AgentRollout(engine, tokenizer, AgentConfig(env="talk3", max_turns=3, max_tokens_per_turn=16),
                          max_response_length=128, eos_ids=engine.eos_ids, pad_id=engine.pad_id)
     try:
         out = agent.generate(_prompts([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]],
                                       tokenizer), SamplingConfig(n=4, max_tokens=16))
-        stats = out["agent_stats"]
-        assert all(s["turns"] == 3 and s["cut"] == "" for s in stats), stats
-        encoder = EnvTurnEncoder(tokenizer, [], [eos])
-        retokenized_differs = 0
-        for i in range(len(out)):
-            turns = [sampled[t][i] for t in range(3)]  # every episode is live in every round here
-            replies = [tokenizer(encoder.text([{"role": "user", "content": f"go on {k}"}]),
-                                 add_special_tokens=False)["input_ids"] for k in (1, 2)]
-            expected = turns[0] + replies[0] + turns[1] + replies[1] + turns[2]
-            n = int(out["attention_mask"][i].sum()) - len(out["prompt_ids"][i])
-            assert out["responses"][i, :n].tolist() == expected
-            assert out["response_mask"][i, :n].tolist() == sum(
-                ([1] * len(turns[k]) + ([0] * len(replies[k]) if k < 2 else []) for k in range(3)), [])
-            for ids in turns:
-                text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
-                retokenized_differs += tokenizer(text, add_special_tokens=False)["input_ids"] != [t for t in ids if t != eos]
-            assert out["env_reward"][i] == 1.5
-        assert retokenized_differs > 0  # the precondition: this tokenizer does not round-trip sampled ids
+        assert check_three_turn_trajectories(out, sampled, tokenizer, eos) > 0
+        assert out["env_reward"] == [1.5] * len(out)
         with torch.no_grad():
             logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
                            position_ids=out["position_ids"]).logits.float()

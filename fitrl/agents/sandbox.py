@@ -159,8 +159,11 @@ def _namespaces(scratch: str, network: bool) -> list[str]:
     libc = ctypes.CDLL(None, use_errno=True)
     newns, newnet, newuser = 0x00020000, 0x40000000, 0x10000000
     flags = newns | (0 if network else newnet)
-    if libc.unshare(flags) != 0 and libc.unshare(flags | newuser) != 0:
-        return []
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(flags) != 0:
+        if libc.unshare(flags | newuser) != 0:
+            return []
+        _map_ids(uid, gid)  # unmapped, this process would be "nobody" and could not write its own scratch
     layers = [] if network else ["network namespace"]
     rdonly, remount, bind, rec, private = 1, 32, 4096, 16384, 1 << 18
     if libc.mount(None, b"/", None, rec | private, None) != 0:
@@ -174,6 +177,19 @@ def _namespaces(scratch: str, network: bool) -> list[str]:
         if point != scratch:
             failed += libc.mount(None, point.encode(), None, remount | bind | rdonly, None) != 0
     return layers + (["read-only mounts"] if not failed else [])
+
+
+def _map_ids(uid: int, gid: int) -> None:
+    """Inside a new user namespace, keep this process's own user and group ids."""
+    try:
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"{gid} {gid} 1")
+    except OSError:
+        pass
 
 
 class _Guard:

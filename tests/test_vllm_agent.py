@@ -31,9 +31,13 @@ def test_vllm_episodes_are_token_exact_and_their_logprobs_are_the_trainers(tmp_p
                                       "rollout.max_response_length=128", f"rollout.agent.env={env}",
                                       "rollout.agent.max_turns=3", "rollout.agent.max_tokens_per_turn=24",
                                       "rollout.n=2"), rank=0, world_size=1)
-    sampled = spy_on_turns(worker.agent.engine)
-    out = worker.generate(prompts_from(worker, 4), worker.cfg.rollout.sampling())
-    assert check_three_turn_trajectories(out, sampled, worker.tokenizer, first[0]) > 0
-    trainer = worker.compute_logprob(out)["old_logprobs"]
-    mask = out["response_mask"]
-    assert float(((trainer - out["rollout_logprobs"]).abs() * mask).max()) <= 1e-4
+    try:
+        sampled = spy_on_turns(worker.agent.engine)
+        out = worker.generate(prompts_from(worker, 4), worker.cfg.rollout.sampling())
+        assert check_three_turn_trajectories(out, sampled, worker.tokenizer, first[0]) > 0
+        trainer = worker.compute_logprob(out)["old_logprobs"]
+        mask = out["response_mask"]
+        assert float(((trainer - out["rollout_logprobs"]).abs() * mask).max()) <= 1e-4
+    finally:  # now, not whenever the collector gets to it: vLLM's teardown resets its global state
+        worker.agent.close()
+        worker.rollout.release()

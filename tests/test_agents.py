@@ -335,3 +335,18 @@ def test_the_plan_counts_the_tool_workers_and_what_their_calls_may_allocate(tiny
     assert plan.node_host("update")["tool workers"] == 3 * C.TOOL_WORKER_HOST
     assert "tool calls (bound)" not in plan.node_host("update")
     assert plan.node_host("rollout")["tool calls (bound)"] == 3 * (C.GIB - C.TOOL_WORKER_HOST)
+
+
+def test_the_report_shows_an_episode_turn_by_turn():
+    from fitrl.report.page import sample_row
+
+    row = sample_row({"step": 3, "split": "train", "prompt": "<|im_start|>user\nWhat is 2+3?", "response": "5",
+                      "answer": 5, "reward": 1.0, "reward_components": {"exact": 1.0},
+                      "conversation": [{"role": "user", "content": "What is 2+3?"},
+                                       {"role": "assistant", "content": "<tool_call>{...}</tool_call>",
+                                        "tool_calls": [{"type": "function", "function": {"name": "calculator"}}]},
+                                       {"role": "tool", "name": "calculator", "content": "5"},
+                                       {"role": "assistant", "content": "5"}],
+                      "agent": {"turns": 2.0, "tool_calls": 1.0, "tool_errors": 0.0, "tool_timeouts": 0.0, "cut": ""}})
+    assert row["response"] == "[assistant] <tool_call>{...}</tool_call>\n[tool calculator] 5\n[assistant] 5"
+    assert row["components"] == "exact: 1\nepisode: 2 turns, 1 tool calls, 0 errors, 0 timeouts"

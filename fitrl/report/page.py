@@ -190,12 +190,34 @@ def sample_row(sample: dict) -> dict:
     lines = [f"{k}: {text(v)}" for k, v in components.items()] if isinstance(components, dict) else \
         ([text(components)] if components is not None else [])
     known = {"step", "split", "reward", "prompt", "response", "answer", "components", "reward_components", "source",
-             "origin"}
+             "origin", "conversation", "agent"}
     lines += [f"{k}: {text(v)}" for k, v in sample.items() if k not in known]
+    response = text(sample.get("response"))
+    if isinstance(sample.get("conversation"), list):  # a multi-turn episode: every turn after the prompt
+        response = conversation_text(sample["conversation"])
+    if isinstance(sample.get("agent"), dict):
+        a = sample["agent"]
+        lines.append(f"episode: {text(a.get('turns'))} turns, {text(a.get('tool_calls'))} tool calls, "
+                     f"{text(a.get('tool_errors'))} errors, {text(a.get('tool_timeouts'))} timeouts"
+                     + (f", cut by {a['cut']}" if a.get("cut") else ""))
     return {"step": text(sample.get("step")), "split": text(sample.get("split")), "reward": text(sample.get("reward")),
             "source": "\n".join(text(sample[k]) for k in ("source", "origin") if sample.get(k) is not None),
-            "prompt": text(sample.get("prompt")), "response": text(sample.get("response")),
+            "prompt": text(sample.get("prompt")), "response": response,
             "answer": text(sample.get("answer")), "components": "\n".join(lines)}
+
+
+def conversation_text(messages: list) -> str:
+    """An episode's turns after its prompt (from the first assistant turn on), one block each:
+    ``[assistant]``, ``[tool calculator]``, ``[user]`` and the text, as the model wrote or read it."""
+    start = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+                 len(messages))
+    blocks = []
+    for m in messages[start:]:
+        if not isinstance(m, dict):
+            continue
+        who = m.get("role", "?") + (f" {m['name']}" if m.get("role") == "tool" and m.get("name") else "")
+        blocks.append(f"[{who}] {m.get('content', '')}")
+    return "\n".join(blocks)
 
 
 def write_report(run_dir: Path | str, out: Optional[Path | str] = None, samples: int = 20) -> Path:

@@ -200,6 +200,31 @@ def reward_file(ws, text: str, function: str, *overrides: str, run_dir=None) -> 
     return ws.train_args(f"reward.function={path}:{function}", *overrides, run_dir=run_dir or ws.run)
 
 
+def agent_file(ws, name: str, text: str, key: str, obj: str, *overrides: str) -> list[str]:
+    """A user's environment or tool file for ``key`` (``rollout.agent.env``, ``rollout.agent.tools``)."""
+    path = ws.root / name
+    path.write_text(text)
+    value = f"[{path}:{obj}]" if key.endswith("tools") else f"{path}:{obj}"
+    return ws.train_args(f"{key}={value}", *overrides)
+
+
+NO_TOOLS_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def template_without_tools(ws) -> list[str]:
+    """The model's chat template replaced by one that ignores ``tools=``, then a run with a tool."""
+    jinja = ws.model / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(NO_TOOLS_TEMPLATE)
+    else:
+        path = ws.model / "tokenizer_config.json"
+        cfg = json.loads(path.read_text())
+        cfg["chat_template"] = NO_TOOLS_TEMPLATE
+        path.write_text(json.dumps(cfg))
+    return ws.train_args("rollout.agent.env=tools", "rollout.agent.tools=[calculator]")
+
+
 SEGFAULT_REWARD = "import ctypes\n\n\ndef crash(response, answer):\n    return ctypes.string_at(0)\n"
 
 

@@ -50,6 +50,8 @@ from bad_input_faults import (
     fewer_prompts_than_batch,
     images_on_text_model,
     reward_file,
+    agent_file,
+    template_without_tools,
     file_in_the_way,
     below_a_file,
     unwritable_before_model,
@@ -160,6 +162,17 @@ CASES = [
          lambda ws: reward_file(ws, SEGFAULT_REWARD, "crash", "reward.num_workers=0", "trainer.max_steps=1",
                                 run_dir=ws.root / "new-run"),
          r"Segmentation fault.*my_reward\.py\", line 5 in crash", exit=-11, subprocess=True),
+    # --- multi-turn agents (docs/agents.md)
+    Case("agent-env-unknown", "agent", on_new("rollout.agent.env=tool"), r"rollout\.agent\.env: unknown name 'tool'; "
+         r"did you mean 'tools'", check=no_new_run_dir),
+    Case("agent-env-syntax-error", "agent", lambda ws: agent_file(ws, "my_env.py", "class Env(:\n", "rollout.agent.env", "Env"),
+         r"config error: rollout\.agent\.env: .*my_env\.py:1: syntax error"),
+    Case("agent-tool-without-docstring", "agent",
+         lambda ws: agent_file(ws, "my_tools.py", "def lookup(key):\n    return key\n", "rollout.agent.tools", "lookup",
+                               "rollout.agent.env=tools"),
+         r"rollout\.agent\.tools: .*my_tools\.py:lookup: no JSON schema can be made .*Args:"),
+    Case("agent-template-cannot-render-tools", "agent", template_without_tools,
+         r"the chat template of .* does not render tools \(tool 'calculator' is missing"),
     # --- run directory
     Case("run-dir-under-proc", "run_dir", lambda ws: ws.train_args(run_dir=Path("/proc/fitrl-bad-inputs")),
          r"^fitrl: run directory: cannot create /proc/fitrl-bad-inputs \(trainer\.run_dir\)"),

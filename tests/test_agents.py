@@ -350,3 +350,21 @@ def test_the_report_shows_an_episode_turn_by_turn():
                       "agent": {"turns": 2.0, "tool_calls": 1.0, "tool_errors": 0.0, "tool_timeouts": 0.0, "cut": ""}})
     assert row["response"] == "[assistant] <tool_call>{...}</tool_call>\n[tool calculator] 5\n[assistant] 5"
     assert row["components"] == "exact: 1\nepisode: 2 turns, 1 tool calls, 0 errors, 0 timeouts"
+
+
+def test_validation_reports_the_episodes_too():
+    from fitrl.roles.reward import Scored
+    from fitrl.trainer.validation import ValidationSplits
+
+    splits = ValidationSplits(n=1, source_key="src", extract=lambda text: text)
+    stats = [{"turns": 2.0, "tool_calls": 1.0, "tool_seconds": 0.5, "tool_errors": 0.0, "tool_timeouts": 1.0,
+              "tool_crashes": 0.0, "cut": ""},
+             {"turns": 3.0, "tool_calls": 3.0, "tool_seconds": 0.1, "tool_errors": 2.0, "tool_timeouts": 0.0,
+              "tool_crashes": 0.0, "cut": "turns"}]
+    out = Batch({"response_mask": torch.ones(2, 3)},
+                fields={"uid": ["a", "b"], "extra": [{}, {}], "response_text": ["5", "<tool_call>"],
+                        "agent_stats": stats, "env_reward": [1.0, 0.0]})
+    splits.add(out, Scored(torch.tensor([1.0, 0.0]), {"exact": torch.tensor([1.0, 0.0])}))
+    m = splits.metrics()
+    assert (m["val/agent/turns"], m["val/agent/tool_calls"], m["val/agent/tool_errors"]) == (2.5, 2.0, 2.0)
+    assert (m["val/agent/tool_timeouts"], m["val/agent/cut/turns"], m["val/agent/env_reward"]) == (1.0, 0.5, 0.5)

@@ -27,8 +27,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.errors import RunStopped
+from fitrl.data.batch import Batch
 from fitrl.rewards import CORRECT_COMPONENTS
 from fitrl.rewards.rules import final_answer
+from fitrl.rollout.agent import agent_metrics
 
 UNKNOWN_SOURCE = "unknown"
 
@@ -123,6 +125,7 @@ class ValidationSplits:
         self.scores: list[float] = []
         self.components: list[dict[str, float]] = []
         self.lengths: list[float] = []
+        self.episodes = Batch(fields={"agent_stats": [], "env_reward": []})  # multi-turn runs: each episode's counters
 
     @classmethod
     def from_config(cls, cfg: FitrlConfig) -> "ValidationSplits":
@@ -149,6 +152,9 @@ class ValidationSplits:
                          scores=scored.scores.tolist(),
                          components={k: v.tolist() for k, v in scored.components.items()},
                          lengths=out["response_mask"].sum(-1).tolist())
+        if "agent_stats" in out.fields:
+            for k in ("agent_stats", "env_reward"):
+                self.episodes.fields[k] += list(out[k])
 
     # ------------------------------------------------------------------ metrics
     def correct(self) -> list[bool]:
@@ -162,6 +168,8 @@ class ValidationSplits:
             return {}
         correct = self.correct()
         m: dict[str, float] = {}
+        if self.episodes["agent_stats"]:  # val/agent/turns, val/agent/tool_calls, ... (docs/metrics.md)
+            m.update({prefix + k: v for k, v in agent_metrics(self.episodes).items()})
         if self.n > 1:
             groups = list(group_indices(self.uids).values())
             at_n = at_n_metrics(groups, correct, self.scores, self.answers, self.n)

@@ -368,3 +368,19 @@ def test_validation_reports_the_episodes_too():
     m = splits.metrics()
     assert (m["val/agent/turns"], m["val/agent/tool_calls"], m["val/agent/tool_errors"]) == (2.5, 2.0, 2.0)
     assert (m["val/agent/tool_timeouts"], m["val/agent/cut/turns"], m["val/agent/env_reward"]) == (1.0, 0.5, 0.5)
+
+
+def test_a_machine_without_namespaces_is_warned_about_once(tokenizer, caplog):
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    agent = AgentRollout(ScriptedEngine([], eos, pad), tokenizer,
+                         AgentConfig(env="tools", tools=["calculator"], tool_workers=1),
+                         max_response_length=32, eos_ids=[eos], pad_id=pad)
+    try:
+        agent.sandbox.layers = ["rlimits", "audit hook"]
+        agent._log_layers()
+        agent._log_layers()
+    finally:
+        agent.close()
+    warned = [r.message for r in caplog.records if "tool sandbox" in r.message]
+    assert warned == ["tool sandbox: this machine refused network namespace and read-only mounts (no root and no "
+                      "unprivileged user namespaces); tools are isolated by rlimits, audit hook"]

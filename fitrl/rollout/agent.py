@@ -300,9 +300,17 @@ class AgentRollout:
         return results  # type: ignore[return-value]
 
     def _log_layers(self) -> None:
-        if not self._logged_layers and self.sandbox.layers:
-            self._logged_layers = True
-            log.info("tool sandbox: %d workers, isolation: %s", len(self.sandbox._workers), ", ".join(self.sandbox.layers))
+        """Warn once when the kernel refused the sandbox's namespaces: Python code stays contained
+        (the audit hook), native code in a tool is then bounded by the rlimits only."""
+        layers = self.sandbox.layers
+        if self._logged_layers or not layers:
+            return
+        self._logged_layers = True
+        missing = [x for x in ("network namespace", "read-only mounts")
+                   if x not in layers and not (x == "network namespace" and self.cfg.tool_network)]
+        if missing:
+            log.warning("tool sandbox: this machine refused %s (no root and no unprivileged user namespaces); "
+                        "tools are isolated by %s", " and ".join(missing), ", ".join(layers))
 
     def _env_failed(self, e: Episode, method: str, err: Exception) -> None:
         e.cut = "env_error"

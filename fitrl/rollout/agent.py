@@ -182,7 +182,7 @@ class AgentRollout:
             live = [e for e in episodes if e.live]
             if not live:
                 break
-            self._model_turn(live, turn, sampling, per_turn)
+            self._model_turn(live, sampling, per_turn)
             answered = [e for e in live if e.live]
             self._environment_turn(answered, turn)
         for e in episodes:
@@ -217,7 +217,7 @@ class AgentRollout:
                                     f"{self.max_prompt_length}; raise data.max_prompt_length")
         return e
 
-    def _model_turn(self, live: list[Episode], turn: int, sampling: SamplingConfig, per_turn: int) -> None:
+    def _model_turn(self, live: list[Episode], sampling: SamplingConfig, per_turn: int) -> None:
         budget = {id(e): self.max_response_length - len(e.ids) for e in live}
         cap = min(per_turn, max(budget.values()))
         out = self.engine.generate(Batch(fields={"prompt_ids": [e.context() for e in live]}, meta=dict(pad_id=self.pad_id)),

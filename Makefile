@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- build the venv, make a tiny local model, run GRPO on the toy task
 #   make demo-vl -- the same with a tiny vision-language model on pictures of shapes (CPU, minutes)
+#   make demo-tools -- an agent: two-digit products through the calculator tool (CPU, ~7 min)
 #   make test   -- build the venv, run the test suite (what CI runs)
 #   make test-fast -- the fast tier: unit and single-process tests, two to three minutes
 #   make test-vllm -- the vLLM engine's tier alone, in its own environment (.venv-vllm)
@@ -20,7 +21,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.fitrl-installed
 
-.PHONY: demo demo-vl test test-unit test-fast test-vllm gpu-check bench bench-trl install browser clean
+.PHONY: demo demo-tools demo-vl test test-unit test-fast test-vllm gpu-check bench bench-trl install browser clean
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +66,9 @@ browser:
 
 demo: $(STAMP)
 	$(BIN)/fitrl demo
+
+demo-tools: $(STAMP)
+	$(BIN)/fitrl demo --tools
 
 demo-vl: $(STAMP)
 	$(BIN)/fitrl demo --vl

@@ -15,14 +15,15 @@ from pathlib import Path
 
 from fitrl.core.errors import Hung, Interrupted, RunStopped, UserError, WorkerFailed  # standard library only
 
-# `fitrl demo` variants: the config (its paths are relative to the repository root), the arch of
-# the tiny model it builds when missing, what writes the data when a data file is missing
+# `fitrl demo` variants: the config (its paths are relative to the repository root), the arch and
+# size of the tiny model it builds when missing, what writes the data when a data file is missing
 # ("module:function(out_dir, seed)"; None: the data is committed only), and the supervised warm
 # start run before GRPO (None: GRPO from the random model).
 DEMOS = {
-    "text": ("examples/arith_demo.yaml", "qwen2", None, "examples/arith_sft.yaml"),
-    "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "fitrl.data.toy_images:write_shapes_data", None),
-    "reward_model": ("examples/arith_rm.yaml", "qwen2", None, "examples/arith_sft.yaml"),
+    "text": ("examples/arith_demo.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
+    "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "tiny", "fitrl.data.toy_images:write_shapes_data", None),
+    "reward_model": ("examples/arith_rm.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
+    "tools": ("examples/mul_tools.yaml", "qwen2", "agent", None, "examples/mul_tools_sft.yaml"),
 }
 # the demo variants whose reward comes from a model trained for the task, made when missing
 # ("module:function(out_dir, seed)", written to reward.sources.<name>.model.path)
@@ -58,8 +59,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Make the tiny model (and the data) if missing, warm-start it with supervised steps on the
     answers, train GRPO from there, and judge validation accuracy before and after GRPO and the
     reward curve (a collapse to a degenerate policy is called that)."""
-    variant = "vl" if args.vl else "reward_model" if args.reward_model else "text"
-    config, arch, write_data, warm_start = DEMOS[variant]
+    variant = "vl" if args.vl else "reward_model" if args.reward_model else "tools" if args.tools else "text"
+    config, arch, size, write_data, warm_start = DEMOS[variant]
     root = Path(__file__).resolve().parent.parent
     if not Path(config).is_file() and (root / config).is_file():
         os.chdir(root)  # the demo's data and model paths are relative to the repository root
@@ -73,7 +74,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model_dir = Path(cfg.actor.model.path)
     if not (model_dir / "config.json").is_file():
         console.print(f"making a tiny random-initialised {arch} model in {model_dir} (nothing is downloaded)")
-        make_tiny_model(model_dir, arch=arch, size="tiny", seed=cfg.trainer.seed)
+        make_tiny_model(model_dir, arch=arch, size=size, seed=cfg.trainer.seed)
     data_files = [Path(f) for f in cfg.data.train_files + cfg.data.val_files]
     if write_data and not all(f.exists() for f in data_files):
         import importlib
@@ -280,8 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-model", action="store_true",
                    help="GRPO on the score of a tiny reward model trained for the task (made when missing), the rule "
                         "only logged: examples/arith_rm.yaml")
+    p.add_argument("--tools", action="store_true",
+                   help="an agent: two-digit products answered through the calculator tool in multi-turn episodes, "
+                        "warm-started on demonstration conversations: examples/mul_tools.yaml (docs/agents.md)")
     p.add_argument("--warm-start-steps", type=int, default=None,
-                   help="supervised steps before GRPO (text demo; default: examples/arith_sft.yaml's; 0: none)")
+                   help="supervised steps before GRPO (text and tools demos; default: the warm start config's; "
+                        "0: none)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith_demo.yaml (--vl: examples/shapes_vl.yaml)")
     p.set_defaults(fn=cmd_demo)
 
@@ -290,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
                    help="qwen2_vl, qwen2_5_vl, qwen3_vl: vision-language (sizes tiny, small), with the image "
                         "processor's files")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium", "agent"],
+                   help="agent: ~1M parameters, its tokenizer trained on tool-calling conversations too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--head-dim", type=int, default=None, metavar="N",
                    help="attention head size of the decoder (default: the size's own, 16 for tiny): the same width "

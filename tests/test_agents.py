@@ -384,3 +384,32 @@ def test_a_machine_without_namespaces_is_warned_about_once(tokenizer, caplog):
     warned = [r.message for r in caplog.records if "tool sandbox" in r.message]
     assert warned == ["tool sandbox: this machine refused network namespace and read-only mounts (no root and no "
                       "unprivileged user namespaces); tools are isolated by rlimits, audit hook"]
+
+
+@pytest.mark.slow
+def test_the_agent_demo_warm_starts_then_trains_episodes_with_the_calculator(tmp_path):
+    """``fitrl demo --tools`` (examples/mul_tools.yaml), shortened: it makes the agent-size model,
+    warm-starts it on the demonstration conversations, exports it, and trains GRPO on multi-turn
+    episodes that call the calculator (the learning figures are docs/demo.md's, from full runs)."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from helpers import ROOT
+
+    model, run = tmp_path / "model", tmp_path / "grpo"
+    proc = subprocess.run([sys.executable, "-m", "fitrl.cli", "demo", "--tools", "--warm-start-steps", "3",
+                           f"actor.model.path={model}", f"trainer.run_dir={run}", "trainer.max_steps=2",
+                           "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress_bar=false"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert json.loads((model / "fitrl_tiny.json").read_text())["size"] == "agent"
+    assert "warm start: 3 supervised steps" in proc.stdout and "only 2 steps" in proc.stdout
+    hf = Path(f"{run}-sft") / "hf"
+    assert yaml.safe_load((run / "config.yaml").read_text())["actor"]["model"]["path"] == str(hf)
+    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "agent/turns" in r]
+    assert len(steps) == 2 and all(r["agent/turns"] >= 1 for r in steps)
+    episode = json.loads((run / "generations.jsonl").read_text().splitlines()[0])
+    assert [m["role"] for m in episode["conversation"]][0] == "user" and "agent" in episode

@@ -20,10 +20,10 @@ MAX_EXPONENT = 1000
 
 
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression and return its value.
+    """Evaluate an arithmetic expression.
 
     Args:
-        expression: The expression, with numbers, + - * / // % ** and parentheses, e.g. "37 * (12 + 5)".
+        expression: Numbers, + - * / // % ** and parentheses.
     """
     value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
     if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:

@@ -71,7 +71,8 @@ __all__ = ["ARCHS", "SIZES", "VL_ARCHS", "VISION_SIZES", "VISION_TOKENS", "make_
 
 # ---------------------------------------------------------------------------------------------
 # Size table. Add a row to add a size; every key is passed to the HF config except ``vocab_size``,
-# which is the BPE target (the model's vocab is ``len(tokenizer)``, whatever BPE reaches).
+# which is the BPE target (the model's vocab is ``len(tokenizer)``, whatever BPE reaches), and
+# ``corpus``, the tokenizer's training text (default "base").
 # ---------------------------------------------------------------------------------------------
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -102,6 +103,20 @@ SIZES: dict[str, dict[str, Any]] = {
         intermediate_size=768,
         vocab_size=16384,
         tie_word_embeddings=False,
+    ),
+    # ~0.7M parameters with a tokenizer trained on tool-calling conversations too (``corpus``, see
+    # fitrl/models/tiny_tokenizer.py CORPORA): the agent example's model (examples/mul_tools.yaml),
+    # wide enough to learn, in a few hundred supervised steps, to copy numbers from the question
+    # into a call and from the tool's reply into the answer (tiny's 64 did not in 300)
+    "agent": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+        corpus="agent",
     ),
     # ~0.2B parameters (0.8 GiB in fp32): big enough that loading, not process overhead,
     # dominates host memory in the rank-0 initialisation benchmark
@@ -199,7 +214,7 @@ def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int 
     out.mkdir(parents=True, exist_ok=True)
 
     vocab_target = size_cfg.pop("vocab_size")
-    tokenizer = build_tokenizer(spec, vocab_target, MAX_POSITION_EMBEDDINGS)
+    tokenizer = build_tokenizer(spec, vocab_target, MAX_POSITION_EMBEDDINGS, size_cfg.pop("corpus", "base"))
 
     eos_id = tokenizer.convert_tokens_to_ids(spec.eos)
     pad_id = tokenizer.convert_tokens_to_ids(spec.pad)

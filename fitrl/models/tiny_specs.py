@@ -21,19 +21,18 @@ _CONTENT = (
     "{%- endif %}"
 )
 
-# Tools (``apply_chat_template(..., tools=[...])``) as Qwen2.5 renders them: their JSON schemas in
-# the system turn, the model's calls as <tool_call> JSON, each tool reply a <tool_response> in a
+# Tools (``apply_chat_template(..., tools=[...])``) as Qwen2.5 renders them, its instructions
+# shortened (a random tiny model cannot read them; each token of a constant prefix costs compute
+# and dilutes attention, docs/agents.md): their JSON schemas in the system turn, the model's calls as <tool_call> JSON, each tool reply a <tool_response> in a
 # user turn (consecutive replies in one). Without tools and tool messages the text is what it
 # was before tools existed, byte for byte.
 _TOOLS_SYSTEM = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{{- '# Tools\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within "
-    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{{- '\\n</tools>\\nCall one as <tool_call>{\\\"name\\\": ..., \\\"arguments\\\": {...}}</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
 )
 _TOOL_CALLS = (

@@ -13,11 +13,10 @@ Run: python examples/make_tools_data.py  (the files it writes are committed; thi
 
 import json
 import random
-import sys
 from pathlib import Path
 
 PHRASING = "What is {a} * {b}? Use the calculator."
-DEMONSTRATIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 400
+DEMONSTRATIONS = 400
 
 
 def tool_call(a: int, b: int) -> str:

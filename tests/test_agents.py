@@ -275,6 +275,75 @@ def test_the_limits_cut_episodes_and_say_which(tokenizer):
         assert int(out["attention_mask"][0].sum()) - len(out["prompt_ids"][0]) <= budget
 
 
+NAP_TOOL = '''
+import time
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "rested"
+'''
+
+
+class NapEngine(RolloutEngine):
+    """The "slow" episode naps 3 s once then answers; the "fast" one naps 0 s twice then answers.
+    Records which episodes each generate call held."""
+
+    def __init__(self, tokenizer, eos: int):
+        self.tokenizer, self.eos, self.batches = tokenizer, eos, []
+
+    @classmethod
+    def from_config(cls, *a, **k):
+        raise NotImplementedError
+
+    def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
+        texts = [self.tokenizer.decode(p) for p in prompts["prompt_ids"]]
+        self.batches.append(["slow" if "slow" in t else "fast" for t in texts])
+        out = []
+        for t in texts:
+            naps = [3] if "slow" in t else [0, 0]
+            done = t.count("<tool_response>")
+            reply = (f'<tool_call>{{"name": "nap", "arguments": {{"seconds": {naps[done]}}}}}</tool_call>'
+                     if done < len(naps) else "5")
+            out.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.eos])
+        width = max(map(len, out))
+        r = torch.tensor([ids + [self.eos] * (width - len(ids)) for ids in out])
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in out])
+        return Batch({"responses": r, "response_mask": mask, "finished": torch.ones(len(out), dtype=torch.long),
+                      "rollout_logprobs": torch.full(r.shape, -1.0)})
+
+
+def test_a_slow_tool_holds_up_only_its_own_episode(tokenizer, tmp_path):
+    """With ``overlap`` (the default) the fast episode takes its next two turns while the slow one's
+    tool still runs; without it, turns go in rounds. The trajectories are the same either way."""
+    (tmp_path / "naps.py").write_text(NAP_TOOL)
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    cfg = dict(env="tools", tools=[f"{tmp_path}/naps.py:nap"], tool_workers=2, max_turns=4)
+    prompts = _prompts([[{"role": "user", "content": "slow"}], [{"role": "user", "content": "fast"}]], tokenizer,
+                       tools=tool_schemas(cfg["tools"]))
+    outs = {}
+    for overlap, batches in ((True, [["slow", "fast"], ["fast"], ["fast"], ["slow"]]),
+                             (False, [["slow", "fast"], ["slow", "fast"], ["fast"]])):
+        engine = NapEngine(tokenizer, eos)
+        agent = AgentRollout(engine, tokenizer, AgentConfig(**cfg, overlap=overlap), max_response_length=256,
+                             eos_ids=[eos], pad_id=pad)
+        try:
+            outs[overlap] = agent.generate(prompts, SamplingConfig(n=1, max_tokens=64))
+        finally:
+            agent.close()
+        assert engine.batches == batches, overlap
+        assert [s["turns"] for s in outs[overlap]["agent_stats"]] == [2, 3]
+        assert [s["tool_calls"] for s in outs[overlap]["agent_stats"]] == [1, 2]
+        assert outs[overlap]["response_text"] == ["5", "5"]
+    for key in ("responses", "response_mask", "attention_mask"):
+        assert torch.equal(outs[True][key], outs[False][key]), key
+
+
 # -- the sandbox -----------------------------------------------------------------------------------
 
 

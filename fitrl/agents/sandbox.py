@@ -54,8 +54,9 @@ class SandboxLimits:
 class ToolSandbox(RewardPool):
     """``num_workers`` isolated processes calling the tools ``specs`` names.
 
-    ``run([(name, arguments), ...])`` returns one :class:`~fitrl.rewards.pool.Outcome` per call,
-    its value the tool's reply as text."""
+    ``call([(name, arguments), ...])`` returns one :class:`~fitrl.rewards.pool.Outcome` per call,
+    its value the tool's reply as text; ``submit_call`` and ``collect`` run calls while the caller
+    goes on."""
 
     worker_code = _WORKER_CODE
     what = "tool"
@@ -69,10 +70,18 @@ class ToolSandbox(RewardPool):
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, self.scratch_root, True)
 
     def call(self, calls: list[tuple[str, dict]], on_result=lambda: None) -> list[Outcome]:
-        outcomes = self.run([((name, args), {}) for name, args in calls], on_result)
+        """Every call at once; outcomes in order."""
+        return self.run([((name, args), {}) for name, args in calls], on_result)
+
+    def submit_call(self, name: str, arguments: dict) -> int:
+        """One call queued; :meth:`collect` reports its outcome under the key returned."""
+        return self.submit((name, arguments), {})
+
+    def collect(self, block: bool, on_result=lambda: None) -> dict[int, Outcome]:
+        done = super().collect(block, on_result)
         if not self.layers:
             self.layers = self._layers()
-        return outcomes
+        return done
 
     def _layers(self) -> list[str]:
         for w in self._workers:

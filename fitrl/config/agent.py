@@ -41,6 +41,11 @@ class AgentConfig:
     """Sandbox worker processes per policy rank (~60 MB of host memory each, plus what a call allocates up to ``tool_memory``)."""
     tool_network: bool = False
     """Let tools open network connections (a search tool); off, every socket is refused."""
+    overlap: bool = True
+    """Episodes whose tool calls are back take their next turn while other episodes' tools still
+    run (a slow tool holds up only its own episode). False: rounds, every live episode's turn and
+    then every tool call of the round; the batches the engine samples then do not depend on how
+    long tools take, so a seed reproduces a run exactly."""
     max_tool_output_chars: int = 2000
     """A tool's reply is cut to this many characters before it is tokenized into the trajectory."""
 

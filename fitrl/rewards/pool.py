@@ -18,7 +18,9 @@ closes; on Linux the kernel also kills them when the driver dies (``PR_SET_PDEAT
 the middle of a hung call. That signal follows the *thread* that started the worker: score from
 threads that live as long as the scorer (the main thread, or a long-lived executor thread).
 
-Not thread-safe: one ``run()`` at a time.
+Calls are submitted and collected by key (:meth:`RewardPool.submit`, :meth:`RewardPool.collect`),
+so a caller can go on while they run (the agents' tools, fitrl/rollout/agent.py); ``run()`` is
+both at once. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class _Worker:
         self.proc, self.conn = proc, conn
         self.started = time.monotonic()
         self.ready = False
-        self.call: Optional[int] = None      # index of the call in flight
+        self.call: Optional[int] = None      # key of the call in flight
         self.info: Any = None
         self.deadline = 0.0
 
@@ -77,6 +79,9 @@ class RewardPool:
         self.spec, self.timeout = spec, timeout
         self.restarts = 0                      # workers replaced after a timeout or a crash, ever
         self._init = init if init is not None else (spec, dict(kwargs), batched)
+        self._queue: deque[tuple[int, tuple, dict[str, Any]]] = deque()  # submitted, not yet sent
+        self._done: dict[int, Outcome] = {}    # outcomes not yet collected, by key
+        self._next_key = 0
         # Started now and not waited for: they load while the driver loads the model.
         self._workers = [self._start() for _ in range(num_workers)]
         # Runs at close() or when the pool is garbage-collected; holds the list, not the pool.
@@ -101,41 +106,70 @@ class RewardPool:
         """Each ``(args, kw)`` called once; outcomes in order. Takes at most about
         ``ceil(len(calls) / num_workers) * timeout`` seconds once the workers are up. ``on_result``
         is called as results arrive (the hang watchdog's heartbeat)."""
+        keys = [self.submit(args, kw) for args, kw in calls]
+        results: dict[int, Outcome] = {}
+        while len(results) < len(keys):
+            results.update(self.collect(block=True, on_result=on_result))
+        return [results[k] for k in keys]
+
+    def submit(self, args: tuple, kw: dict[str, Any]) -> int:
+        """Queue one call; returns its key, which :meth:`collect` reports with its outcome."""
         if not self._finalizer.alive:
             raise RuntimeError("the reward pool is closed")  # fitrl's own misuse, not the user's function
-        results: list[Optional[Outcome]] = [None] * len(calls)
-        pending = deque(range(len(calls)))
-        while pending or any(w.call is not None for w in self._workers):
-            for w in list(self._workers):
-                if w.ready and w.call is None and pending:
-                    if w.proc.poll() is not None:            # died while idle: costs no call anything
-                        self._replace(w)
-                        continue
-                    i = pending[0]
-                    try:
-                        w.conn.send((i, *calls[i]))
-                    except (BrokenPipeError, ConnectionResetError):  # died just now: the call waits
-                        self._replace(w)
-                        continue
-                    pending.popleft()
-                    w.call, w.deadline = i, time.monotonic() + self.timeout
+        self._next_key += 1
+        self._queue.append((self._next_key, args, kw))
+        return self._next_key
+
+    @property
+    def in_flight(self) -> int:
+        """Calls submitted and not yet reported by :meth:`collect`."""
+        return len(self._queue) + len(self._done) + sum(w.call is not None for w in self._workers)
+
+    def collect(self, block: bool, on_result: Callable[[], None] = lambda: None) -> dict[int, Outcome]:
+        """The outcomes finished since the last call, by key: sends queued calls to idle workers,
+        reads what came back, and kills the workers past their deadline. ``block``: wait until at
+        least one outcome is ready (or the next deadline passes) when none is; else return at once."""
+        while True:
+            self._dispatch()
             waiting = [w for w in self._workers if w.call is not None or not w.ready]
-            until = min(w.deadline if w.ready else w.started + START_TIMEOUT_S for w in waiting)
-            ready = wait([w.conn for w in waiting], timeout=max(0.0, until - time.monotonic()))
+            if self._done or not waiting or not block:
+                timeout = 0.0
+            else:
+                until = min(w.deadline if w.ready else w.started + START_TIMEOUT_S for w in waiting)
+                timeout = max(0.0, until - time.monotonic())
+            ready = wait([w.conn for w in waiting], timeout=timeout) if waiting else []
             for w in waiting:
                 if w.conn in ready:
-                    self._receive(w, results)
+                    self._receive(w, self._done)
                     on_result()
             now = time.monotonic()
             for w in list(self._workers):
                 if w.call is not None and now >= w.deadline:
-                    results[w.call] = Outcome("timeout", detail=f"no result within {self.timeout:g}s; worker killed")
+                    self._done[w.call] = Outcome("timeout", detail=f"no result within {self.timeout:g}s; worker killed")
                     self._replace(w)
                 elif not w.ready and now >= w.started + START_TIMEOUT_S:
                     raise RewardError(f"a {self.what} worker did not load {self.spec} within {START_TIMEOUT_S:g}s")
-        return results  # type: ignore[return-value]
+            if self._done or not block or self.in_flight == 0:
+                done, self._done = self._done, {}
+                return done
 
-    def _receive(self, w: _Worker, results: list[Optional[Outcome]]) -> None:
+    def _dispatch(self) -> None:
+        """Queued calls to the idle workers, oldest first."""
+        for w in list(self._workers):
+            if w.ready and w.call is None and self._queue:
+                if w.proc.poll() is not None:            # died while idle: costs no call anything
+                    self._replace(w)
+                    continue
+                key, args, kw = self._queue[0]
+                try:
+                    w.conn.send((key, args, kw))
+                except (BrokenPipeError, ConnectionResetError):  # died just now: the call waits
+                    self._replace(w)
+                    continue
+                self._queue.popleft()
+                w.call, w.deadline = key, time.monotonic() + self.timeout
+
+    def _receive(self, w: _Worker, results: dict[int, Outcome]) -> None:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):

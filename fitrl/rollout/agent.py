@@ -9,9 +9,13 @@ rewards, and never encoded back into the trajectory: re-encoding a model's text 
 ids than it sampled (BPE merges differ), and the trainer would then compute the log-probs of
 tokens nobody sampled.
 
-Turns run in rounds: every live episode's next turn in one ``engine.generate`` call (n=1 per
-context; a GRPO group's first prompt is shared, so the HF loop prefills it once), then every
-tool call of the round in the sandbox's workers at once, then each environment's ``step``.
+Model turns are batched: every episode ready for its next turn in one ``engine.generate`` call
+(n=1 per context; a GRPO group's first prompt is shared, so the HF loop prefills it once). Their
+tool calls go to the sandbox's workers, and with ``rollout.agent.overlap`` (the default) an
+episode whose calls are back takes its environment step and joins the next generation while other
+episodes' tools still run: a slow tool holds up only its own episode. Without it, turns run in
+rounds (every live episode's turn, then every tool call of the round, then each ``step``), and the
+batches sampled do not depend on the tools' timing.
 
 The batch returned has the rollout layout of fitrl/rollout/engine.py, with R covering the whole
 episode after the prompt (``rollout.max_response_length`` at most) and two differences:
@@ -67,7 +71,11 @@ class Episode:
     cut: str = ""
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0.0))
     pending_calls: list[ToolCall] = field(default_factory=list)
-    """The calls of the model's last turn, until the round's tools have run."""
+    """The calls of the model's last turn, until its environment step."""
+    results: list[Optional[ToolResult]] = field(default_factory=list)
+    """Their results, as they come back from the sandbox."""
+    outstanding: int = 0
+    """Calls of the last turn still running in the sandbox."""
 
     @property
     def live(self) -> bool:
@@ -164,6 +172,7 @@ class AgentRollout:
                                     limits=SandboxLimits(memory_bytes=cfg.memory_bytes(), network=cfg.tool_network,
                                                          max_output_chars=cfg.max_tool_output_chars))
                         if cfg.tools else None)
+        self._calls: dict[int, tuple[Episode, int]] = {}   # a sandbox call's key -> its episode and index
         self._logged_layers = False
         self._logged_env_error = False
 
@@ -177,17 +186,32 @@ class AgentRollout:
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
         seqs = prompts.repeat_interleave(sampling.n)
         episodes = [self._start(self._row(seqs, i)) for i in range(len(seqs))]
+        self._calls = {}
         per_turn = min(self.cfg.max_tokens_per_turn or self.max_response_length, self.max_response_length)
-        for turn in range(self.cfg.max_turns):
-            live = [e for e in episodes if e.live]
-            if not live:
-                break
-            self._model_turn(live, sampling, per_turn)
-            answered = [e for e in live if e.live]
-            self._environment_turn(answered, turn)
-        for e in episodes:
-            if e.live:  # still calling tools after max_turns
-                e.cut = "turns"
+        ready = [e for e in episodes if e.live]   # to take a model turn, in the batch's order
+        calling: list[Episode] = []               # between a model turn and its environment step
+        while ready or calling:
+            if ready:
+                self._model_turn(ready, sampling, per_turn)
+                for e in ready:
+                    if e.live:
+                        self._submit_tools(e)
+                        calling.append(e)
+                ready = []
+            if self.cfg.overlap:  # wait only when no episode could go on
+                self._collect_tools(block=all(e.outstanding for e in calling))
+            else:
+                while any(e.outstanding for e in calling):
+                    self._collect_tools(block=True)
+            stepped = [e for e in calling if not e.outstanding]
+            calling = [e for e in calling if e.outstanding]
+            for e in stepped:
+                self._environment_turn(e)
+                if e.live and e.stats["turns"] >= self.cfg.max_turns:  # still calling tools after max_turns
+                    e.cut = "turns"
+                if e.live:
+                    ready.append(e)
+            ready.sort(key=episodes.index)
         self._check_errors(episodes)
         return self._batch(prompts, seqs, episodes)
 
@@ -240,64 +264,71 @@ class AgentRollout:
                 e.cut = "total_tokens" if len(ids) >= room else "turn_tokens"
         PROGRESS.beat()
 
-    def _environment_turn(self, answered: list[Episode], turn: int) -> None:
-        results = self._run_tools(answered)
-        for e in answered:
-            calls: list[ToolCall] = e.pending_calls
-            where = f"{self.cfg.env}.step() (row {e.row.get('source')}, turn {turn + 1})"
-            try:
-                step = checked_step(e.env.step(Turn(e.last_text, calls, results[id(e)], turn)), where)
-            except EnvironmentError_:
-                raise
-            except Exception as err:  # noqa: BLE001 -- counted like a reward error
-                self._env_failed(e, f"step (turn {turn + 1})", err)
-                continue
-            if step.reward is not None:
-                e.env_reward += float(step.reward)
-            if step.done:
-                e.done = True
-                continue
-            reply = self.encoder.encode(step.messages)
-            e.messages.extend(step.messages)
-            if len(e.ids) + len(reply) >= self.max_response_length:  # no room for the reply and a turn after it
-                e.cut = "total_tokens"
-                continue
-            e.add(reply, model=False)
+    def _environment_turn(self, e: Episode) -> None:
+        """The environment's step on the model's last turn and its tools' results; its reply appended."""
+        turn = int(e.stats["turns"]) - 1
+        where = f"{self.cfg.env}.step() (row {e.row.get('source')}, turn {turn + 1})"
+        try:
+            step = checked_step(e.env.step(Turn(e.last_text, e.pending_calls, list(e.results), turn)), where)
+        except EnvironmentError_:
+            raise
+        except Exception as err:  # noqa: BLE001 -- counted like a reward error
+            self._env_failed(e, f"step (turn {turn + 1})", err)
+            return
+        if step.reward is not None:
+            e.env_reward += float(step.reward)
+        if step.done:
+            e.done = True
+            return
+        reply = self.encoder.encode(step.messages)
+        e.messages.extend(step.messages)
+        if len(e.ids) + len(reply) >= self.max_response_length:  # no room for the reply and a turn after it
+            e.cut = "total_tokens"
+            return
+        e.add(reply, model=False)
 
-    def _run_tools(self, episodes: list[Episode]) -> dict[int, list[ToolResult]]:
-        """Every episode's tool calls of this round, all at once in the sandbox's workers."""
-        results: dict[int, list[Optional[ToolResult]]] = {}
-        todo: list[tuple[int, int, ToolCall]] = []
-        for e in episodes:
-            calls = e.pending_calls
-            results[id(e)] = [None] * len(calls)
-            for j, c in enumerate(calls):
-                e.stats["tool_calls"] += 1
-                if c.error:
-                    results[id(e)][j] = ToolResult(c.name, f"error: {c.error}", status="error")
-                else:
-                    todo.append((id(e), j, c))
-        if todo:
-            outcomes = self.sandbox.call([(c.name, c.arguments) for _, _, c in todo], on_result=PROGRESS.beat)
-            self._log_layers()
-            for (eid, j, c), o in zip(todo, outcomes):
-                if o.status == "ok":
-                    text, seconds = o.value
-                    results[eid][j] = ToolResult(c.name, text, "ok", seconds)
-                elif o.status == "timeout":
-                    results[eid][j] = ToolResult(c.name, f"error: the call took longer than {self.cfg.tool_timeout:g}s "
-                                                         "and was stopped", "timeout", self.cfg.tool_timeout)
-                else:
-                    crashed = "worker process died" in o.detail
-                    detail = (f"the tool's process crashed ({o.detail.split('(')[-1].rstrip(')')})" if crashed
-                              else o.detail.splitlines()[0][:500])
-                    results[eid][j] = ToolResult(c.name, f"error: {detail}", "crash" if crashed else "error")
-        for e in episodes:
-            for r in results[id(e)]:
-                e.stats["tool_seconds"] += r.seconds
-                if r.status != "ok":
-                    e.stats[{"error": "tool_errors", "timeout": "tool_timeouts", "crash": "tool_crashes"}[r.status]] += 1
-        return results  # type: ignore[return-value]
+    def _submit_tools(self, e: Episode) -> None:
+        """The model's last turn's calls: the unparsable ones answered now, the rest sent to the sandbox."""
+        e.results = [None] * len(e.pending_calls)
+        e.outstanding = 0
+        for j, c in enumerate(e.pending_calls):
+            e.stats["tool_calls"] += 1
+            if c.error:
+                self._record(e, j, ToolResult(c.name, f"error: {c.error}", status="error"))
+            else:
+                self._calls[self.sandbox.submit_call(c.name, c.arguments)] = (e, j)
+                e.outstanding += 1
+
+    def _collect_tools(self, block: bool) -> None:
+        """The sandbox's finished calls into their episodes' results (``block``: wait for one)."""
+        if not self._calls:
+            return
+        for key, o in self.sandbox.collect(block, on_result=PROGRESS.beat).items():
+            if (entry := self._calls.pop(key, None)) is None:  # a call of a batch that raised
+                continue
+            e, j = entry
+            self._record(e, j, self._tool_result(e.pending_calls[j], o))
+            e.outstanding -= 1
+        self._log_layers()
+
+    def _tool_result(self, c: ToolCall, o) -> ToolResult:
+        if o.status == "ok":
+            text, seconds = o.value
+            return ToolResult(c.name, text, "ok", seconds)
+        if o.status == "timeout":
+            return ToolResult(c.name, f"error: the call took longer than {self.cfg.tool_timeout:g}s and was stopped",
+                              "timeout", self.cfg.tool_timeout)
+        crashed = "worker process died" in o.detail
+        detail = (f"the tool's process crashed ({o.detail.split('(')[-1].rstrip(')')})" if crashed
+                  else o.detail.splitlines()[0][:500])
+        return ToolResult(c.name, f"error: {detail}", "crash" if crashed else "error")
+
+    @staticmethod
+    def _record(e: Episode, j: int, r: ToolResult) -> None:
+        e.results[j] = r
+        e.stats["tool_seconds"] += r.seconds
+        if r.status != "ok":
+            e.stats[{"error": "tool_errors", "timeout": "tool_timeouts", "crash": "tool_crashes"}[r.status]] += 1
 
     def _log_layers(self) -> None:
         """Warn once when the kernel refused the sandbox's namespaces: Python code stays contained

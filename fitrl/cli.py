@@ -23,7 +23,8 @@ DEMOS = {
     "text": ("examples/arith_demo.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
     "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "tiny", "fitrl.data.toy_images:write_shapes_data", None),
     "reward_model": ("examples/arith_rm.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
-    "tools": ("examples/mul_tools.yaml", "qwen2", "agent", None, "examples/mul_tools_sft.yaml"),
+    "tools": ("examples/mul_tools.yaml", "qwen2", "agent", "fitrl.data.toy_tools:write_mul_tools_data",
+              "examples/mul_tools_sft.yaml"),
 }
 # the demo variants whose reward comes from a model trained for the task, made when missing
 # ("module:function(out_dir, seed)", written to reward.sources.<name>.model.path)

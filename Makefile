@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- build the venv, make a tiny local model, run GRPO on the toy task
 #   make demo-vl -- the same with a tiny vision-language model on pictures of shapes (CPU, minutes)
-#   make demo-tools -- an agent: two-digit products through the calculator tool (CPU, ~7 min)
+#   make demo-tools -- an agent: two-digit products through the calculator tool (CPU, ~11 min)
 #   make test   -- build the venv, run the test suite (what CI runs)
 #   make test-fast -- the fast tier: unit and single-process tests, two to three minutes
 #   make test-vllm -- the vLLM engine's tier alone, in its own environment (.venv-vllm)

@@ -188,6 +188,7 @@ class AgentRollout:
         episodes = [self._start(self._row(seqs, i)) for i in range(len(seqs))]
         self._calls = {}
         per_turn = min(self.cfg.max_tokens_per_turn or self.max_response_length, self.max_response_length)
+        order = {id(e): i for i, e in enumerate(episodes)}
         ready = [e for e in episodes if e.live]   # to take a model turn, in the batch's order
         calling: list[Episode] = []               # between a model turn and its environment step
         while ready or calling:
@@ -211,7 +212,7 @@ class AgentRollout:
                     e.cut = "turns"
                 if e.live:
                     ready.append(e)
-            ready.sort(key=episodes.index)
+            ready.sort(key=lambda e: order[id(e)])
         self._check_errors(episodes)
         return self._batch(prompts, seqs, episodes)
 

@@ -1,10 +1,16 @@
 """What the token-exactness tests of both engines share (tests/test_agents.py,
-tests/test_vllm_agent.py): a spy on an engine's turns, and the check of a 3-turn trajectory."""
+tests/test_vllm_agent.py): a spy on an engine's turns, and the check of a 3-turn trajectory;
+and the scripted engine and sleeping tool of the overlap test."""
 
 from __future__ import annotations
 
+import torch
+
 from fitrl.agents import Environment, Step
+from fitrl.config.schema import SamplingConfig
+from fitrl.data.batch import Batch
 from fitrl.rollout.agent import EnvTurnEncoder
+from fitrl.rollout.engine import RolloutEngine
 
 
 class Talk3(Environment):
@@ -53,3 +59,46 @@ def check_three_turn_trajectories(out, sampled, tokenizer, end_id: int) -> int:
             body = ids[:-1]  # the turn's end token removed
             differs += tokenizer(tokenizer.decode(body, skip_special_tokens=True), add_special_tokens=False)["input_ids"] != body
     return differs
+
+
+NAP_TOOL = '''
+import time
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "rested"
+'''
+
+
+class NapEngine(RolloutEngine):
+    """The "slow" episode naps 3 s once then answers; the "fast" one naps 0 s twice then answers.
+    Records which episodes each generate call held."""
+
+    def __init__(self, tokenizer, eos: int):
+        self.tokenizer, self.eos, self.batches = tokenizer, eos, []
+
+    @classmethod
+    def from_config(cls, *a, **k):
+        raise NotImplementedError
+
+    def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
+        texts = [self.tokenizer.decode(p) for p in prompts["prompt_ids"]]
+        self.batches.append(["slow" if "slow" in t else "fast" for t in texts])
+        out = []
+        for t in texts:
+            naps = [3] if "slow" in t else [0, 0]
+            done = t.count("<tool_response>")
+            reply = (f'<tool_call>{{"name": "nap", "arguments": {{"seconds": {naps[done]}}}}}</tool_call>'
+                     if done < len(naps) else "5")
+            out.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.eos])
+        width = max(map(len, out))
+        r = torch.tensor([ids + [self.eos] * (width - len(ids)) for ids in out])
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in out])
+        return Batch({"responses": r, "response_mask": mask, "finished": torch.ones(len(out), dtype=torch.long),
+                      "rollout_logprobs": torch.full(r.shape, -1.0)})

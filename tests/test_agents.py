@@ -24,7 +24,7 @@ from fitrl.data.batch import Batch
 from fitrl.rollout.agent import AgentRollout, agent_metrics
 from fitrl.rollout.engine import RolloutEngine
 from fitrl.rollout.hf import HFRollout
-from agent_helpers import Talk3, check_three_turn_trajectories, spy_on_turns
+from agent_helpers import NAP_TOOL, NapEngine, Talk3, check_three_turn_trajectories, spy_on_turns
 
 # -- tool calls and tools (no model) ---------------------------------------------------------------
 
@@ -273,49 +273,6 @@ def test_the_limits_cut_episodes_and_say_which(tokenizer):
         assert (out["agent_stats"][0]["cut"], out["agent_stats"][0]["turns"]) == (cut, turns)
         assert out["finished"].tolist() == [0]
         assert int(out["attention_mask"][0].sum()) - len(out["prompt_ids"][0]) <= budget
-
-
-NAP_TOOL = '''
-import time
-
-
-def nap(seconds: float) -> str:
-    """Sleep, then say so.
-
-    Args:
-        seconds: How long to sleep.
-    """
-    time.sleep(seconds)
-    return "rested"
-'''
-
-
-class NapEngine(RolloutEngine):
-    """The "slow" episode naps 3 s once then answers; the "fast" one naps 0 s twice then answers.
-    Records which episodes each generate call held."""
-
-    def __init__(self, tokenizer, eos: int):
-        self.tokenizer, self.eos, self.batches = tokenizer, eos, []
-
-    @classmethod
-    def from_config(cls, *a, **k):
-        raise NotImplementedError
-
-    def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
-        texts = [self.tokenizer.decode(p) for p in prompts["prompt_ids"]]
-        self.batches.append(["slow" if "slow" in t else "fast" for t in texts])
-        out = []
-        for t in texts:
-            naps = [3] if "slow" in t else [0, 0]
-            done = t.count("<tool_response>")
-            reply = (f'<tool_call>{{"name": "nap", "arguments": {{"seconds": {naps[done]}}}}}</tool_call>'
-                     if done < len(naps) else "5")
-            out.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.eos])
-        width = max(map(len, out))
-        r = torch.tensor([ids + [self.eos] * (width - len(ids)) for ids in out])
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in out])
-        return Batch({"responses": r, "response_mask": mask, "finished": torch.ones(len(out), dtype=torch.long),
-                      "rollout_logprobs": torch.full(r.shape, -1.0)})
 
 
 def test_a_slow_tool_holds_up_only_its_own_episode(tokenizer, tmp_path):

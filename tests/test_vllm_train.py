@@ -194,3 +194,27 @@ def test_push_failing_part_way_stops_the_run_in_one_line_and_keeps_the_checkpoin
     verify = subprocess.run([sys.executable, "-m", "fitrl.cli", "checkpoint", "verify", str(run / "checkpoints" / "step_2")],
                             capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_broken_engine_is_rebuilt_by_a_restart(trained, tmp_path):
+    """The same push failing part-way with trainer.max_restarts=1: the worker group and its engine
+    are rebuilt in the same process, the run resumes from step_2 and finishes its 6 steps, each
+    recorded once, with a restart event naming the broken engine."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import DATA, EXAMPLE
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_PUSH, "train", EXAMPLE, f"actor.model.path={trained['model_dir']}",
+         f"trainer.run_dir={run}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "data.val_files=[]",
+         "rollout.engine=vllm", "trainer.max_steps=6", "checkpoint.save_freq=2", "trainer.max_restarts=1",
+         "trainer.progress_bar=false", "memory.plan=off"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "restart 1 of trainer.max_restarts=1: EngineBroken" in proc.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3, 4, 5, 6]
+    restarts = [r for r in records if r.get("event") == "restart"]
+    assert [r["step"] for r in restarts] == [2] and "weight push failed part-way" in restarts[0]["cause"]

@@ -101,7 +101,7 @@ def test_a_rank_hung_in_its_update_is_named_with_its_stack(tiny_model_dir, tmp_p
     waiting = " (policy rank 0 waiting in a collective)" if phase == "update" else ""  # (generation has none)
     assert (f"hang: phase {phase!r} made no progress for 15 s (trainer.hang_timeout_s); stuck: policy rank 1"
             + waiting) in out
-    assert "_injected_fault" in out  # rank 1's own main-thread stack, from its health thread
+    assert "fault_point" in out  # rank 1's own main-thread stack, from its health thread
     assert "step_1" in proc.stderr.strip().splitlines()[-1]  # the resume point: the last complete checkpoint
     hang = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"hang"' in line]
     assert hang[0]["phase"] == phase and hang[0]["step"] == 2 and set(hang[0]["ranks"]) == {"policy.rank0",
@@ -123,7 +123,8 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_the_run_reads_as_
     """Rank 1 is SIGKILLed in its 3rd update of each process: at step 3, then (its new process
     counting again from the resume at step 3) at step 5. With trainer.max_restarts=2 the run
     finishes its 6 steps, each recorded once, with the same metrics as a run never killed
-    (checkpoints every step, exact resume on CPU)."""
+    (checkpoints every step, exact resume on CPU). With 0, a kill mid-generation stops the run
+    naming the rank and the phase, its last checkpoint loadable."""
     pytest.importorskip("ray")
     killed = ray_run(tiny_model_dir, tmp_path / "killed", "trainer.max_steps=6", "trainer.max_restarts=2",
                      env={"FITRL_INJECT_FAULT": "policy:1:update:3:kill"})
@@ -142,6 +143,13 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_the_run_reads_as_
     for a, b in zip(steps, same):
         for key in ("reward/mean", "actor/grad_norm", "actor/entropy", "response/length_mean"):
             assert a[key] == b[key], (a["step"], key)
+    # max_restarts=0: it stops as before; here rank 1 dies mid-generation (its 3rd rollout call)
     stopped = ray_run(tiny_model_dir, tmp_path / "stopped", "trainer.max_steps=6",
-                      env={"FITRL_INJECT_FAULT": "policy:1:update:3:kill"})
-    assert stopped.returncode == 1 and "fitrl: worker failed" in stopped.stderr  # max_restarts=0: as before
+                      env={"FITRL_INJECT_FAULT": "policy:1:rollout:3:kill"})
+    assert stopped.returncode == 1, stopped.stderr[-2000:]
+    error = [line for line in stopped.stderr.splitlines() if line.startswith("fitrl: worker failed")]
+    assert error and error[0].startswith("fitrl: worker failed: policy rank 1 on node "), stopped.stderr[-2000:]
+    assert "died during 'generate'" in error[0], error  # (the rank's method: the rollout phase's call)
+    verify = subprocess.run([sys.executable, "-m", "fitrl.cli", "checkpoint", "verify",
+                             str(tmp_path / "stopped" / "checkpoints" / "step_2")], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr  # the last complete step's checkpoint loads

@@ -74,6 +74,13 @@ class EngineError(RunStopped):
     checkpoint are intact; the message says what happened and what to change (exit 1)."""
 
 
+class EngineBroken(EngineError):
+    """A rollout engine that worked broke mid-run (a weight push failed part-way, the engine or
+    one of its processes died during a call): rebuilding it serves again, so with
+    ``trainer.max_restarts`` the run restarts from its newest checkpoint (fitrl/trainer/run.py);
+    an engine that could not be built at all stays an :class:`EngineError`."""
+
+
 class Diverged(RunStopped):
     """The training has diverged (non-finite loss, gradient, weights or logits; a saturated or
     collapsed policy; KL or reward out of bounds): the run stops without saving the diverged

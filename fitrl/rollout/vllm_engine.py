@@ -22,8 +22,10 @@ The engine's lifecycle per RL step (driven by :class:`fitrl.roles.workers.Policy
 The engine is built with ``load_format="dummy"``: it never reads the checkpoint, since the first
 wake pushes the trainer's weights (LoRA adapters merged), one full tensor at a time. A push that
 fails part-way leaves vLLM with half-loaded (meta) layers; the engine is then marked broken and
-the step fails with :class:`~fitrl.core.errors.EngineError` while the trainer's state and its
-last checkpoint stay intact.
+the step fails with :class:`~fitrl.core.errors.EngineBroken` while the trainer's state and its
+last checkpoint stay intact; so does a failure of vLLM's own during generation (its engine core
+or a TP worker process died). With ``trainer.max_restarts`` the run then restarts: the worker
+groups, and with them the engine, are rebuilt and resume from the newest checkpoint.
 
 Log-probs: those of the tempered distribution before top-k/top-p truncation, as the HF engine
 records and the trainer recomputes (fitrl/rollout/vllm_worker.py says how). Greedy decoding is
@@ -40,7 +42,7 @@ from typing import Any, Optional
 import torch
 
 from fitrl.config.schema import RolloutConfig, SamplingConfig
-from fitrl.core.errors import ConfigError, Diverged, EngineError
+from fitrl.core.errors import ConfigError, Diverged, EngineBroken
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
 from fitrl.models.families import media_spec_of
@@ -115,7 +117,7 @@ class VllmRollout(RolloutEngine):
 
     def wake(self) -> None:
         if self.broken:
-            raise EngineError(self.broken)
+            raise EngineBroken(self.broken)
         if not self.awake:
             self.llm.wake_up(tags=["weights"])
         if self.stale:
@@ -153,7 +155,7 @@ class VllmRollout(RolloutEngine):
                            f"{str(e).splitlines()[0] if str(e) else ''}); the trainer's state and its last "
                            "checkpoint are intact: resume from the checkpoint")
             if isinstance(e, Exception):
-                raise EngineError(self.broken) from e
+                raise EngineBroken(self.broken) from e
             raise
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         if self.vision is not None:  # and cached image encodings (a cache miss then fails the request)
@@ -189,7 +191,7 @@ class VllmRollout(RolloutEngine):
         """prompts: field ``prompt_ids`` (list[list[int]]) and any per-prompt fields, repeated
         ``n`` times in the result (layout: :mod:`fitrl.rollout.engine`)."""
         if self.broken:
-            raise EngineError(self.broken)
+            raise EngineBroken(self.broken)
         if self.stale or not self.awake:
             self.wake()
         GUARD.check(collective=False)  # safe point before the engine takes over
@@ -205,7 +207,7 @@ class VllmRollout(RolloutEngine):
         else:
             if self.layout.mode == "workers":  # TP workers draw from their own RNGs: seeded from this process's
                 self.llm.collective_rpc("fitrl_seed", args=(int(torch.randint(0, 2**62, ())),))
-            outputs = self.llm.generate(requests, self._params(sampling), use_tqdm=heartbeat_bar)
+            outputs = self._engine_call(self.llm.generate, requests, self._params(sampling), use_tqdm=heartbeat_bar)
         responses, logprobs = [], []
         for out in outputs:
             for sample in sorted(out.outputs, key=lambda s: s.index):
@@ -238,8 +240,22 @@ class VllmRollout(RolloutEngine):
         devices = [torch.cuda.current_device()] if self.cuda else []
         with torch.random.fork_rng(devices=devices):  # the trainer's own stream resumes after
             torch.manual_seed(gathered[0][1])
-            outputs = self.llm.generate(everyone, self._params(sampling), use_tqdm=heartbeat_bar)
+            outputs = self._engine_call(self.llm.generate, everyone, self._params(sampling), use_tqdm=heartbeat_bar)
         return outputs[start:start + len(requests)]
+
+    def _engine_call(self, fn, *args, **kwargs):
+        """``fn`` (a call into vLLM); vLLM's own failure (its engine core or a TP worker process died,
+        a scheduler error) marks the engine broken: an :class:`EngineBroken` naming the cause, which
+        a restart rebuilds (``trainer.max_restarts``). fitrl's own stops pass through."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if not type(e).__module__.startswith("vllm"):
+                raise
+            self.broken = (f"the vLLM engine failed during generation ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else 'no message'}); the trainer's state and its last "
+                           "checkpoint are intact: resume from the checkpoint (or set trainer.max_restarts)")
+            raise EngineBroken(self.broken) from e
 
     def _request(self, prompts: Batch, i: int) -> dict[str, Any]:
         ids = list(prompts["prompt_ids"][i])

@@ -15,7 +15,7 @@ from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_batch_numbers
 from fitrl.agents.tools import tool_schemas
 from fitrl.core.device import resolve_device
-from fitrl.core.errors import DataError, Hung, WorkerFailed
+from fitrl.core.errors import DataError, EngineBroken, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.check import check_model_configs, check_run_models
 from fitrl.models.families import media_spec_of
@@ -119,7 +119,7 @@ def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = F
     while True:
         try:
             return _train_once(cfg, console, where, restart_event=event, supervised=supervised)
-        except (WorkerFailed, Hung) as e:
+        except (WorkerFailed, Hung, EngineBroken) as e:
             if restarts >= cfg.trainer.max_restarts or "run_dir" not in where:
                 raise
             restarts += 1

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fitrl.core.faults import fault_point, identify
 from fitrl.distributed.process_group import DistEnv, free_port, init_distributed
 from fitrl.ops.sharing import SKIPPED_PROMPTS
 from fitrl.telemetry.guard import GUARD
@@ -32,6 +33,7 @@ class RankActor:
         self.role, self.rank = role, env.rank
         self.num_threads, self.device_index = num_threads, None
         self._bound = {threading.get_ident()}  # threads whose per-thread torch state is this rank's
+        identify(role, env.rank)
         GUARD.process = f"{role}.rank{env.rank}"  # thresholds come from the worker's config
         self.node_ip = ray.util.get_node_ip_address()
         self.worker = None
@@ -82,7 +84,7 @@ class RankActor:
             return getattr(self.worker, method)(*args, **kwargs)
         GUARD.phase = phase
         PROGRESS.enter(phase)
-        _injected_fault(self.role, self.rank, phase)
+        fault_point(phase)  # FITRL_INJECT_FAULT, for the tests of hangs and restarts
         try:
             with RECORDER.phase(phase), SKIPPED_PROMPTS.during(phase):
                 return getattr(self.worker, method)(*args, **kwargs)
@@ -107,40 +109,6 @@ class RankActor:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-INJECT_FAULT = "FITRL_INJECT_FAULT"
-"""For the tests of hangs and restarts (tests/test_watchdog.py, bench/restart_soak.py):
-``<role>:<rank>:<phase>:<n>:<hang|kill>`` makes that rank's n-th call in that phase never return
-(as a rank stuck in user code would), or kills its process (as the kernel's OOM killer or a lost
-node would); counted per process. ``<n>`` written ``p0.05`` instead: each call, with that
-probability."""
-_CALLS: dict[str, int] = {}
-
-
-def _injected_fault(role: str, rank: int, phase: str) -> None:
-    spec = os.environ.get(INJECT_FAULT)
-    if not spec:
-        return
-    want_role, want_rank, want_phase, nth, fault = spec.split(":")
-    if (role, str(rank), phase) != (want_role, want_rank, want_phase):
-        return
-    _CALLS[phase] = _CALLS.get(phase, 0) + 1
-    if nth.startswith("p"):
-        import random
-
-        if random.random() >= float(nth[1:]):
-            return
-    elif _CALLS[phase] != int(nth):
-        return
-    if fault == "kill":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-    import time
-
-    while True:  # a hang: no heartbeat from here on
-        time.sleep(0.1)
 
 
 _REMOTE: dict[str, Any] = {}

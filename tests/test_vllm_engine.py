@@ -99,6 +99,19 @@ from vllm_helpers import prompts_from, vllm_config
 w = PolicyWorker(vllm_config(sys.argv[1], sys.argv[2]), rank=0, world_size=1)
 w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
 
+from vllm.v1.engine.exceptions import EngineDeadError
+from fitrl.core.errors import EngineBroken
+
+def dead(*args, **kwargs):
+    raise EngineDeadError("simulated: the engine core died")
+
+generate, w.rollout.llm.generate = w.rollout.llm.generate, dead
+with pytest.raises(EngineBroken, match="failed during generation.*EngineDeadError.*trainer.max_restarts"):
+    w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())  # vLLM's own failure: restartable
+with pytest.raises(EngineBroken, match="failed during generation"):  # refused from then on
+    w.generate(prompts_from(w, 2), w.cfg.rollout.sampling())
+w.rollout.llm.generate, w.rollout.broken = generate, None  # (a fake death: the engine itself is fine)
+
 def half(model=w.model):
     for i, item in enumerate(w.params.inference_weights(model)):
         if i == 3:
@@ -115,7 +128,8 @@ print("CHECKED")
 
 
 def test_failed_push_leaves_engine_marked_broken(model_dir, tmp_path):
-    """In a process of its own: a half-loaded engine must not outlive the check (in a run, the
+    """A push failing part-way, and vLLM's own failure during generation, mark the engine broken
+    (EngineBroken: a restart rebuilds it). In a process of its own: a half-loaded engine must not outlive the check (in a run, the
     process ends with the step; in this test process it would break the engines built after it)."""
     import subprocess
     import sys

@@ -428,7 +428,7 @@ def test_the_agent_demo_warm_starts_then_trains_episodes_with_the_calculator(tmp
     model, run = tmp_path / "model", tmp_path / "grpo"
     proc = subprocess.run([sys.executable, "-m", "fitrl.cli", "demo", "--tools", "--warm-start-steps", "3",
                            f"actor.model.path={model}", f"trainer.run_dir={run}", "trainer.max_steps=2",
-                           "trainer.val_freq=0", "trainer.val_before_train=false", "rollout.val.n=1",
+                           "data.rollout_batch_size=4", "actor.mini_batch_size=4", "trainer.val_freq=0", "trainer.val_before_train=false", "rollout.val.n=1",
                            "trainer.progress_bar=false"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]

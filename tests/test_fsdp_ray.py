@@ -79,6 +79,25 @@ def test_two_fsdp_ranks_match_one_process(ray_cluster, tiny_model_dir, tmp_path,
     assert_same_step(state, reference, variant, roundoff)
 
 
+def test_ranks_agree_on_sharing_a_prompt(ray_cluster, tiny_model_dir, tmp_path, reference):
+    """Rank 0's micro-batches hold a prompt twice (a shared-prompt forward: the model runs twice),
+    rank 1's hold distinct prompts (one packed or padded forward). Under FSDP2 each run of a layer
+    all-gathers it, so ranks choosing differently would pair mismatched collectives: a hang, or
+    shards silently exchanged between layers of one shape. They share all together or not at
+    all, and the step is the one process's."""
+    from fitrl.workers.ray_group import RayWorkerGroup
+
+    batch, ref_metrics, _, _ = reference  # rows 2i and 2i + 1: prompt i's two samples
+    shards = [batch.index([0, 1, 2, 3]), batch.index([4, 6, 5, 7])]  # rank 1's pairs: prompts 2, 3
+    cfg = toy_config(tiny_model_dir, tmp_path, *BATCH, "trainer.backend=ray", "trainer.devices_per_node=2")
+    # (a regression pairs mismatched collectives: their timeout ends it instead of a hang)
+    with RayWorkerGroup(PolicyWorker, cfg, world_size=2, name="policy", dist_timeout_s=60) as group:
+        metrics = group.call_all("update", [(shard,) for shard in shards], {})[0]  # (the shards as given)
+        state = RoleHandle(group).state_dict()
+    assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-5)
+    assert_same_step(state, reference, "mixed-layouts")
+
+
 def test_toy_task_trains_with_two_ray_workers(ray_cluster, tiny_model_dir, tmp_path):
     from fitrl.trainer.run import train
 

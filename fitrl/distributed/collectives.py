@@ -47,3 +47,12 @@ def all_reduce_max(value: int, device: torch.device) -> int:
     """The largest of a Python int over all ranks (identity without a process group); counts
     and lengths, exact in float64 below 2**53."""
     return int(all_reduce_max_float(value, device)) if distributed() else value
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True where ``flag`` is true on every rank (``flag`` itself without a process group)."""
+    if not distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

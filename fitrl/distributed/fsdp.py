@@ -97,6 +97,12 @@ def fsdp_modules(m: nn.Module) -> list[nn.Module]:
     return [x for x in m.modules() if isinstance(x, FSDPModule)]
 
 
+def sharded_over_ranks(m: nn.Module) -> bool:
+    """Is ``m`` (or a module in it, under a LoRA wrapper) FSDP2-sharded over more than one rank?
+    Then every forward of a sharded layer is a collective, which all ranks must run alike."""
+    return distributed() and dist.get_world_size() > 1 and any(isinstance(x, FSDPModule) for x in m.modules())
+
+
 @contextmanager
 def gathered_for_generation(m: nn.Module) -> Iterator[None]:
     """Full parameters for the length of a ``generate`` call, released afterwards.

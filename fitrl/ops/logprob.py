@@ -20,6 +20,8 @@ from torch.nn import functional as F
 
 from fitrl.core.packing import PackedLayout, pack_layout, packed_size
 from fitrl.core.padding import model_positions, trim_padding
+from fitrl.distributed.collectives import all_ranks_agree
+from fitrl.distributed.fsdp import sharded_over_ranks
 from fitrl.distributed.ulysses import SequenceGroup
 from fitrl.ops.packed import can_pack, packed_forward
 from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups, shared_prompt_forward
@@ -248,11 +250,18 @@ def choose_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     B, T = input_ids.shape
     P = T - response_length
     best, cost = None, B * T
+    groups, shared, wins = None, cost, False
     if share_prompts and can_share(model, position_ids, model_kwargs):
         groups = find_prompt_groups(input_ids, attention_mask, P)
         shared = groups.rows.numel() * P + B * response_length
-        if groups.shared and shared < cost:
-            best, cost = groups, shared
+        wins = groups.shared and shared < cost
+    if share_prompts and sharded_over_ranks(model):
+        # the shared-prompt forward runs the model twice, and under FSDP2 every run of a layer
+        # all-gathers its weights: ranks running different layouts would pair mismatched
+        # collectives (a hang, or silently exchanged shards), so they share only all together
+        wins = all_ranks_agree(wins, input_ids.device)
+    if wins:
+        best, cost = groups, shared
     if pack and can_pack(model, position_ids, model_kwargs):
         if packed_size(attention_mask.sum(-1).tolist()) < cost:  # (the layout's tensors only when it wins)
             best = pack_layout(attention_mask)

@@ -150,7 +150,7 @@ def main() -> int:
                     if r.get("event") == "restart"]
         ok = code == 0 and steps == list(range(1, args.steps + 1)) and len(restarts) == len(log)
         print(f"exit {code}; {len(steps)} steps recorded, {len(set(steps))} distinct, every step once: "
-              f"{steps == list(range(1, args.steps + 1))}; killed inside steps {[s for s, _ in log]}; "
+              f"{steps == list(range(1, args.steps + 1))}; kills aimed at steps {[s for s, _ in log]}; "
               f"{len(restarts)} restarts (at checkpoints {[r['step'] for r in restarts]}); {took:.0f} s")
         for r in restarts:
             print(f"  restart {r['restart']}: {r['cause'][:160]}")

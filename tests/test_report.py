@@ -133,6 +133,21 @@ def test_a_hung_run_is_marked(tmp_path):
     assert any("hang in update" in (a.text or "") for a in fig.layout.annotations)
 
 
+def test_restarts_are_marked_where_the_run_resumed(tmp_path):
+    from fitrl.report.figures import memory_overview_figure
+
+    records = [{"step": s, "reward/mean": 0.1 * s, "mem/host_peak_gib": 1.0} for s in range(1, 3)]
+    records.append({"step": 2, "event": "restart", "restart": 1,
+                    "cause": "WorkerFailed: policy rank 1 on node 10.0.0.2 died during 'update': crashed"})
+    records += [{"step": s, "reward/mean": 0.1 * s, "mem/host_peak_gib": 1.0} for s in range(3, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"trainer": {"max_steps": 4}}))
+    run = load_run(tmp_path)
+    assert run.status().startswith("finished: 4 of 4 steps after 1 restart (trainer.max_restarts)"), run.status()
+    fig = memory_overview_figure(run)
+    assert any((a.text or "") == "restart 1: WorkerFailed" for a in fig.layout.annotations)
+
+
 def test_a_resumed_step_recorded_twice_keeps_the_later_record(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.1}) + "\n"
                                             + json.dumps({"step": 1, "reward/mean": 0.3}) + "\n")

@@ -22,6 +22,7 @@ PALETTE = qualitative.Plotly + qualitative.D3
 PLAN_COLOR = "#d62728"
 LEAK_COLOR = "#ff7f0e"
 GUARD_COLOR = "#111111"
+RESTART_COLOR = "#1f77b4"
 HEIGHT = 330
 MANY_POINTS = 60  # above this a line has no markers (they would hide it)
 
@@ -163,8 +164,8 @@ def phase_time_figure(run: RunData, phase_keys: list[str]) -> Optional[go.Figure
 
 def _event_lines(fig: go.Figure, run: RunData, process: Optional[str] = None, resource: Optional[str] = None,
                  cells: Optional[dict[str, tuple[int, int]]] = None) -> None:
-    """Vertical lines at leak warnings (of ``process`` and ``resource``; every one with None) and
-    at every guard stop. With ``cells`` (a subplot grid: phase -> (row, col)) the lines cross every
+    """Vertical lines at leak warnings (of ``process`` and ``resource``; every one with None), at
+    every guard stop, hang and restart. With ``cells`` (a subplot grid: phase -> (row, col)) the lines cross every
     subplot and a leak is labelled in its phase's subplot (else the first); the whole figure otherwise."""
     span = {"row": "all", "col": "all"} if cells else {}
     first = next(iter(cells.values())) if cells else None
@@ -191,6 +192,12 @@ def _event_lines(fig: go.Figure, run: RunData, process: Optional[str] = None, re
         step = e.get("step")
         fig.add_vline(x=step, line=dict(color=GUARD_COLOR, width=2, dash="dot"), **span)
         label(f"hang in {e.get('phase')}", step, GUARD_COLOR, "right", first, y=0.76)
+    for e in run.restarts():  # at the checkpoint resumed from; the cause's kind (WorkerFailed, Hung, EngineBroken)
+        step = e.get("step")
+        fig.add_vline(x=step, line=dict(color=RESTART_COLOR, width=2, dash="dashdot"), **span)
+        cause = str(e.get("cause", "")).split(":")[0]
+        label(f"restart {e.get('restart')}" + (f": {cause}" if cause else ""), step, RESTART_COLOR, "left", first,
+              y=0.64)
 
 
 def memory_overview_figure(run: RunData) -> Optional[go.Figure]:

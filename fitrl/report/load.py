@@ -176,6 +176,10 @@ class RunData:
     def hangs(self) -> list[dict]:
         return [e for e in self.events if e.get("event") == "hang"]
 
+    def restarts(self) -> list[dict]:
+        """``trainer.max_restarts`` at work: each at the checkpoint step the run resumed from."""
+        return [e for e in self.events if e.get("event") == "restart"]
+
     def leak_warnings(self) -> list[dict]:
         return [e for e in self.events if e.get("event") == "memory_leak"]
 
@@ -191,12 +195,14 @@ class RunData:
             h = self.hangs()[-1]
             return (f"stopped by the hang watchdog at step {h.get('step')} (phase {h.get('phase')}, no progress for "
                     f"{h.get('limit_s')} s; the stacks are in hang.txt); {ckpt}")
+        n = len(self.restarts())
+        restarted = f" after {n} restart{'s' if n > 1 else ''} (trainer.max_restarts)" if n else ""
         if self.max_steps is not None and self.last_step >= self.max_steps:
-            return f"finished: {self.last_step} of {self.max_steps} steps; {ckpt}"
+            return f"finished: {self.last_step} of {self.max_steps} steps{restarted}; {ckpt}"
         ago = _ago(time.time() - self.metrics_mtime)
         of = f" of {self.max_steps}" if self.max_steps is not None else ""
-        return (f"at step {self.last_step}{of}: still running, or stopped early (metrics.jsonl last written {ago} ago); "
-                f"{ckpt}")
+        return (f"at step {self.last_step}{of}{restarted}: still running, or stopped early (metrics.jsonl last written "
+                f"{ago} ago); {ckpt}")
 
 
 def _ago(seconds: float) -> str:

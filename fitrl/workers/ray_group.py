@@ -81,6 +81,9 @@ from fitrl.workers.ray_placement import Placement, RankSlot, rank_layout
 
 __all__ = ["RayWorkerGroup", "RankSlot", "ensure_ray", "rank_layout", "describe_death"]
 
+POLL_S = 1.0
+"""The longest single wait for the ranks' results (see :meth:`RayWorkerGroup._collect`)."""
+
 # ray is imported inside the functions that use it: importing this module needs no ray.
 
 log = logging.getLogger(__name__)
@@ -251,9 +254,14 @@ class RayWorkerGroup(WorkerGroup):
         errors: dict[int, BaseException] = {}
         deadline = None
         while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # waits of at most POLL_S: between them the main thread runs Python, so the hang
+            # watchdog's Hung (raised there, fitrl/trainer/watchdog.py) lands at once and the
+            # run stops or restarts cleanly, instead of the watchdog ending the process
+            timeout = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
             done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
             if not done:
+                if deadline is None or time.monotonic() < deadline:
+                    continue
                 break
             for ref in done:
                 rank = pending.pop(ref)

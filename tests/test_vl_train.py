@@ -44,7 +44,9 @@ def test_grpo_steps_on_each_vl_family(vl_models, tmp_path, arch):
         assert r["actor/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+# (qwen2_5_vl: its two-rank FSDP2 update is matched against one process in tests/test_vl_family.py
+# and its GRPO steps run in-process above; the Ray run would add nothing of its own)
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
 def test_grpo_under_ray_with_two_fsdp_ranks_and_a_reference(ray_cluster, vl_models, tmp_path, arch):
     from fitrl.trainer.run import train
 

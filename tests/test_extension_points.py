@@ -260,7 +260,7 @@ def dummy_role():
 
 def test_every_builtin_role_has_its_planner():
     assert missing_counterparts() == []
-    assert ROLES.names() == ROLE_PLANNERS.names() == ["actor", "critic", "judge", "ref", "reward_model"]
+    assert ROLES.names() == ROLE_PLANNERS.names() == ["actor", "critic", "judge", "ref", "reward_model", "rollout"]
 
 
 @pytest.mark.parametrize("backend", ["inprocess", "ray"])

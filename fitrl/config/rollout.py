@@ -104,6 +104,12 @@ class RolloutConfig(Sampling):
     """Sampling for validation (greedy, one response per prompt, by default)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn episodes with an environment and tools (docs/agents.md); off unless ``rollout.agent.env`` is set."""
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """How generation and training overlap (docs/async.md). ``sync``: each step generates, then trains on what it generated (on-policy). ``one_step_off``: the rollout workers generate step k+1's samples with the weights before update k while the trainer runs update k (every sample one update old). ``async``: the rollout workers stay up to ``max_staleness`` steps ahead and take each new version of the weights between micro-batches (partial rollouts), so a step's samples may come from several versions. Both overlapped modes need rollout workers of their own (``rollout.workers``); their samples are corrected by ``algorithm.rollout_correction``."""
+    max_staleness: int = 2
+    """``async``: no sample is trained on by weights more than this many updates newer than the ones that generated it (``one_step_off`` is 1; ``sync`` 0). Logged per step as ``rollout/staleness_mean`` and ``_max``."""
+    workers: int = 0
+    """Rollout workers of their own: processes (Ray actors; in one process, a thread beside the trainer) that hold a copy of the policy and generate, their weights sent after every update. 0: the policy's ranks generate (colocated). ``rollout.mode`` other than ``sync`` needs at least 1 (set to 1 when left at 0)."""
 
     def __post_init__(self) -> None:
         check_sampling(self, "rollout", training=True)
@@ -113,9 +119,20 @@ class RolloutConfig(Sampling):
             raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_staleness < 1:
+            raise ConfigError(f"rollout.max_staleness must be >= 1 (rollout.mode=sync trains on-policy), got "
+                              f"{self.max_staleness}")
+        if self.workers < 0:
+            raise ConfigError(f"rollout.workers must be >= 0 (0: the policy's ranks generate), got {self.workers}")
         if self.kv_cache_memory is not None:
             if parse_bytes(self.kv_cache_memory, "rollout.kv_cache_memory") <= 0:
                 raise ConfigError("rollout.kv_cache_memory must be a positive size, e.g. 2GiB")
+
+    @property
+    def lead(self) -> int:
+        """Steps the rollout workers may generate ahead of the update: 0 (``sync``), 1
+        (``one_step_off``) or ``max_staleness`` (``async``)."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
     def sampling(self) -> SamplingConfig:
         """Training-time sampling as the engines take it."""

@@ -92,6 +92,7 @@ class FitrlConfig:
 
     def __post_init__(self) -> None:
         check_sequence_parallel(self)
+        check_rollout_placement(self)
         check_batch_sizes(self, world_size=self.data_parallel_size)
         if self.trainer.backend == "inprocess":
             for role in ("actor", "ref", "critic"):
@@ -125,6 +126,29 @@ class FitrlConfig:
                 raise ConfigError(f"checkpoint.keep_best ranks checkpoints by a validation metric, but "
                                   f"trainer.val_freq={t.val_freq} does not divide checkpoint.save_freq={c.save_freq}: "
                                   f"set trainer.val_freq={c.save_freq}")
+
+
+def check_rollout_placement(cfg: FitrlConfig) -> None:
+    """``rollout.mode`` and ``rollout.workers`` (docs/async.md): an overlapped mode gets a rollout
+    worker when none is set, and its stale samples the token-level correction when the loss would
+    otherwise treat them as fresh."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.mode != "sync" and r.workers == 0:
+        r.workers = 1
+        adjusted(cfg, f"rollout.mode={r.mode} overlaps generation with the update, which needs a rollout worker "
+                      "of its own: rollout.workers set to 1")
+    if r.workers and r.engine != "hf":
+        raise ConfigError(f"rollout.workers={r.workers}: rollout workers of their own run the hf engine only so far; "
+                          f"rollout.engine={r.engine} generates on the policy's ranks (set rollout.workers=0 and "
+                          f"rollout.mode=sync)")
+    if r.mode != "sync" and a.recompute_old_logprob and a.rollout_correction.mode == "off":
+        # the recomputed (or folded) old log-probs are the current weights', not the sampling ones':
+        # without the importance weight the loss would take stale samples for on-policy ones
+        a.rollout_correction.mode = "token"
+        adjusted(cfg, f"rollout.mode={r.mode} trains on samples of older weights: "
+                      f"algorithm.rollout_correction.mode set to token (truncated importance sampling, cap "
+                      f"{a.rollout_correction.cap:g}); algorithm.recompute_old_logprob=false uses the sampling "
+                      f"log-probs as the PPO ratio's denominator instead")
 
 
 def check_sequence_parallel(cfg: FitrlConfig) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fitrl.core.errors import ConfigError
 from fitrl.core.registry import Registry
 from fitrl.memory.change import Change
 from fitrl.memory.model import ProcessPlan, Usage
@@ -53,6 +54,11 @@ class EnginePlanner:
 
     def in_trainer(self, run: "Run", phase: str, usage: Usage, dev: str) -> None:
         """Add what the engine holds in a trainer rank's process in ``phase`` (``dev``: "gpu" or "host")."""
+
+    def in_worker(self, run: "Run", phase: str, usage: Usage, dev: str) -> None:
+        """Add a generation's working memory in a rollout worker of its own (``rollout.workers``:
+        fitrl/roles/rollout_worker.py), which holds a whole copy of the weights."""
+        raise ConfigError(f"rollout.engine={self.name} has no plan for rollout workers of its own (rollout.workers)")
 
     def processes(self, run: "Run", notes: list[str]) -> tuple[list[ProcessPlan], int]:
         """Processes of its own beside the trainer ranks, and the host bytes a node gains per step."""

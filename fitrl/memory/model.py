@@ -51,6 +51,14 @@ def per_device(kind: str) -> bool:
     return kind in DEVICE_KINDS or (kind in ROLE_PLANNERS and ROLE_PLANNERS.get(kind).own_process)
 
 
+def own_device(kind: str) -> bool:
+    """Whether processes of ``kind`` sit on devices of their own, not the trainer ranks' (rollout
+    workers under Ray): a device's peak is then theirs alone."""
+    from fitrl.memory.roles import ROLE_PLANNERS
+
+    return kind in ROLE_PLANNERS and ROLE_PLANNERS.get(kind).own_device
+
+
 def machine_ram() -> int:
     """This machine's RAM in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -145,7 +153,7 @@ def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
     skip = {"reward": reward is None or not any(s.kind != "function" for s in reward.sources.values()),
             "ref_logprob": not spec.reference,
             "old_logprob": cfg.old_logprob_source != "pass",
-            "weight_sync": not engine_planner(cfg).syncs_weights(cfg),
+            "weight_sync": not (engine_planner(cfg).syncs_weights(cfg) or getattr(cfg.rollout, "workers", 0)),
             "validation": not cfg.data.val_files,
             "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
     return [ph for ph in PHASES if not skip.get(ph, False)]
@@ -188,10 +196,11 @@ class Plan:
         of each per-device kind (:func:`per_device`: the trainer rank, under Ray the reference and
         critic ranks on its bundle, the engine). The engine's entries are per device already: a vLLM
         engine with tensor parallelism takes ``gpu_memory_utilization`` of every device in its
-        group, not 1/tp of it."""
+        group, not 1/tp of it. Processes on devices of their own (:func:`own_device`) are not
+        on it: :meth:`peaks` takes theirs apart."""
         out: dict[str, int] = {}
         for p in self.processes:
-            if per_device(p.kind) and phase in p.phases:
+            if per_device(p.kind) and not own_device(p.kind) and phase in p.phases:
                 for k, v in p.phases[phase].gpu.items():
                     out[k] = out.get(k, 0) + v
         return out
@@ -210,7 +219,11 @@ class Plan:
         return active_phases(self.cfg, self.spec)
 
     def peaks(self) -> dict[str, tuple[int, int]]:
-        return {ph: (sum(self.device(ph).values()), sum(self.node_host(ph).values())) for ph in self.phases}
+        """Per phase: (the fullest device's bytes, node 0's host bytes)."""
+        def fullest(ph: str) -> int:
+            alone = [p.gpu_peak(ph) for p in self.processes if own_device(p.kind) and ph in p.phases]
+            return max([sum(self.device(ph).values())] + alone)
+        return {ph: (fullest(ph), sum(self.node_host(ph).values())) for ph in self.phases}
 
     @property
     def gpu_limit(self) -> int:

@@ -38,6 +38,9 @@ class RolePlanner(ABC):
     """How the plan's table names the role's process of its own (under Ray)."""
     own_process: bool = True
     """Under Ray a worker group of its own (the policy's is the trainer rank itself)."""
+    own_device: bool = False
+    """Under Ray its ranks sit on bundles (devices) of their own, not the policy's: a device's peak
+    is theirs alone (:meth:`fitrl.memory.model.Plan.peaks`)."""
 
     @abstractmethod
     def built(self, run: Run) -> bool:
@@ -59,6 +62,14 @@ class RolePlanner(ABC):
         """What the role's own model computes with in ``phase`` beyond the policy's passes (a
         reward model's scoring forward, a judge's generation): usage entries and their bytes."""
         return {}
+
+    def own_host(self, run: Run, phase: str) -> dict[str, int]:
+        """Host memory the role holds in ``phase`` beyond its states, wherever its model computes."""
+        return {}
+
+    def per_node(self, run: Run) -> int | None:
+        """Its processes on the busiest node when not one per trainer device (None)."""
+        return None
 
 
 ROLE_PLANNERS: Registry[RolePlanner] = Registry("role memory planner", "")
@@ -244,5 +255,52 @@ class JudgePlanner(_ModelRewardPlanner):
         return {"kv cache": kv, "activations": max(prefill, 2 * b * shape.vocab * 4)}
 
 
-for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner(), RewardModelPlanner(), JudgePlanner()):
+OVERLAPPED_PHASES = {"rollout", "reward", "weight_sync", "old_logprob", "ref_logprob", "update"}
+"""The phases of a step a rollout worker may generate in when ``rollout.mode`` overlaps it."""
+
+
+class RolloutPlanner(RolePlanner):
+    """Rollout workers of their own (``rollout.workers``, fitrl/roles/rollout_worker.py): a whole
+    copy of the policy's weights each (no gradients, no optimizer), the engine's generation of the
+    worker's share of the step (:meth:`~fitrl.memory.engines.EnginePlanner.in_worker`) and one
+    version of the weights in the mailbox. Under Ray, actors on bundles (devices) of their own; in
+    one process, a thread of the trainer's process, generating in every phase of the step when
+    ``rollout.mode`` overlaps it (its memory adds to the update's)."""
+    name, title, own_device = "rollout", "rollout worker (Ray actor)", True
+
+    def built(self, run: Run) -> bool:
+        return run.cfg.rollout.workers > 0
+
+    def states(self, run: Run) -> tuple[States, Any]:
+        from fitrl.config.roles import FSDPConfig  # (never offloaded, never sharded)
+
+        return frozen_states(run.shape, 1, run.cfg.actor.model.dtype, pinned=False), FSDPConfig()
+
+    def active_phases(self, run: Run) -> set[str]:
+        return {"rollout"} if run.cfg.rollout.mode == "sync" else OVERLAPPED_PHASES
+
+    def own_pass(self, run: Run, phase: str) -> dict[str, int]:
+        from fitrl.memory.engines import engine_planner
+        from fitrl.memory.model import Usage
+
+        if phase not in self.active_phases(run):
+            return {}
+        u = Usage()
+        dev = "gpu" if run.cuda else "host"
+        engine_planner(run.cfg).in_worker(run, phase, u, dev)
+        return u.gpu if run.cuda else u.host
+
+    def own_host(self, run: Run, phase: str) -> dict[str, int]:
+        # a version waits in the mailbox until the worker loads it (sync: between the push and the next rollout)
+        waiting = phase == "weight_sync" or (run.cfg.rollout.mode != "sync" and phase in OVERLAPPED_PHASES)
+        if not waiting:
+            return {}
+        return {"weights in the mailbox": frozen_states(run.shape, 1, run.cfg.actor.model.dtype, pinned=False).params}
+
+    def per_node(self, run: Run) -> int | None:
+        return run.cfg.rollout.workers
+
+
+for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner(), RewardModelPlanner(), JudgePlanner(),
+                 RolloutPlanner()):
     ROLE_PLANNERS.add(_planner.name, _planner)

@@ -69,6 +69,16 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
             # the checkpoint file mapped by safetensors (page cache shared by a node's readers)
             on_disk = run.shape.raw.get("torch_dtype") or run.shape.raw.get("dtype")
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))
+        r = cfg.rollout
+        if r.workers and run.fsdp:  # rollout workers of their own under Ray (fitrl/trainer/pipeline.py)
+            if ph == "weight_sync":  # rank 0 gathers the full weights, the driver passes them on
+                weights = full_weights(run.shape, cfg.actor.model.dtype)
+                r0.add("host", "weights sent", weights)
+                d.add("host", "weights in transit", weights)
+                n.add("host", "object store (weights)", weights)
+            if r.lead and ph not in ("load", "validation", "checkpoint_save"):
+                # up to `lead` steps' generations finished and waiting to be taken, in the object store
+                n.add("host", "samples in flight", r.lead * run.batch_bytes(seqs_step))
         if ph == "checkpoint_save":  # a LoRA checkpoint holds the adapters only (fitrl/checkpoint/manager.py)
             saved = (tensors_bytes([s for _, s in run.shape.lora_tensors(run.lora.rank, run.lora_targets)],
                                    DTYPE_BYTES[cfg.actor.model.dtype]) if run.lora

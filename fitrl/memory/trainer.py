@@ -88,6 +88,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
                   st.optimizer)
             for part, size in ROLE_PLANNERS.get(role).own_pass(run, ph).items():  # a reward model's, a judge's
                 u.add(dev, part, size * (1.0 if cuda else C.CPU_ALLOCATOR_SLACK))
+            for part, size in ROLE_PLANNERS.get(role).own_host(run, ph).items():  # a rollout worker's mailbox
+                u.add("host", part, size)
         seqs = run.seqs_per_rank
         # under Ray each call's shard arrives pickled: the pixel values of the prompts it touches,
         # this process's own copy (in-process the driver's copy is the only one: counted there)
@@ -157,7 +159,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
         phases[ph] = u
     if not cuda and run.cfg.plan.host_malloc == "glibc":  # every role's process has glibc's heap
         _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
-    return ProcessPlan(kind, run.hw.gpus_per_node if run.fsdp else 1, phases)
+    own = ROLE_PLANNERS.get(kind).per_node(run) if kind in ROLE_PLANNERS else None  # (rollout workers: their count)
+    return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.fsdp else 1, phases)
 
 
 def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:

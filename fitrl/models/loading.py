@@ -48,17 +48,19 @@ def load_tokenizer(model: ModelConfig):
 
 
 def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.device, *,
-                what: str = "actor.model.path", nnodes: int = 1, params: ParameterSet = FULL) -> nn.Module:
+                what: str = "actor.model.path", nnodes: int = 1, params: ParameterSet = FULL,
+                replicate: bool = False) -> nn.Module:
     """The role's model on this rank: plain when there is no process group, FSDP2-sharded otherwise.
 
     ``kind``: ``"causal_lm"`` (policy, reference) or ``"value"`` (critic); ``what`` names the
     config key of ``model.path`` in error messages; ``nnodes`` shapes a hybrid-shard mesh;
-    ``params``: which parameters train (LoRA adapters are injected into every copy built here)."""
+    ``params``: which parameters train (LoRA adapters are injected into every copy built here);
+    ``replicate``: a whole copy on every rank even under a process group (a rollout worker's)."""
     check_model_dir(model.path, what)
     family = family_for(model.path)
     load, build = family.builders(kind, model)
     from_pretrained, from_config = (lambda: params.apply(load())), (lambda: params.apply(build()))
-    if not distributed():
+    if replicate or not distributed():
         m = from_pretrained().to(device)
         _enable_checkpointing(m, model)
         return m

@@ -29,8 +29,8 @@ from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
 from fitrl.roles.critic import Critic
 from fitrl.roles.offload import OffloadBetweenPhases, low_precision
+from fitrl.roles.rollout_worker import RolloutWorker, episode_runner
 from fitrl.rollout import build_engine
-from fitrl.rollout.agent import AgentRollout
 from fitrl.rollout.engine import EngineContext
 from fitrl.rollout.layout import eos_ids, gather_rollouts
 from fitrl.telemetry.guard import GUARD
@@ -64,14 +64,8 @@ class PolicyWorker:
                                     context=self.engine_context())
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer,
                                             trim=cfg.memory.trim_heap)
-        self.agent = None  # multi-turn episodes on the engine (rollout.agent; fitrl/rollout/agent.py)
-        if cfg.rollout.agent.enabled:
-            end = eos_ids(self.model, self.tokenizer)
-            self.agent = AgentRollout(self.rollout, self.tokenizer, cfg.rollout.agent,
-                                      max_response_length=cfg.rollout.max_response_length, eos_ids=end,
-                                      pad_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                                      else end[0], inputs=inputs, max_error_fraction=cfg.reward.max_error_fraction,
-                                      max_prompt_length=cfg.data.max_prompt_length)
+        # multi-turn episodes on the engine (rollout.agent; fitrl/rollout/agent.py)
+        self.agent = episode_runner(cfg, self.rollout, self.model, self.tokenizer, inputs)
 
     def engine_context(self) -> EngineContext:
         """What an engine with its own copy of the policy (vLLM) needs: where the model's files are,
@@ -138,6 +132,18 @@ class PolicyWorker:
                                         old_logprobs_from="update" if own else "batch")
         self.rollout.push_weights()  # the next rollout samples from the updated policy
         return {**metrics, **self.rollout.metrics()}
+
+    @dispatch("all")
+    def inference_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights a rollout worker of its own loads (fitrl/roles/rollout_worker.py): full
+        tensors on the host, LoRA adapters merged; a collective under FSDP2, kept by rank 0 only
+        (the others drop each gathered tensor at once)."""
+        with self.offload.phase(), torch.no_grad():
+            out = {}
+            for name, t in self.params.inference_weights(self.model):
+                if self.rank == 0:
+                    out[name] = t.to("cpu", copy=True)
+            return out if self.rank == 0 else None
 
     @dispatch("all")
     def num_parameters(self) -> int:
@@ -250,5 +256,5 @@ class CriticWorker:
 from fitrl.roles.model_reward import JudgeWorker, RewardModelWorker  # noqa: E402  (needs no name of this module)
 
 for _name, _worker in (("actor", PolicyWorker), ("ref", ReferenceWorker), ("critic", CriticWorker),
-                       ("reward_model", RewardModelWorker), ("judge", JudgeWorker)):
+                       ("reward_model", RewardModelWorker), ("judge", JudgeWorker), ("rollout", RolloutWorker)):
     ROLES.add(_name, _worker)

@@ -21,8 +21,13 @@ class HFPlanner(EnginePlanner):
     plans_lora = True
 
     def in_trainer(self, run: Run, phase: str, usage: Usage, dev: str) -> None:
-        if phase in ("rollout", "validation"):
+        # with rollout workers of their own the trainer ranks generate for validation only
+        if phase == "validation" or (phase == "rollout" and not run.cfg.rollout.workers):
             _generation(run, phase, usage, dev)
+
+    def in_worker(self, run: Run, phase: str, usage: Usage, dev: str) -> None:
+        _generation(run, "rollout", usage, dev, seqs=max(1, run.batch.sequences_per_step // run.cfg.rollout.workers),
+                    own_copy=True)
 
     def notes(self, run: Run) -> list[str]:
         if not run.cuda:
@@ -31,15 +36,18 @@ class HFPlanner(EnginePlanner):
                 "(gathered once per call under FSDP2)"]
 
 
-def _generation(run: Run, ph: str, u: Usage, dev: str) -> None:
-    """A generate call's working memory in a trainer rank: the weights it runs on, the KV cache
-    of a micro-batch of ``rollout.micro_batch_size`` sequences, its pixel values, the prefill's
+def _generation(run: Run, ph: str, u: Usage, dev: str, seqs: int | None = None, own_copy: bool = False) -> None:
+    """A generate call's working memory in a trainer rank (or, ``own_copy``, a rollout worker's
+    ``seqs`` sequences on its unsharded copy): the weights it runs on, the KV cache of a
+    micro-batch of ``rollout.micro_batch_size`` sequences, its pixel values, the prefill's
     transients or the sampler's, whichever is larger, and the rollout batch."""
     cfg, shape = run.cfg, run.shape
-    seqs = run.generated_seqs(ph)
+    seqs = seqs or run.generated_seqs(ph)
     b = min(cfg.rollout.micro_batch_size, seqs)
     cb = DTYPE_BYTES[run.compute_dtype]
-    if run.fsdp:  # gathered_for_generation: the full weights for the whole call
+    if own_copy:
+        pass  # its weights are its states (fitrl/memory/roles.py, RolloutPlanner)
+    elif run.fsdp:  # gathered_for_generation: the full weights for the whole call
         u.add(dev, "gathered weights", (shape.num_params + adapter_params(run)[1]) * cb)
     elif run.autocast:  # autocast's bf16 copies (the cached trained weights), for the whole generate call
         u.add(dev, "autocast weights", autocast_weights(run, grad=False))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -25,7 +26,6 @@ from fitrl.rollout.agent import agent_metrics
 from fitrl.rollout.layout import concat_rollouts
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.perf import Lengths, sequence_lengths
-from fitrl.workers.group import RoleHandle
 
 log = logging.getLogger("fitrl.trainer")
 
@@ -43,16 +43,30 @@ class CollectStats:
     metrics: dict[str, float] = field(default_factory=dict)
     generated: dict[str, list[Lengths]] = field(default_factory=dict)
     """Phase (``rollout``, ``baseline_rollout``) -> (prompt, response) lengths of each generate call: throughput and FLOPs."""
+    rows: list[int] = field(default_factory=list)
+    """The dataset rows drawn, every round's (``prompts.jsonl``)."""
+
+
+@dataclass
+class FirstRound:
+    """A first round generated ahead (fitrl/trainer/pipeline.py): its prompts, their rows, the rollout."""
+    prompts: Batch
+    rows: list[int]
+    rollout: Batch
 
 
 class RolloutCollector:
-    def __init__(self, cfg: FitrlConfig, policy: RoleHandle, reward: RewardSources, data: PromptDataset,
-                 sampler: PromptSampler, sampling: SamplingConfig, needs_baseline: bool, pad_id: int):
-        self.cfg, self.policy, self.reward = cfg, policy, reward
+    def __init__(self, cfg: FitrlConfig, generate: Callable[[Batch, SamplingConfig], Batch], reward: RewardSources,
+                 data: PromptDataset, sampler: PromptSampler, sampling: SamplingConfig, needs_baseline: bool,
+                 pad_id: int):
+        """``generate``: the policy's (``policy.generate``) or the rollout workers' with the newest
+        weights (fitrl/trainer/pipeline.py)."""
+        self.cfg, self.generate, self.reward = cfg, generate, reward
         self.data, self.sampler, self.sampling = data, sampler, sampling
         self.needs_baseline, self.pad_id = needs_baseline, pad_id
 
-    def collect(self, step: int, timer: PhaseTimer) -> tuple[Batch, CollectStats]:
+    def collect(self, step: int, timer: PhaseTimer, first: Optional[FirstRound] = None) -> tuple[Batch, CollectStats]:
+        """The step's scored rollout; ``first``: its first round, already generated."""
         fg = self.cfg.algorithm.filter_groups
         target = self.cfg.data.rollout_batch_size
         n = self.sampling.n
@@ -60,7 +74,7 @@ class RolloutCollector:
         stats = CollectStats()
         while True:
             stats.rounds += 1
-            scored = self._one_round(step, stats.rounds, timer, stats)
+            scored = self._one_round(step, stats.rounds, timer, stats, first if stats.rounds == 1 else None)
             stats.groups_seen += target
             if not fg.enable:
                 stats.groups_kept = target
@@ -96,11 +110,18 @@ class RolloutCollector:
             key = k.replace("reward/", f"reward/{prefix}", 1)
             stats.metrics[key] = stats.metrics.get(key, 0.0) + v
 
-    def _one_round(self, step: int, round_: int, timer: PhaseTimer, stats: CollectStats) -> Batch:
-        with timer.phase("data"):
-            prompts = self.data.batch(self.sampler.next_indices(), f"{step}.{round_}")
-        with timer.phase("rollout"):
-            batch = self.policy.generate(prompts, self.sampling)  # (B*n, P+R)
+    def _one_round(self, step: int, round_: int, timer: PhaseTimer, stats: CollectStats,
+                   first: Optional[FirstRound] = None) -> Batch:
+        if first is not None:
+            prompts, batch = first.prompts, first.rollout
+            stats.rows.extend(first.rows)
+        else:
+            with timer.phase("data"):
+                rows = self.sampler.next_indices()
+                prompts = self.data.batch(rows, f"{step}.{round_}")
+                stats.rows.extend(rows)
+            with timer.phase("rollout"):
+                batch = self.generate(prompts, self.sampling)  # (B*n, P+R)
         stats.generated.setdefault("rollout", []).append(sequence_lengths(batch))
         for k, v in agent_metrics(batch).items():  # multi-turn episodes: turns, tools, cuts (per round: the last)
             stats.metrics[k] = v
@@ -111,7 +132,7 @@ class RolloutCollector:
             batch.put_named(REWARD_COMPONENTS, scored.components)
         if self.needs_baseline:
             with timer.phase("baseline_rollout"):
-                greedy = self.policy.generate(prompts, SamplingConfig(temperature=0.0, n=1,
+                greedy = self.generate(prompts, SamplingConfig(temperature=0.0, n=1,
                                                                       max_tokens=self.sampling.max_tokens))
                 stats.generated.setdefault("baseline_rollout", []).append(sequence_lengths(greedy))
                 base = self.reward.score_batch(greedy)

@@ -31,9 +31,10 @@ from fitrl.roles.reward import REWARD_COMPONENTS
 from fitrl.roles.reward_sources import RewardSources
 from fitrl.telemetry.memory import host_memory
 from fitrl.telemetry.timer import PhaseTimer
-from fitrl.trainer.collect import RolloutCollector, group_index
+from fitrl.trainer.collect import FirstRound, RolloutCollector, group_index
 from fitrl.trainer.logging import format_step_line, make_progress
 from fitrl.trainer.perf import StepPerf, skipped_prompts
+from fitrl.trainer.pipeline import PromptLog, RolloutPipeline
 from fitrl.trainer.run_log import RunLog
 from fitrl.trainer.signals import SIGNALS
 from fitrl.trainer.stops import RunStops
@@ -73,18 +74,25 @@ class RLTrainer:
                  critic: Optional[RoleHandle], train_data: Optional[PromptDataset],
                  val_data: Optional[PromptDataset], reward: RewardSources, run_dir: Path, console: Console,
                  pad_id: int, checkpoints: Optional[CheckpointManager] = None,
-                 history: Optional[list[dict[str, float]]] = None):
+                 history: Optional[list[dict[str, float]]] = None, rollout: Optional[RoleHandle] = None):
+        """``rollout``: rollout workers of their own (``rollout.workers``): they generate the
+        training samples, the policy only validation's (fitrl/trainer/pipeline.py)."""
         self.cfg, self.policy, self.ref, self.critic = cfg, policy, ref, critic
         self.train_data, self.val_data, self.reward = train_data, val_data, reward
         self.run_dir, self.console = run_dir, console
         self.writer = RunLog(cfg, run_dir, console)  # metrics.jsonl, trainer.loggers, generations.jsonl
         algo = cfg.algorithm
         self.train_sampling, self.val_sampling = cfg.rollout.sampling(), cfg.rollout.val_sampling()
-        self.collector = None
+        self.collector, self.pipeline = None, None
+        self.prompt_log = PromptLog(run_dir)
         if train_data is not None:
             sampler = PromptSampler(len(train_data), cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+            generate = policy.generate
+            if rollout is not None:
+                self.pipeline = RolloutPipeline(cfg, policy, rollout, train_data, sampler, self.train_sampling)
+                generate = lambda prompts, sampling: self.pipeline.generate(prompts, sampling).result()  # noqa: E731
             self.collector = RolloutCollector(
-                cfg, policy, reward, train_data, sampler, self.train_sampling,
+                cfg, generate, reward, train_data, sampler, self.train_sampling,
                 needs_baseline=algorithm_needs(cfg).baseline, pad_id=pad_id)
         self.perf = StepPerf(cfg)  # perf/*: tokens/s per phase, model FLOPs, MFU
         kr = algo.kl_in_reward
@@ -97,6 +105,7 @@ class RLTrainer:
         # itself: its memory records are the policy's)
         self.stops = RunStops(cfg, watched={"policy": policy, **({"ref": ref} if ref and ref is not policy else {}),
                                             **({"critic": critic} if critic else {}),
+                                            **({"rollout": rollout} if rollout else {}),
                                             **reward.groups()},
                               saved=self.roles, writer=self.writer, console=console, checkpoints=checkpoints)
         self.memory = self.stops.memory
@@ -122,6 +131,7 @@ class RLTrainer:
         if not t.hang_timeout_s and not any(t.hang_timeouts.values()):
             return contextlib.nullcontext()
         groups = [self.policy.group] + [h.group for h in (self.ref, self.critic) if h is not None and h is not self.policy]
+        groups += [self.pipeline.rollout.group] if self.pipeline is not None else []
         groups += [h.group for h in self.reward.groups().values()]  # reward models', judges' ranks
 
         def report(text: str, event: dict) -> str:
@@ -140,6 +150,7 @@ class RLTrainer:
             self.stops.safe_point(self.start_step, step_done=True, state=None)
         if t.val_only:
             return self.history
+        self.prompt_log.keep_through(self.start_step)  # (a resume draws the later steps' prompts again)
         with make_progress(self.console, t.progress_bar) as progress:
             task = progress.add_task("train", total=t.max_steps, completed=self.start_step)
             for step in range(self.start_step + 1, t.max_steps + 1):
@@ -203,8 +214,10 @@ class RLTrainer:
 
     def state_dict(self, step: int) -> dict:
         """The driver's part of a checkpoint (RNG states are added by the manager)."""
-        return {"step": step, "sampler": self.collector.sampler.state_dict() if self.collector else None,
-                "kl_coef": self.kl_ctrl.value}
+        sampler = None
+        if self.collector is not None:  # (with generations in flight: the state before their draws)
+            sampler = self.pipeline.sampler_state(step) if self.pipeline else self.collector.sampler.state_dict()
+        return {"step": step, "sampler": sampler, "kl_coef": self.kl_ctrl.value}
 
     def restore(self, point: Checkpoint) -> None:
         """Continue after ``point``: roles' weights, optimizers, schedulers, RNGs; data position;
@@ -221,7 +234,8 @@ class RLTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer()
         algo = self.cfg.algorithm
-        batch, stats = self.collector.collect(step, timer)                  # (B*n, P+R), scored
+        first = self.generated_ahead(step, timer) if self.pipeline is not None else None
+        batch, stats = self.collector.collect(step, timer, first)           # (B*n, P+R), scored
         self.writer.add_samples(step, "train", batch)                       # every trainer.log_samples_freq
         source = self.cfg.old_logprob_source  # "update": the update's own forward gives them (no pass)
         if source != "update":
@@ -255,6 +269,12 @@ class RLTrainer:
         if step > self.cfg.critic.warmup_steps or self.critic is None:
             with timer.phase("update"):
                 metrics.update(self.policy.update(batch))
+        if self.pipeline is not None:
+            with timer.phase("weight_sync"):  # the next generations sample from the updated policy
+                self.pipeline.send_weights(step)
+            metrics.update(self.pipeline.staleness(step, batch))
+            metrics.update(self.pipeline.worker_idle())
+        self.prompt_log.write(step, stats.rows, batch)
         metrics.update(self.step_metrics(step, batch, mask, stats))
         metrics.update(timer.metrics())
         # the prompt copies the passes skipped: the driver's and, under Ray, every rank's
@@ -262,6 +282,21 @@ class RLTrainer:
         metrics.update(self.perf.metrics(batch, stats.generated, timer.times, skipped_prompts(groups)))
         metrics.update(host_memory())
         return metrics
+
+    def generated_ahead(self, step: int, timer: PhaseTimer) -> FirstRound:
+        """Step ``step``'s first round from the rollout workers (fitrl/trainer/pipeline.py); the
+        generations of the next ``rollout.lead`` steps are asked for before this step trains."""
+        p = self.pipeline
+        if p.version < 0:  # this process's first step: the workers get the weights it starts from
+            with timer.phase("weight_sync"):
+                p.send_weights(step - 1)
+        with timer.phase("data"):
+            p.fill(step)
+        with timer.phase("rollout"):  # the trainer's wait for the workers
+            drawn, rollout = p.take(step)
+        with timer.phase("data"):
+            p.fill(min(step + p.lead, self.cfg.trainer.max_steps))
+        return FirstRound(drawn.prompts, drawn.rows, rollout)
 
     def apply_kl_penalty(self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor):
         """PPO-style KL in the reward, its coefficient from the (adaptive) controller."""

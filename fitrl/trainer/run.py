@@ -84,16 +84,22 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
     t = cfg.trainer
     # the training passes of the policy and the reference split sequences over actor.ulysses_size ranks
     sequence_parallel = cfg.actor.ulysses_size if role in ("actor", "ref") else 1
+    # rollout workers of their own (rollout.workers): a group of their own, on bundles (devices) of
+    # their own; in one process a thread beside the driver's (fitrl/trainer/pipeline.py)
+    own = role == "rollout"
     if t.backend == "inprocess":
-        return RoleHandle(InProcessWorkerGroup(worker_cls, cfg))
+        group = InProcessWorkerGroup(worker_cls, cfg, threaded=own)
+        stack.callback(group.shutdown)
+        return RoleHandle(group)
     from fitrl.workers.ray_group import RayWorkerGroup, ensure_ray
 
     ensure_ray(address=t.ray_address)
     SIGNALS.reinstall()  # ray.init replaces the SIGTERM handler with its own sys.exit
     # collectives time out with the hang watchdog (a dead peer is an error naming the rank, not a
     # wait for torch's default 30 min); never below a minute, which rendezvous and loading may take
-    group = RayWorkerGroup(worker_cls, cfg, world_size=cfg.world_size, nnodes=t.nnodes,
-                           devices_per_node=t.devices_per_node, use_gpu=resolve_device(t.device).type == "cuda",
+    world, nnodes, per_node = (cfg.rollout.workers, 1, None) if own else (cfg.world_size, t.nnodes, t.devices_per_node)
+    group = RayWorkerGroup(worker_cls, cfg, world_size=world, nnodes=nnodes,
+                           devices_per_node=per_node, use_gpu=resolve_device(t.device).type == "cuda",
                            name=name, colocate_with=colocate_with.group if colocate_with else None,
                            dist_timeout_s=max(60.0, t.hang_timeout_s) if t.hang_timeout_s else None)
     stack.callback(group.shutdown)
@@ -185,6 +191,9 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         reward.attach(make_group("reward_model", cfg, "reward_model", stack, colocate_with=policy)
                       if reward.needs("model") else None,
                       make_group("judge", cfg, "judge", stack, colocate_with=policy) if reward.needs("judge") else None)
+        rollout = None
+        if cfg.rollout.workers and not cfg.trainer.val_only and not supervised:
+            rollout = make_group("rollout", cfg, "rollout", stack)
 
         numbers = derived_batch_numbers(cfg, world_size=cfg.data_parallel_size)
         console.print(f"[bold]fitrl[/] run dir: {run_dir}")
@@ -196,13 +205,15 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
             if ds is not None:
                 console.print(ds.summary(), highlight=False)
         console.print("batch: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), highlight=False)
+        if rollout is not None:
+            console.print(_rollout_text(cfg), highlight=False)
         for note in where.get("notes", []) + adjustments(cfg):
             console.print(f"note: {note}", highlight=False)
 
         trainer = (SFTTrainer if supervised else RLTrainer)(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
                             reward=reward, run_dir=run_dir, console=console,
                             pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                            checkpoints=checkpoints, history=history)
+                            checkpoints=checkpoints, history=history, **({"rollout": rollout} if rollout else {}))
         stack.callback(trainer.close)
         if resume is not None:
             trainer.restore(resume)
@@ -211,6 +222,15 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         history = trainer.fit()
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return history
+
+
+def _rollout_text(cfg: FitrlConfig) -> str:
+    r = cfg.rollout
+    where = "Ray actors" if cfg.trainer.backend == "ray" else "a thread beside the trainer"
+    lag = {"sync": "each step trains on its own samples",
+           "one_step_off": "step k+1 generates while step k trains (samples 1 update old)",
+           "async": f"up to {r.max_staleness} steps ahead, new weights taken between micro-batches"}[r.mode]
+    return f"rollout: {r.workers} worker(s) of their own ({where}), mode {r.mode}: {lag}"
 
 
 def _reference_text(cfg: FitrlConfig, ref: RoleHandle | None) -> str:

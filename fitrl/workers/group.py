@@ -38,6 +38,25 @@ def dispatch(mode: str, gather: Optional[Callable[[list[Any]], Any]] = None,
     return mark
 
 
+class Pending:
+    """A call in flight on a worker group (:meth:`WorkerGroup.submit`): ``result()`` waits for
+    it and returns what the blocking call would have; ``done()`` asks without waiting."""
+
+    def __init__(self, wait: Callable[[], list[Any]], done: Callable[[], bool],
+                 finish: Callable[[list[Any]], Any] = lambda results: results):
+        self._wait, self._done, self._finish = wait, done, finish
+
+    def then(self, finish: Callable[[list[Any]], Any]) -> "Pending":
+        """The same call, its per-rank results turned into one by ``finish`` when taken."""
+        return Pending(self._wait, self._done, finish)
+
+    def done(self) -> bool:
+        return self._done()
+
+    def result(self) -> Any:
+        return self._finish(self._wait())
+
+
 class WorkerGroup(ABC):
     """``world_size`` workers of one class; ``call_all`` runs a method on every rank."""
 
@@ -48,26 +67,58 @@ class WorkerGroup(ABC):
     def call_all(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
         """Run ``method`` on each rank with its own positional args; results in rank order."""
 
+    def submit(self, method: str, per_rank_args: list[tuple], kwargs: dict, phase: Optional[str] = None,
+               mailbox: bool = False) -> Pending:
+        """Start ``method`` on each rank without waiting (its results in rank order from
+        ``result()``); a rank runs one call at a time, in no promised order. ``phase``: what the
+        ranks record its memory under. ``mailbox``: run it beside a call in progress (a short,
+        thread-safe method: a rollout worker's ``receive_weights``), under no phase. This default
+        runs the call at once."""
+        results = self.call_all(method, per_rank_args, kwargs)
+        return Pending(lambda: results, lambda: True)
+
     def health(self, timeout_s: float) -> list[dict]:
         """Each rank's progress report (fitrl/telemetry/progress.py) for the hang watchdog; none
         for workers in the driver's own process (the driver's report covers them)."""
         return []
 
+    def shutdown(self) -> None:
+        """Stop the workers (nothing to do for workers in the driver's process)."""
+
 
 class InProcessWorkerGroup(WorkerGroup):
-    """One worker living in the driver's process (CPU or one GPU)."""
+    """One worker living in the driver's process (CPU or one GPU). ``threaded``: submitted calls
+    run one after another on a thread of their own, beside the driver's (a rollout worker
+    generating while the driver trains: fitrl/trainer/pipeline.py)."""
 
-    def __init__(self, worker_cls: type, *args, **kwargs):
+    def __init__(self, worker_cls: type, *args, threaded: bool = False, **kwargs):
         self.worker_cls = worker_cls
         self.world_size = 1
         self.workers = [worker_cls(*args, rank=0, world_size=1, **kwargs)]
+        self._executor = None
+        if threaded:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=worker_cls.__name__)
 
     def call_all(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
         return [getattr(w, method)(*args, **kwargs) for w, args in zip(self.workers, per_rank_args)]
 
+    def submit(self, method: str, per_rank_args: list[tuple], kwargs: dict, phase: Optional[str] = None,
+               mailbox: bool = False) -> Pending:
+        if self._executor is None or mailbox:  # (a mailbox call runs in the caller's thread)
+            return super().submit(method, per_rank_args, kwargs, phase)
+        future = self._executor.submit(self.call_all, method, per_rank_args, kwargs)
+        return Pending(future.result, future.done)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
 
 class RoleHandle:
-    """What the driver calls: ``handle.method(...)`` dispatched per the worker's marks."""
+    """What the driver calls: ``handle.method(...)`` dispatched per the worker's marks;
+    ``handle.submit("method", ...)`` starts the same call without waiting (a :class:`Pending`)."""
 
     def __init__(self, group: WorkerGroup, sequence_parallel: int = 1):
         if group.world_size % sequence_parallel:
@@ -83,20 +134,34 @@ class RoleHandle:
     def group(self) -> WorkerGroup:
         return self._group
 
-    def __getattr__(self, name: str):
+    def _marks(self, name: str) -> tuple[str, Callable[[list[Any]], Any], int]:
         fn = getattr(self._group.worker_cls, name, None)
         marks = getattr(fn, DISPATCH_ATTR, None)
         if marks is None:
             raise AttributeError(f"{self._group.worker_cls.__name__}.{name} is not a dispatched worker method")
         mode, join, by_group = marks
-        copies = self.sequence_parallel if by_group else 1
-        return lambda *args, **kwargs: self._call(name, mode, join or gather, args, kwargs, copies)
+        return mode, join or gather, self.sequence_parallel if by_group else 1
 
-    def _call(self, name: str, mode: str, join: Callable[[list[Any]], Any], args: tuple, kwargs: dict,
-              copies: int = 1):
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._marks(name)
+        return lambda *args, **kwargs: self.submit(name, *args, _now=True, **kwargs).result()
+
+    def submit(self, name: str, *args, phase: Optional[str] = None, _now: bool = False, **kwargs) -> Pending:
+        mode, join, copies = self._marks(name)
+        per_rank, finish = self._spread(name, mode, join, args, copies)
+        if _now:  # the blocking call
+            results = self._group.call_all(name, per_rank, kwargs)
+            return Pending(lambda: results, lambda: True, finish)
+        return self._group.submit(name, per_rank, kwargs, phase).then(finish)
+
+    def _spread(self, name: str, mode: str, join: Callable[[list[Any]], Any], args: tuple,
+                copies: int) -> tuple[list[tuple], Callable[[list[Any]], Any]]:
+        """Each rank's arguments, and how their results become the caller's."""
         world = self._group.world_size
         if mode == "all":
-            return self._group.call_all(name, [args] * world, kwargs)[0]
+            return [args] * world, lambda results: results[0]
         n = world // copies  # shards: one per sequence-parallel group
         batch, rest = args[0], args[1:]
         if not isinstance(batch, Batch):
@@ -107,11 +172,13 @@ class RoleHandle:
             order = equal_count_shards(batch["attention_mask"].sum(-1).tolist(), n)
             batch = batch.index(order)
         shards = batch.chunk(n) if n > 1 else [batch]
-        results = self._group.call_all(name, [(s, *rest) for s in shards for _ in range(copies)], kwargs)
-        result = join(results[::copies])
-        if order is not None and isinstance(result, Batch):
-            result = result.index(sorted(range(len(order)), key=order.__getitem__))  # caller's order
-        return result
+
+        def finish(results: list[Any]) -> Any:
+            result = join(results[::copies])
+            if order is not None and isinstance(result, Batch):
+                result = result.index(sorted(range(len(order)), key=order.__getitem__))  # caller's order
+            return result
+        return [(s, *rest) for s in shards for _ in range(copies)], finish
 
 
 def gather(results: list[Any]) -> Any:

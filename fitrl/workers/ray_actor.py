@@ -119,8 +119,10 @@ def remote(name: str):
     if not _REMOTE:
         import ray
 
-        # "health": a thread of its own for RankActor.health, so a stuck rank still says where it is
-        _REMOTE["actor"] = ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"health": 1})(RankActor)
+        # "health": a thread of its own for RankActor.health, so a stuck rank still says where it is;
+        # "mailbox": one for short calls beside a running one (a rollout worker's incoming weights)
+        _REMOTE["actor"] = ray.remote(max_restarts=0, max_task_retries=0,
+                                      concurrency_groups={"health": 1, "mailbox": 1})(RankActor)
         _REMOTE["port"] = ray.remote(num_cpus=0, max_retries=0)(free_port)
     return _REMOTE[name]
 

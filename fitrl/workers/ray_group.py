@@ -73,7 +73,7 @@ from fitrl.core.errors import WorkerFailed
 from fitrl.distributed.process_group import DistEnv, default_backend, free_port
 from fitrl.telemetry.guard import MemoryPressure
 from fitrl.telemetry.phases import current_phase
-from fitrl.workers.group import WorkerGroup
+from fitrl.workers.group import Pending, WorkerGroup
 from fitrl.workers.ray_actor import remote
 from fitrl.workers.ray_failures import (ANSI_RE, RemoteTraceback, describe_death, is_death, is_memory_pressure,
                                         with_prefix)
@@ -204,6 +204,21 @@ class RayWorkerGroup(WorkerGroup):
     # -- calls --------------------------------------------------------------------------------
 
     def call_all(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
+        # the ranks record their memory under the driver's phase
+        return self._collect(self._send(method, per_rank_args, kwargs, current_phase()), method)
+
+    def submit(self, method: str, per_rank_args: list[tuple], kwargs: dict, phase: Optional[str] = None,
+               mailbox: bool = False) -> Pending:
+        """As ``call_all``, without waiting; ``mailbox``: on the actor's ``mailbox`` thread, beside
+        a running call (:meth:`WorkerGroup.submit`)."""
+        import ray
+
+        refs = self._send(method, per_rank_args, kwargs, None if mailbox else phase, mailbox)
+        return Pending(lambda: self._collect(refs, method),
+                       lambda: len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs))
+
+    def _send(self, method: str, per_rank_args: list[tuple], kwargs: dict, phase: Optional[str],
+              mailbox: bool = False) -> list:
         import ray
 
         if self._failed:
@@ -213,8 +228,8 @@ class RayWorkerGroup(WorkerGroup):
         args = per_rank_args
         if self.world_size > 1 and all(a is per_rank_args[0] for a in per_rank_args):
             args = [ray.put(per_rank_args[0])] * self.world_size  # one copy in the object store, not n
-        phase = current_phase()  # the ranks record their memory under the driver's phase
-        return self._collect([a.call.remote(method, x, kwargs, phase) for a, x in zip(self._actors, args)], method)
+        return [(a.call.options(concurrency_group="mailbox") if mailbox else a.call).remote(method, x, kwargs, phase)
+                for a, x in zip(self._actors, args)]
 
     def health(self, timeout_s: float) -> list[dict]:
         """Each rank's phase, idle seconds and main-thread stack, asked in the actors' ``health``
@@ -239,11 +254,14 @@ class RayWorkerGroup(WorkerGroup):
 
     def memory_reports(self) -> list[tuple[dict, Any]]:
         """Per rank: (phase -> PhaseMemory since the last report, a pending guard crossing or None)."""
-        return self._collect([a.memory_report.remote() for a in self._actors], "memory_report")
+        # on the mailbox thread: a rollout worker may be generating (its finished phases are drained)
+        return self._collect([a.memory_report.options(concurrency_group="mailbox").remote() for a in self._actors],
+                             "memory_report")
 
     def skipped_prompts(self) -> list[dict[str, list[int]]]:
         """Per rank: phase -> the prompt copies its passes did not run since the last call."""
-        return self._collect([a.skipped_prompts.remote() for a in self._actors], "skipped_prompts")
+        return self._collect([a.skipped_prompts.options(concurrency_group="mailbox").remote() for a in self._actors],
+                             "skipped_prompts")
 
     def _collect(self, refs: list, method: str) -> list[Any]:
         """Results in rank order; on the first failure, the cause (see the module docstring)."""

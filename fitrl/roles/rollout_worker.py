@@ -1,0 +1,134 @@
+"""A rollout worker of its own (``rollout.workers``, docs/async.md): a whole copy of the policy
+that only generates, beside the trainer ranks instead of inside them.
+
+The trainer sends its weights after every update (:meth:`RolloutWorker.receive_weights`). They
+arrive in a mailbox, beside a generation that may be running (under Ray on the actor's
+``mailbox`` thread; in one process from the driver's thread), and are loaded into the copy only
+between generations, or, with ``partial``, between micro-batches of one (``rollout.mode=async``):
+a generation in flight finishes its micro-batch with the weights it started with and continues
+with the new ones. Every sequence records the version it was sampled under
+(``rollout_version``, (B,)): the driver turns it into staleness and the loss's importance
+weights use the engine's own log-probs, taken under that version.
+
+Memory: the copy (weights only, no gradients or optimizer states), the engine's generation
+transients, and one version in the mailbox until it is loaded (host memory): the planner's
+``rollout`` role (fitrl/memory/roles.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from fitrl.config.schema import FitrlConfig, SamplingConfig
+from fitrl.core.device import autocast, resolve_device
+from fitrl.data.batch import Batch
+from fitrl.models.families import family_for
+from fitrl.models.loading import build_model, load_tokenizer
+from fitrl.roles.offload import low_precision
+from fitrl.rollout import build_engine
+from fitrl.rollout.agent import AgentRollout
+from fitrl.rollout.engine import RolloutEngine
+from fitrl.rollout.layout import concat_rollouts, eos_ids, gather_rollouts
+from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
+from fitrl.workers.group import dispatch
+
+WAIT_FOR_WEIGHTS_S = 600.0
+"""How long a generation waits for the weights version it needs (sent before it was asked for:
+a longer wait means the trainer's send was lost)."""
+
+
+def episode_runner(cfg: FitrlConfig, engine: RolloutEngine, model: torch.nn.Module, tokenizer,
+                   inputs) -> AgentRollout | None:
+    """Multi-turn episodes on ``engine`` (``rollout.agent``, fitrl/rollout/agent.py), or None."""
+    if not cfg.rollout.agent.enabled:
+        return None
+    end = eos_ids(model, tokenizer)
+    return AgentRollout(engine, tokenizer, cfg.rollout.agent, max_response_length=cfg.rollout.max_response_length,
+                        eos_ids=end, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end[0],
+                        inputs=inputs, max_error_fraction=cfg.reward.max_error_fraction,
+                        max_prompt_length=cfg.data.max_prompt_length)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.device = resolve_device(cfg.trainer.device)
+        GUARD.configure(cfg.memory)
+        torch.manual_seed(cfg.trainer.seed + 104_729 + rank)  # its own sampling stream
+        self.tokenizer = load_tokenizer(cfg.actor.model)
+        # the policy as an engine sees it: LoRA adapters arrive merged, so the copy is the base model
+        self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device, replicate=True)
+        self.model.eval().requires_grad_(False)
+        inputs = family_for(cfg.actor.model.path).inputs_for(self.model)
+        self.autocast_dtype = low_precision("bfloat16" if cfg.actor.fsdp.mixed_precision else None)
+        self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs)
+        self.agent = episode_runner(cfg, self.engine, self.model, self.tokenizer, inputs)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.version = -1  # the weights in the copy: -1 until the first send (the trainer's step count after it)
+        self._mailbox: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._arrived = threading.Condition()
+        self.busy_s = 0.0  # seconds spent generating (the rest of the run it waited for work)
+        self._since: float | None = None  # when the generation running now started
+
+    @dispatch("all")
+    def receive_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Leave ``version`` of the policy's weights for the next micro-batch boundary (a newer
+        version replaces an unloaded older one: only the newest is ever loaded)."""
+        with self._arrived:
+            if version > max(self.version, self._mailbox[0] if self._mailbox else -1):
+                self._mailbox = (version, weights)
+            self._arrived.notify_all()
+
+    @dispatch("all")
+    def busy_seconds(self) -> float:
+        """Seconds spent generating so far, the running generation's included."""
+        since = self._since
+        return self.busy_s + (time.perf_counter() - since if since is not None else 0.0)
+
+    def _load_newest(self, at_least: int = -1) -> None:
+        """Load the mailbox's weights, first waiting (at most :data:`WAIT_FOR_WEIGHTS_S`) until a
+        version of at least ``at_least`` has arrived."""
+        deadline = time.monotonic() + WAIT_FOR_WEIGHTS_S
+        with self._arrived:
+            while max(self.version, self._mailbox[0] if self._mailbox else -1) < at_least:
+                if not self._arrived.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic()))) \
+                        and time.monotonic() >= deadline:
+                    raise RuntimeError(f"rollout worker {self.rank}: weights version {at_least} did not arrive in "
+                                       f"{WAIT_FOR_WEIGHTS_S:.0f} s (it has version {self.version})")
+            taken, self._mailbox = self._mailbox, None
+        if taken is None:
+            return
+        version, weights = taken
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {k for k in missing if self.model.config.tie_word_embeddings and k.endswith("lm_head.weight")}
+        if unexpected or set(missing) - tied:
+            raise RuntimeError(f"rollout worker {self.rank}: the trainer's weights do not fit the copy "
+                               f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        self.version = version
+
+    @dispatch("dp", gather=gather_rollouts)  # workers generate to different widths
+    def generate(self, prompts: Batch, sampling: SamplingConfig, min_version: int = 0,
+                 partial: bool = False) -> Batch:
+        """Responses to ``prompts`` under weights of version ``min_version`` or newer. ``partial``:
+        newer weights that arrive meanwhile are taken between micro-batches."""
+        start = self._since = time.perf_counter()
+        try:
+            self._load_newest(at_least=min_version)
+            per_chunk = max(1, self.cfg.rollout.micro_batch_size // sampling.n) if partial else len(prompts)
+            outs = []
+            for i in range(0, len(prompts), per_chunk):
+                if i:
+                    self._load_newest()
+                PROGRESS.beat()
+                with torch.no_grad(), autocast(self.device, self.autocast_dtype):
+                    out = (self.agent or self.engine).generate(prompts.index(slice(i, i + per_chunk)), sampling)
+                out.update(rollout_version=torch.full((len(out),), self.version, dtype=torch.long))
+                outs.append(out.to("cpu"))
+            return concat_rollouts(outs, self.pad_id)
+        finally:
+            self.busy_s += time.perf_counter() - start
+            self._since = None

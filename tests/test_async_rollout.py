@@ -1,0 +1,146 @@
+"""Rollout workers of their own and overlapped modes (rollout.workers, rollout.mode; docs/async.md):
+the weights a worker samples from, the staleness bound under a slow trainer and a slow worker,
+and a stopped and resumed asynchronous run that neither repeats nor skips a prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import DATA, EXAMPLE, ROOT, read_metrics, toy_config
+
+from fitrl.config import load_config
+from fitrl.data.dataset import PromptSampler
+from fitrl.trainer.run import train
+
+LEAN = ("trainer.val_before_train=false", "trainer.val_freq=0", "data.val_files=[]", "reward.num_workers=0",
+        "checkpoint.save_final=false")
+
+
+def steps(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "event" not in r and "reward/mean" in r]
+
+
+def prompt_log(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "prompts.jsonl").read_text().splitlines()]
+
+
+def test_a_sync_worker_samples_from_the_weights_being_trained(tiny_model_dir, tmp_path):
+    """A rollout worker of its own with rollout.mode=sync gets every update before it generates:
+    its sampling log-probs are the trainer's recomputed ones (to float round-off), so the sent
+    weights are exactly the trained weights, and every sample is of the newest version."""
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "rollout.workers=1", "trainer.max_steps=3", *LEAN)
+    assert cfg.old_logprob_source == "pass"
+    train(cfg)
+    for r in steps(tmp_path / "run"):
+        assert r["rollout/logprob_diff_max"] < 1e-5, r
+        assert r["rollout/staleness_max"] == 0.0
+    assert [p["versions"] for p in prompt_log(tmp_path / "run")] == [[0], [1], [2]]
+
+
+def test_overlapped_modes_config():
+    cfg = load_config(EXAMPLE, ["rollout.mode=one_step_off"])
+    assert cfg.rollout.workers == 1 and cfg.rollout.lead == 1
+    assert cfg.algorithm.rollout_correction.mode == "token"  # stale samples are importance-weighted
+    assert load_config(EXAMPLE, ["rollout.mode=async", "rollout.max_staleness=3"]).rollout.lead == 3
+    kept = load_config(EXAMPLE, ["rollout.mode=async", "algorithm.recompute_old_logprob=false"])
+    assert kept.algorithm.rollout_correction.mode == "off"  # the PPO ratio is against the sampling policy
+
+
+def _slow(cls, method: str, seconds: float, monkeypatch):
+    original = getattr(cls, method)
+
+    def slowed(self, *args, **kwargs):
+        time.sleep(seconds)
+        return original(self, *args, **kwargs)
+    slowed._fitrl_dispatch = original._fitrl_dispatch
+    monkeypatch.setattr(cls, method, slowed)
+
+
+@pytest.mark.parametrize("slow", ["trainer", "worker"])
+def test_no_sample_is_staler_than_the_bound(tiny_model_dir, tmp_path, monkeypatch, slow):
+    """async with max_staleness=2. A slow trainer: the worker runs as far ahead as allowed, so each
+    step's samples are exactly min(step - 1, 2) updates old (the injected lag is the bound). A slow
+    worker (each micro-batch late): new weights arrive during its generations and are taken between
+    micro-batches, so steps mix versions and are fresher than the bound. Never beyond it."""
+    from fitrl.roles.rollout_worker import RolloutWorker
+    from fitrl.roles.workers import PolicyWorker
+
+    if slow == "trainer":
+        _slow(PolicyWorker, "update", 0.5, monkeypatch)
+    else:  # every chunk of 2 prompts x 8 samples waits: the trainer waits for the worker
+        original = RolloutWorker._load_newest
+
+        def late(self, at_least=-1):
+            time.sleep(0.15)
+            return original(self, at_least)
+        monkeypatch.setattr(RolloutWorker, "_load_newest", late)
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "rollout.mode=async", "rollout.max_staleness=2",
+                     "rollout.micro_batch_size=16", "trainer.max_steps=6", *LEAN)
+    train(cfg)
+    rows = steps(tmp_path / "run")
+    assert len(rows) == 6
+    for step, r in enumerate(rows, start=1):
+        assert r["rollout/staleness_max"] <= 2.0
+        if slow == "trainer":
+            assert r["rollout/staleness_mean"] == r["rollout/staleness_max"] == min(step - 1, 2), r
+    log = prompt_log(tmp_path / "run")
+    if slow == "worker":
+        assert any(len(p["versions"]) > 1 for p in log), log  # a generation took new weights part-way
+        assert sum(r["rollout/staleness_mean"] for r in rows[3:]) < 2.0 * 3
+        assert rows[-1]["time/rollout"] > 0.1  # the trainer waited for the worker
+    else:
+        assert max(r["time/rollout"] for r in rows[3:]) < 0.5  # the samples were waiting for the trainer
+
+
+def _train(run_dir: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "fitrl.cli", "train", EXAMPLE, f"trainer.run_dir={run_dir}",
+            f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "actor.model.path=" + os.environ["FITRL_TEST_MODEL"],
+            "trainer.progress_bar=false", "memory.plan=off", *LEAN, *extra]
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=timeout)
+
+
+def test_a_stopped_async_run_resumes_without_repeating_or_skipping_a_prompt(tiny_model_dir, tmp_path, monkeypatch):
+    """SIGTERM during step 3's update of an async run (steps 4 and 5 generating), then the
+    same command: the emergency checkpoint of step 3 saved the sampler as it was before the
+    in-flight steps drew, so the resumed run draws them again. Every step's rows are the sampler's
+    own sequence (no prompt twice, none skipped), and the resumed steps sampled from weights of
+    the resumed version or newer."""
+    monkeypatch.setenv("FITRL_TEST_MODEL", str(tiny_model_dir))
+    run = tmp_path / "run"
+    cmd = ("rollout.mode=async", "rollout.max_staleness=2", "trainer.max_steps=6", "checkpoint.save_freq=0")
+    first = _train(run, *cmd, env={"PYTHONPATH": str(ROOT / "tests" / "hooks"), "FITRL_TEST_SIGNAL_AT": "update:3:TERM"})
+    assert first.returncode == 143, first.stderr[-2000:]
+    assert "emergency checkpoint of step 3" in first.stdout + first.stderr
+    # step 3 finished (the stop came at its end), steps 4 and 5 had drawn and were generating
+    assert [p["step"] for p in prompt_log(run)] == [1, 2, 3]
+    second = _train(run, *cmd)
+    assert second.returncode == 0, second.stderr[-2000:]
+    log = prompt_log(run)
+    assert [p["step"] for p in log] == [1, 2, 3, 4, 5, 6]
+    cfg = load_config(EXAMPLE, [])
+    sampler = PromptSampler(80, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+    assert [p["rows"] for p in log] == [sampler.next_indices() for _ in range(6)]
+    assert all(min(p["versions"]) >= 3 for p in log[3:])
+    assert len({r for p in log for r in p["rows"]}) == 6 * cfg.data.rollout_batch_size
+
+
+@pytest.mark.slow
+def test_one_step_off_under_ray(tiny_model_dir, tmp_path, ray_cluster):
+    """One trainer rank and one rollout worker, each a Ray actor with one CPU: step k+1's samples
+    are generated while step k trains, one update old, and the run learns like any other."""
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "rollout.mode=one_step_off", "trainer.backend=ray",
+                     "trainer.devices_per_node=1", "trainer.max_steps=4", *LEAN)
+    train(cfg)
+    rows = steps(tmp_path / "run")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert [p["versions"] for p in prompt_log(tmp_path / "run")] == [[0], [0], [1], [2]]
+    assert all(0.0 <= r["rollout/worker_idle_frac"] <= 1.0 for r in rows)
+    # the worker's memory is recorded under the phase of its calls, while the trainer trains
+    assert all("mem/rollout.rank0/rollout/host_peak_gib" in r for r in rows[:3])

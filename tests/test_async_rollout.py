@@ -46,10 +46,10 @@ def test_a_sync_worker_samples_from_the_weights_being_trained(tiny_model_dir, tm
 def test_overlapped_modes_config():
     cfg = load_config(EXAMPLE, ["rollout.mode=one_step_off"])
     assert cfg.rollout.workers == 1 and cfg.rollout.lead == 1
-    assert cfg.algorithm.rollout_correction.mode == "token"  # stale samples are importance-weighted
+    assert cfg.old_logprob_source == "rollout"  # the PPO ratio against the weights that sampled
     assert load_config(EXAMPLE, ["rollout.mode=async", "rollout.max_staleness=3"]).rollout.lead == 3
-    kept = load_config(EXAMPLE, ["rollout.mode=async", "algorithm.recompute_old_logprob=false"])
-    assert kept.algorithm.rollout_correction.mode == "off"  # the PPO ratio is against the sampling policy
+    kept = load_config(EXAMPLE, ["rollout.mode=async", "algorithm.rollout_correction.mode=token"])
+    assert kept.old_logprob_source == "update"  # recomputed (folded), importance-weighted: the user's choice
 
 
 def _slow(cls, method: str, seconds: float, monkeypatch):

@@ -130,8 +130,8 @@ class FitrlConfig:
 
 def check_rollout_placement(cfg: FitrlConfig) -> None:
     """``rollout.mode`` and ``rollout.workers`` (docs/async.md): an overlapped mode gets a rollout
-    worker when none is set, and its stale samples the token-level correction when the loss would
-    otherwise treat them as fresh."""
+    worker when none is set, and its stale samples a PPO ratio against the weights that sampled
+    them when nothing else would correct for their age."""
     r, a = cfg.rollout, cfg.algorithm
     if r.mode != "sync" and r.workers == 0:
         r.workers = 1
@@ -142,13 +142,15 @@ def check_rollout_placement(cfg: FitrlConfig) -> None:
                           f"rollout.engine={r.engine} generates on the policy's ranks (set rollout.workers=0 and "
                           f"rollout.mode=sync)")
     if r.mode != "sync" and a.recompute_old_logprob and a.rollout_correction.mode == "off":
-        # the recomputed (or folded) old log-probs are the current weights', not the sampling ones':
-        # without the importance weight the loss would take stale samples for on-policy ones
-        a.rollout_correction.mode = "token"
-        adjusted(cfg, f"rollout.mode={r.mode} trains on samples of older weights: "
-                      f"algorithm.rollout_correction.mode set to token (truncated importance sampling, cap "
-                      f"{a.rollout_correction.cap:g}); algorithm.recompute_old_logprob=false uses the sampling "
-                      f"log-probs as the PPO ratio's denominator instead")
+        # recomputed (or folded) old log-probs are the current weights': the ratio of a single
+        # optimizer step is then 1 and nothing bounds the update against the weights that sampled;
+        # the sampling log-probs as the ratio's denominator make PPO's clip that bound
+        # (bench/RESULTS.md, "Asynchronous rollout": the recomputed ratio with token TIS collapsed)
+        a.recompute_old_logprob = False
+        adjusted(cfg, f"rollout.mode={r.mode} trains on samples of older weights: the PPO ratio is taken against "
+                      "the sampling log-probs (algorithm.recompute_old_logprob=false), so the clip bounds each update "
+                      "relative to the weights that generated the samples; algorithm.rollout_correction.mode=token "
+                      "recomputes them and weighs by truncated importance sampling instead")
 
 
 def check_sequence_parallel(cfg: FitrlConfig) -> None:

@@ -71,10 +71,9 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))
         r = cfg.rollout
         if r.workers and run.fsdp:  # rollout workers of their own under Ray (fitrl/trainer/pipeline.py)
-            if ph == "weight_sync":  # rank 0 gathers the full weights, the driver passes them on
+            if ph == "weight_sync":  # rank 0 gathers the full weights into the object store
                 weights = full_weights(run.shape, cfg.actor.model.dtype)
                 r0.add("host", "weights sent", weights)
-                d.add("host", "weights in transit", weights)
                 n.add("host", "object store (weights)", weights)
             if r.lead and ph not in ("load", "validation", "checkpoint_save"):
                 # up to `lead` steps' generations finished and waiting to be taken, in the object store

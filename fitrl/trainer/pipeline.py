@@ -64,7 +64,9 @@ class RolloutPipeline:
         """Send the policy's current weights as ``version``; returns the seconds the trainer spent
         (gathering them; the workers load them between generations, not here)."""
         start = time.perf_counter()
-        weights = self.policy.inference_weights()
+        # rank 0's full weights, left where they are (under Ray the workers fetch them from the
+        # object store; the driver never holds a copy)
+        weights = self.policy.group.call_kept("inference_weights", [()] * self.policy.world_size, {})[0]
         self._sent.append(self.rollout.group.submit("receive_weights", [(weights, version)] * self.rollout.world_size,
                                                     {}, mailbox=True))
         if self.version < 0:

@@ -77,6 +77,11 @@ class WorkerGroup(ABC):
         results = self.call_all(method, per_rank_args, kwargs)
         return Pending(lambda: results, lambda: True)
 
+    def call_kept(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
+        """As ``call_all``, but each rank's result stays where it is (under Ray, in the object
+        store: handles the driver passes on as another group's arguments without fetching them)."""
+        return self.call_all(method, per_rank_args, kwargs)
+
     def health(self, timeout_s: float) -> list[dict]:
         """Each rank's progress report (fitrl/telemetry/progress.py) for the hang watchdog; none
         for workers in the driver's own process (the driver's report covers them)."""

@@ -78,8 +78,13 @@ class RankActor:
         self._bound.add(ident)
 
     def call(self, method: str, args: tuple, kwargs: dict, phase: Optional[str] = None) -> Any:
-        """Run a worker method; within a driver phase, record its memory and let the guard name it."""
+        """Run a worker method; within a driver phase, record its memory and let the guard name it.
+        An argument may be another group's result left in the object store (an ``ObjectRef``:
+        :meth:`fitrl.workers.ray_group.RayWorkerGroup.call_kept`), fetched here, not by the driver."""
+        import ray
+
         self._bind_thread()
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
         if phase is None:
             return getattr(self.worker, method)(*args, **kwargs)
         GUARD.phase = phase
@@ -92,6 +97,13 @@ class RankActor:
             GUARD.phase = None
             PROGRESS.enter(None)
             GUARD.note()  # a crossing no safe point acted on (an update) waits for the step's end
+
+    def call_kept(self, method: str, args: tuple, kwargs: dict, phase: Optional[str] = None) -> list:
+        """``call``, its result put in the object store by this process; the handle comes back in a
+        list (so the driver receives the handle, not the value)."""
+        import ray
+
+        return [ray.put(self.call(method, args, kwargs, phase))]
 
     def health(self) -> dict:
         """This rank's phase, seconds since its last heartbeat and its main thread's stack. Called

@@ -217,6 +217,18 @@ class RayWorkerGroup(WorkerGroup):
         return Pending(lambda: self._collect(refs, method),
                        lambda: len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs))
 
+    def call_kept(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
+        """The ranks' results as object-store handles, once every rank has finished (a failure
+        raises as in ``call_all``); another group's call takes them as arguments."""
+        import ray
+
+        if self._failed:
+            raise RuntimeError(f"{self.name} group is shut down ({self._failed}); build a new one")
+        phase = current_phase()
+        boxed = self._collect([a.call_kept.remote(method, x, kwargs, phase) for a, x in zip(self._actors, per_rank_args)],
+                              method)  # each a one-element list: the handle inside is not fetched
+        return [b[0] for b in boxed]
+
     def _send(self, method: str, per_rank_args: list[tuple], kwargs: dict, phase: Optional[str],
               mailbox: bool = False) -> list:
         import ray

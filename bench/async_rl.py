@@ -15,8 +15,8 @@ examples/data/arith_val.jsonl after the last step. Layouts, all on the same core
   the split alone costs (the weights sent every step, two processes taking turns);
 - ``one_step_off``: the same two processes, step k+1 generated while step k trains;
 - ``async``: the same, up to ``--staleness`` steps ahead, new weights taken between micro-batches;
-- ``one_step_off-1proc``, ``async-1proc``: the overlapped modes in one process, the rollout
-  worker a thread beside the trainer's, each computing with 1 torch thread.
+- ``sync-split-1proc``, ``one_step_off-1proc``, ``async-1proc``: the same three in one process,
+  the rollout worker a thread beside the trainer's, each computing with 1 torch thread.
 
 Every run is a fresh process. A sampler thread reads, every 0.1 s, the CPU seconds of the
 process tree (psutil: the driver, Ray's processes, the ranks) and how many steps metrics.jsonl
@@ -66,10 +66,11 @@ LAYOUTS: dict[str, list[str]] = {
     "one_step_off": ["trainer.backend=ray", "trainer.devices_per_node=1", "rollout.mode=one_step_off",
                      "trainer.num_threads=1"],
     "async": ["trainer.backend=ray", "trainer.devices_per_node=1", "rollout.mode=async", "trainer.num_threads=1"],
+    "sync-split-1proc": ["trainer.backend=inprocess", "rollout.workers=1", "trainer.num_threads=1"],
     "one_step_off-1proc": ["trainer.backend=inprocess", "rollout.mode=one_step_off", "trainer.num_threads=1"],
     "async-1proc": ["trainer.backend=inprocess", "rollout.mode=async", "trainer.num_threads=1"],
 }
-SYNC = ("sync-1proc", "sync-ray", "sync-split")
+SYNC = ("sync-1proc", "sync-ray", "sync-split", "sync-split-1proc")
 """The synchronous layouts: the ratio column is against the fastest of those run."""
 
 

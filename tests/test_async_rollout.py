@@ -30,11 +30,14 @@ def prompt_log(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "prompts.jsonl").read_text().splitlines()]
 
 
-def test_a_sync_worker_samples_from_the_weights_being_trained(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_sync_worker_samples_from_the_weights_being_trained(tiny_model_dir, tmp_path, lora):
     """A rollout worker of its own with rollout.mode=sync gets every update before it generates:
     its sampling log-probs are the trainer's recomputed ones (to float round-off), so the sent
-    weights are exactly the trained weights, and every sample is of the newest version."""
-    cfg = toy_config(tiny_model_dir, tmp_path / "run", "rollout.workers=1", "trainer.max_steps=3", *LEAN)
+    weights are exactly the trained weights (with LoRA: the adapters merged into the base), and
+    every sample is of the newest version."""
+    extra = ("actor.lora.rank=4", "actor.optim.lr=1e-2") if lora else ()
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "rollout.workers=1", "trainer.max_steps=3", *LEAN, *extra)
     assert cfg.old_logprob_source == "pass"
     train(cfg)
     for r in steps(tmp_path / "run"):

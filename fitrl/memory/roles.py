@@ -261,7 +261,7 @@ OVERLAPPED_PHASES = {"rollout", "reward", "weight_sync", "old_logprob", "ref_log
 
 class RolloutPlanner(RolePlanner):
     """Rollout workers of their own (``rollout.workers``, fitrl/roles/rollout_worker.py): a whole
-    copy of the policy's weights each (no gradients, no optimizer), the engine's generation of the
+    copy of the policy's weights each in its compute dtype (no gradients, no optimizer), the engine's generation of the
     worker's share of the step (:meth:`~fitrl.memory.engines.EnginePlanner.in_worker`) and one
     version of the weights in the mailbox. Under Ray, actors on bundles (devices) of their own; in
     one process, a thread of the trainer's process, generating in every phase of the step when
@@ -274,7 +274,7 @@ class RolloutPlanner(RolePlanner):
     def states(self, run: Run) -> tuple[States, Any]:
         from fitrl.config.roles import FSDPConfig  # (never offloaded, never sharded)
 
-        return frozen_states(run.shape, 1, run.cfg.actor.model.dtype, pinned=False), FSDPConfig()
+        return frozen_states(run.shape, 1, run.compute_dtype, pinned=False), FSDPConfig()
 
     def active_phases(self, run: Run) -> set[str]:
         return {"rollout"} if run.cfg.rollout.mode == "sync" else OVERLAPPED_PHASES
@@ -295,7 +295,7 @@ class RolloutPlanner(RolePlanner):
         waiting = phase == "weight_sync" or (run.cfg.rollout.mode != "sync" and phase in OVERLAPPED_PHASES)
         if not waiting:
             return {}
-        return {"weights in the mailbox": frozen_states(run.shape, 1, run.cfg.actor.model.dtype, pinned=False).params}
+        return {"weights in the mailbox": frozen_states(run.shape, 1, run.compute_dtype, pinned=False).params}
 
     def per_node(self, run: Run) -> int | None:
         return run.cfg.rollout.workers

@@ -72,7 +72,7 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
         r = cfg.rollout
         if r.workers and run.fsdp:  # rollout workers of their own under Ray (fitrl/trainer/pipeline.py)
             if ph == "weight_sync":  # rank 0 gathers the full weights into the object store
-                weights = full_weights(run.shape, cfg.actor.model.dtype)
+                weights = full_weights(run.shape, run.compute_dtype)  # (sent in the compute dtype)
                 r0.add("host", "weights sent", weights)
                 n.add("host", "object store (weights)", weights)
             if r.lead and ph not in ("load", "validation", "checkpoint_save"):

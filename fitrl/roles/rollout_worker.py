@@ -10,24 +10,24 @@ with the new ones. Every sequence records the version it was sampled under
 (``rollout_version``, (B,)): the driver turns it into staleness and the loss's importance
 weights use the engine's own log-probs, taken under that version.
 
-Memory: the copy (weights only, no gradients or optimizer states), the engine's generation
+Memory: the copy (weights only, in the policy's compute dtype; no gradients or optimizer states), the engine's generation
 transients, and one version in the mailbox until it is loaded (host memory): the planner's
 ``rollout`` role (fitrl/memory/roles.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import torch
 
 from fitrl.config.schema import FitrlConfig, SamplingConfig
-from fitrl.core.device import autocast, resolve_device
+from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
-from fitrl.roles.offload import low_precision
 from fitrl.rollout import build_engine
 from fitrl.rollout.agent import AgentRollout
 from fitrl.rollout.engine import RolloutEngine
@@ -39,6 +39,11 @@ from fitrl.workers.group import dispatch
 WAIT_FOR_WEIGHTS_S = 600.0
 """How long a generation waits for the weights version it needs (sent before it was asked for:
 a longer wait means the trainer's send was lost)."""
+
+
+def compute_dtype(cfg: FitrlConfig) -> str:
+    """The dtype the policy computes in, which its rollout workers hold and receive."""
+    return "bfloat16" if cfg.actor.fsdp.mixed_precision else cfg.actor.model.dtype
 
 
 def episode_runner(cfg: FitrlConfig, engine: RolloutEngine, model: torch.nn.Module, tokenizer,
@@ -60,11 +65,14 @@ class RolloutWorker:
         GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + 104_729 + rank)  # its own sampling stream
         self.tokenizer = load_tokenizer(cfg.actor.model)
-        # the policy as an engine sees it: LoRA adapters arrive merged, so the copy is the base model
-        self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device, replicate=True)
+        # the policy as an engine sees it: LoRA adapters arrive merged, so the copy is the base
+        # model, held in the dtype the policy computes in (bf16 under mixed precision: half the
+        # memory of the trained fp32 weights, and half of every weight send)
+        self.dtype = compute_dtype(cfg)
+        self.model = build_model("causal_lm", dataclasses.replace(cfg.actor.model, dtype=self.dtype), cfg.actor.fsdp,
+                                 self.device, replicate=True)
         self.model.eval().requires_grad_(False)
         inputs = family_for(cfg.actor.model.path).inputs_for(self.model)
-        self.autocast_dtype = low_precision("bfloat16" if cfg.actor.fsdp.mixed_precision else None)
         self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs)
         self.agent = episode_runner(cfg, self.engine, self.model, self.tokenizer, inputs)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -124,7 +132,7 @@ class RolloutWorker:
                 if i:
                     self._load_newest()
                 PROGRESS.beat()
-                with torch.no_grad(), autocast(self.device, self.autocast_dtype):
+                with torch.no_grad():
                     out = (self.agent or self.engine).generate(prompts.index(slice(i, i + per_chunk)), sampling)
                 out.update(rollout_version=torch.full((len(out),), self.version, dtype=torch.long))
                 outs.append(out.to("cpu"))

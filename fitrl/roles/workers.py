@@ -134,13 +134,13 @@ class PolicyWorker:
         return {**metrics, **self.rollout.metrics()}
 
     @dispatch("all")
-    def inference_weights(self) -> dict[str, torch.Tensor] | None:
+    def inference_weights(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """The weights a rollout worker of its own loads (fitrl/roles/rollout_worker.py): full
-        tensors on the host, LoRA adapters merged; a collective under FSDP2, kept by rank 0 only
-        (the others drop each gathered tensor at once)."""
+        tensors on the host in ``dtype``, LoRA adapters merged; a collective under FSDP2, kept by
+        rank 0 only (the others drop each gathered tensor at once)."""
         with self.offload.phase(), torch.no_grad():
             out = {}
-            for name, t in self.params.inference_weights(self.model):
+            for name, t in self.params.inference_weights(self.model, getattr(torch, dtype)):
                 if self.rank == 0:
                     out[name] = t.to("cpu", copy=True)
             return out if self.rank == 0 else None

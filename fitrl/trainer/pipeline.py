@@ -30,6 +30,7 @@ from typing import Optional
 from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
+from fitrl.roles.rollout_worker import compute_dtype
 from fitrl.workers.group import Pending, RoleHandle
 
 
@@ -66,7 +67,8 @@ class RolloutPipeline:
         start = time.perf_counter()
         # rank 0's full weights, left where they are (under Ray the workers fetch them from the
         # object store; the driver never holds a copy)
-        weights = self.policy.group.call_kept("inference_weights", [()] * self.policy.world_size, {})[0]
+        weights = self.policy.group.call_kept("inference_weights", [(compute_dtype(self.cfg),)] * self.policy.world_size,
+                                              {})[0]
         self._sent.append(self.rollout.group.submit("receive_weights", [(weights, version)] * self.rollout.world_size,
                                                     {}, mailbox=True))
         if self.version < 0:

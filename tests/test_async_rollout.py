@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import DATA, EXAMPLE, ROOT, read_metrics, toy_config
 
-from fitrl.config import load_config
+from fitrl.config import ConfigError, load_config
 from fitrl.data.dataset import PromptSampler
 from fitrl.trainer.run import train
 
@@ -52,7 +52,11 @@ def test_overlapped_modes_config():
     assert cfg.old_logprob_source == "rollout"  # the PPO ratio against the weights that sampled
     assert load_config(EXAMPLE, ["rollout.mode=async", "rollout.max_staleness=3"]).rollout.lead == 3
     kept = load_config(EXAMPLE, ["rollout.mode=async", "algorithm.rollout_correction.mode=token"])
-    assert kept.old_logprob_source == "update"  # recomputed (folded), importance-weighted: the user's choice
+    assert kept.old_logprob_source == "pass"  # recomputed, importance-weighted: the user's choice
+    with pytest.raises(ConfigError, match="dynamic sampling"):
+        load_config(EXAMPLE, ["rollout.mode=one_step_off", "algorithm.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match="hf engine only"):
+        load_config(EXAMPLE, ["rollout.workers=1", "rollout.engine=vllm"])
 
 
 def _slow(cls, method: str, seconds: float, monkeypatch):

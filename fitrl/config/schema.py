@@ -137,6 +137,12 @@ def check_rollout_placement(cfg: FitrlConfig) -> None:
         r.workers = 1
         adjusted(cfg, f"rollout.mode={r.mode} overlaps generation with the update, which needs a rollout worker "
                       "of its own: rollout.workers set to 1")
+    if r.mode != "sync" and a.filter_groups.enable:
+        # its extra rounds would draw prompts after the later steps' draws, which a checkpoint's
+        # sampler state (taken before those draws) could not replay without repeating them
+        raise ConfigError(f"algorithm.filter_groups (dynamic sampling) draws more prompts during a step, while "
+                          f"rollout.mode={r.mode} has already drawn the next steps'; use rollout.mode=sync "
+                          f"(rollout.workers keeps generation on processes of its own)")
     if r.workers and r.engine != "hf":
         raise ConfigError(f"rollout.workers={r.workers}: rollout workers of their own run the hf engine only so far; "
                           f"rollout.engine={r.engine} generates on the policy's ranks (set rollout.workers=0 and "

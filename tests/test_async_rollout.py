@@ -69,26 +69,30 @@ def _slow(cls, method: str, seconds: float, monkeypatch):
     monkeypatch.setattr(cls, method, slowed)
 
 
-@pytest.mark.parametrize("slow", ["trainer", "worker"])
+@pytest.mark.parametrize("slow", ["trainer", "worker", "worker-requeue"])
 def test_no_sample_is_staler_than_the_bound(tiny_model_dir, tmp_path, monkeypatch, slow):
     """async with max_staleness=2. A slow trainer: the worker runs as far ahead as allowed, so each
     step's samples are exactly min(step - 1, 2) updates old (the injected lag is the bound). A slow
     worker (each micro-batch late): new weights arrive during its generations and are taken between
-    micro-batches, so steps mix versions and are fresher than the bound. Never beyond it."""
+    micro-batches, so steps mix versions and are fresher than the bound; with
+    rollout.partial_rollout=requeue the older micro-batches are made again, one version a step.
+    Never beyond the bound."""
     from fitrl.roles.rollout_worker import RolloutWorker
     from fitrl.roles.workers import PolicyWorker
 
     if slow == "trainer":
-        _slow(PolicyWorker, "update", 0.5, monkeypatch)
-    else:  # every chunk of 2 prompts x 8 samples waits: the trainer waits for the worker
+        _slow(PolicyWorker, "update", 1.0, monkeypatch)  # (10x a generation's time here: timing cannot flip it)
+    else:  # every chunk of 2 prompts x 8 samples takes 0.15 s more after its weights are chosen:
+        # the trainer waits for the worker, and its next update lands inside the next generation
         original = RolloutWorker._load_newest
 
         def late(self, at_least=-1):
+            original(self, at_least)
             time.sleep(0.15)
-            return original(self, at_least)
         monkeypatch.setattr(RolloutWorker, "_load_newest", late)
     cfg = toy_config(tiny_model_dir, tmp_path / "run", "rollout.mode=async", "rollout.max_staleness=2",
-                     "rollout.micro_batch_size=16", "trainer.max_steps=6", *LEAN)
+                     f"rollout.micro_batch_size={64 if slow == 'trainer' else 16}", "trainer.max_steps=6", *LEAN,
+                     *(["rollout.partial_rollout=requeue"] if slow == "worker-requeue" else []))
     train(cfg)
     rows = steps(tmp_path / "run")
     assert len(rows) == 6
@@ -97,7 +101,10 @@ def test_no_sample_is_staler_than_the_bound(tiny_model_dir, tmp_path, monkeypatc
         if slow == "trainer":
             assert r["rollout/staleness_mean"] == r["rollout/staleness_max"] == min(step - 1, 2), r
     log = prompt_log(tmp_path / "run")
-    if slow == "worker":
+    if slow == "worker-requeue":
+        assert all(len(p["versions"]) == 1 for p in log), log
+        assert any(r["rollout/staleness_max"] < min(step - 1, 2) for step, r in enumerate(rows, start=1)), rows
+    elif slow == "worker":
         assert any(len(p["versions"]) > 1 for p in log), log  # a generation took new weights part-way
         assert sum(r["rollout/staleness_mean"] for r in rows[3:]) < 2.0 * 3
         assert rows[-1]["time/rollout"] > 0.1  # the trainer waited for the worker

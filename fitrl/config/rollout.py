@@ -108,6 +108,8 @@ class RolloutConfig(Sampling):
     """How generation and training overlap (docs/async.md). ``sync``: each step generates, then trains on what it generated (on-policy). ``one_step_off``: the rollout workers generate step k+1's samples with the weights before update k while the trainer runs update k (every sample one update old). ``async``: the rollout workers stay up to ``max_staleness`` steps ahead and take each new version of the weights between micro-batches (partial rollouts), so a step's samples may come from several versions. Both overlapped modes need rollout workers of their own (``rollout.workers``); their samples are corrected by ``algorithm.rollout_correction``."""
     max_staleness: int = 2
     """``async``: no sample is trained on by weights more than this many updates newer than the ones that generated it (``one_step_off`` is 1; ``sync`` 0). Logged per step as ``rollout/staleness_mean`` and ``_max``."""
+    partial_rollout: Literal["continue", "requeue"] = "continue"
+    """``async``: what a generation does when newer weights arrive while it runs. ``continue``: its next micro-batches use them (its sequences keep the versions they were sampled under); ``requeue``: the micro-batches made under older weights are dropped and generated again with the new ones, so all of a step's samples come from one version (fresher, at the cost of the dropped work)."""
     workers: int = 0
     """Rollout workers of their own: processes (Ray actors; in one process, a thread beside the trainer) that hold a copy of the policy and generate, their weights sent after every update. 0: the policy's ranks generate (colocated). ``rollout.mode`` other than ``sync`` needs at least 1 (set to 1 when left at 0)."""
 

@@ -122,20 +122,26 @@ class RolloutWorker:
     def generate(self, prompts: Batch, sampling: SamplingConfig, min_version: int = 0,
                  partial: bool = False) -> Batch:
         """Responses to ``prompts`` under weights of version ``min_version`` or newer. ``partial``:
-        newer weights that arrive meanwhile are taken between micro-batches."""
+        newer weights that arrive meanwhile are taken between micro-batches (with
+        ``rollout.partial_rollout=requeue``, what older weights made is generated again)."""
         start = self._since = time.perf_counter()
+        requeue = partial and self.cfg.rollout.partial_rollout == "requeue"
         try:
             self._load_newest(at_least=min_version)
             per_chunk = max(1, self.cfg.rollout.micro_batch_size // sampling.n) if partial else len(prompts)
-            outs = []
-            for i in range(0, len(prompts), per_chunk):
+            outs, i = [], 0
+            while i < len(prompts):
                 if i:
+                    before = self.version
                     self._load_newest()
+                    if requeue and self.version != before:
+                        outs, i = [], 0  # (at most rollout.max_staleness times: the trainer waits for this step)
                 PROGRESS.beat()
                 with torch.no_grad():
                     out = (self.agent or self.engine).generate(prompts.index(slice(i, i + per_chunk)), sampling)
                 out.update(rollout_version=torch.full((len(out),), self.version, dtype=torch.long))
                 outs.append(out.to("cpu"))
+                i += per_chunk
             return concat_rollouts(outs, self.pad_id)
         finally:
             self.busy_s += time.perf_counter() - start

@@ -144,8 +144,12 @@ class PromptLog:
         self.path = run_dir / "prompts.jsonl"
 
     def keep_through(self, step: int) -> None:
-        """Drop the records of steps after ``step`` (a resume from its checkpoint draws them again)."""
+        """Drop the records of steps after ``step`` (a resume from its checkpoint draws them again);
+        a run starting at step 0 keeps an earlier run's file as ``prompts.jsonl.prev``."""
         if not self.path.exists():
+            return
+        if step == 0:
+            self.path.replace(self.path.with_name(self.path.name + ".prev"))
             return
         lines = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
         self.path.write_text("".join(ln + "\n" for ln in lines))

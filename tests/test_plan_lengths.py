@@ -169,6 +169,17 @@ def test_auto_keeps_the_cap_with_a_note_when_the_data_is_not_here(tiny_model_dir
     assert plan.expected is None and any("could not read data.train_files" in n for n in plan.notes)
 
 
+def test_auto_keeps_the_cap_when_a_config_only_directory_encodes_nothing():
+    """A reported run's directory (config.json alone) has no real tokenizer: without a chat
+    template its prompts encoded to 0 tokens, and a 0-token prompt crashed the traces."""
+    from helpers import ROOT
+
+    model = ROOT / "examples" / "failure_stories" / "models" / "qwen2.5-7b-instruct"
+    cfg = load_config(ARITH, [f"actor.model.path={model}", "data.apply_chat_template=false"])
+    lengths = expected_lengths(cfg)
+    assert lengths.prompt_source == "cap" and "encodes every prompt as 0 tokens" in lengths.note
+
+
 def test_config_values_and_where_they_come_from(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, "plan.expected_prompt_length=100", "plan.expected_response_length=200")
     assert expected_lengths(cfg) == Lengths(100, 200, "config", "config")

@@ -115,4 +115,7 @@ def sample_prompt_length(cfg: FitrlConfig) -> tuple[int, int]:
     tools = tool_schemas(agent.tools) if agent.enabled else None  # rendered into every prompt (and counted)
     ds = PromptDataset.from_config(d.train_files, tokenizer, d, name="train", vision=vision,
                                    max_rows=-(-rows // len(d.train_files)), tools=tools)
-    return max(len(ds[i]["prompt_ids"]) for i in range(len(ds))), len(ds)
+    longest = max(len(ds[i]["prompt_ids"]) for i in range(len(ds)))
+    if longest < 1:  # e.g. a planned model's directory holding config.json alone: no real tokenizer
+        raise ValueError(f"the tokenizer of {model.tokenizer_path or model.path} encodes every prompt as 0 tokens")
+    return longest, len(ds)

@@ -45,11 +45,10 @@ def _generation(run: Run, ph: str, u: Usage, dev: str, seqs: int | None = None, 
     seqs = seqs or run.generated_seqs(ph)
     b = min(cfg.rollout.micro_batch_size, seqs)
     cb = DTYPE_BYTES[run.compute_dtype]
-    if own_copy:
-        pass  # its weights are its states (fitrl/memory/roles.py, RolloutPlanner)
-    elif run.fsdp:  # gathered_for_generation: the full weights for the whole call
+    # (a rollout worker's own copy: its weights are its states, fitrl/memory/roles.py, RolloutPlanner)
+    if run.fsdp and not own_copy:  # gathered_for_generation: the full weights for the whole call
         u.add(dev, "gathered weights", (shape.num_params + adapter_params(run)[1]) * cb)
-    elif run.autocast:  # autocast's bf16 copies (the cached trained weights), for the whole generate call
+    elif run.autocast and not own_copy:  # autocast's bf16 copies (the cached trained weights), for the whole generate call
         u.add(dev, "autocast weights", autocast_weights(run, grad=False))
         if not run.cuda:  # the prefill's projections over b x P tokens, the head over b rows
             u.add(dev, "bf16 widening", bf16_widening(run, b, b * run.prompt_len))

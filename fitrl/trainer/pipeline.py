@@ -69,8 +69,7 @@ class RolloutPipeline:
         # object store; the driver never holds a copy)
         weights = self.policy.group.call_kept("inference_weights", [(compute_dtype(self.cfg),)] * self.policy.world_size,
                                               {})[0]
-        self._sent.append(self.rollout.group.submit("receive_weights", [(weights, version)] * self.rollout.world_size,
-                                                    {}, mailbox=True))
+        self._sent.append(self.rollout.submit("receive_weights", weights, version, mailbox=True))
         if self.version < 0:
             self.first_version = version
         self.version = version
@@ -131,7 +130,7 @@ class RolloutPipeline:
         (their busy seconds, asked beside any running generation)."""
         busy = self.rollout.group.submit("busy_seconds", [()] * self.rollout.world_size, {}, mailbox=True).result()
         now = time.perf_counter()
-        (last_busy, last_t), self._busy = self._busy, (sum(busy) / len(busy), now)
+        (last_busy, last_t), self._busy = self._busy, (sum(busy) / len(busy), now)  # (every rank's, averaged)
         wall = now - last_t
         return {"rollout/worker_idle_frac": max(0.0, 1.0 - (self._busy[0] - last_busy) / wall) if wall > 0 else 0.0}
 

@@ -151,19 +151,20 @@ class RoleHandle:
         if name.startswith("_"):
             raise AttributeError(name)
         self._marks(name)
-        return lambda *args, **kwargs: self.submit(name, *args, _now=True, **kwargs).result()
+        return lambda *args, **kwargs: self._call(name, args, kwargs)
 
-    def submit(self, name: str, *args, phase: Optional[str] = None, _now: bool = False, **kwargs) -> Pending:
-        mode, join, copies = self._marks(name)
-        per_rank, finish = self._spread(name, mode, join, args, copies)
-        if _now:  # the blocking call
-            results = self._group.call_all(name, per_rank, kwargs)
-            return Pending(lambda: results, lambda: True, finish)
-        return self._group.submit(name, per_rank, kwargs, phase).then(finish)
+    def _call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        per_rank, finish = self._spread(name, args)
+        return finish(self._group.call_all(name, per_rank, kwargs))
 
-    def _spread(self, name: str, mode: str, join: Callable[[list[Any]], Any], args: tuple,
-                copies: int) -> tuple[list[tuple], Callable[[list[Any]], Any]]:
+    def submit(self, name: str, *args, phase: Optional[str] = None, mailbox: bool = False, **kwargs) -> Pending:
+        """``name``'s call started without waiting (:meth:`WorkerGroup.submit`: ``phase``, ``mailbox``)."""
+        per_rank, finish = self._spread(name, args)
+        return self._group.submit(name, per_rank, kwargs, phase, mailbox).then(finish)
+
+    def _spread(self, name: str, args: tuple) -> tuple[list[tuple], Callable[[list[Any]], Any]]:
         """Each rank's arguments, and how their results become the caller's."""
+        mode, join, copies = self._marks(name)
         world = self._group.world_size
         if mode == "all":
             return [args] * world, lambda results: results[0]

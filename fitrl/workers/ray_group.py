@@ -220,17 +220,13 @@ class RayWorkerGroup(WorkerGroup):
     def call_kept(self, method: str, per_rank_args: list[tuple], kwargs: dict) -> list[Any]:
         """The ranks' results as object-store handles, once every rank has finished (a failure
         raises as in ``call_all``); another group's call takes them as arguments."""
-        import ray
-
-        if self._failed:
-            raise RuntimeError(f"{self.name} group is shut down ({self._failed}); build a new one")
-        phase = current_phase()
-        boxed = self._collect([a.call_kept.remote(method, x, kwargs, phase) for a, x in zip(self._actors, per_rank_args)],
-                              method)  # each a one-element list: the handle inside is not fetched
+        # each a one-element list: the handle inside is not fetched
+        boxed = self._collect(self._send(method, per_rank_args, kwargs, current_phase(), via="call_kept"), method)
         return [b[0] for b in boxed]
 
     def _send(self, method: str, per_rank_args: list[tuple], kwargs: dict, phase: Optional[str],
-              mailbox: bool = False) -> list:
+              mailbox: bool = False, via: str = "call") -> list:
+        """Start ``method`` on every rank through the actors' ``via`` (``call``, ``call_kept``)."""
         import ray
 
         if self._failed:
@@ -240,8 +236,9 @@ class RayWorkerGroup(WorkerGroup):
         args = per_rank_args
         if self.world_size > 1 and all(a is per_rank_args[0] for a in per_rank_args):
             args = [ray.put(per_rank_args[0])] * self.world_size  # one copy in the object store, not n
-        return [(a.call.options(concurrency_group="mailbox") if mailbox else a.call).remote(method, x, kwargs, phase)
-                for a, x in zip(self._actors, args)]
+        calls = [getattr(a, via) for a in self._actors]
+        return [(c.options(concurrency_group="mailbox") if mailbox else c).remote(method, x, kwargs, phase)
+                for c, x in zip(calls, args)]
 
     def health(self, timeout_s: float) -> list[dict]:
         """Each rank's phase, idle seconds and main-thread stack, asked in the actors' ``health``

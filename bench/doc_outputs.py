@@ -149,11 +149,12 @@ def _config_errors(scratch: Path) -> str:
 
 def _plan_story(scratch: Path) -> str:
     config = "examples/failure_stories/3_host_grows_each_rollout.yaml"
-    rc, out = fitrl("plan", config)
-    lines = select(out, [r"^qwen2 ", r"^peak memory per phase", r"^┃ phase", r"^│ (rollout|ref_logprob) ",
-                         r"^per process", r"^┃ process", r"^│ (trainer rank|rollout engine)",
-                         r"^note: plan\.emulate", r"^does not fit", r"^  host memory", r"^recommendations",
-                         r"^┃ change", r"^│ (ref\.fsdp|plan\.emulate|rollout\.sleep)", r"^to apply"])
+    rc, out = fitrl("plan", config, columns=80)  # what an 80-column terminal shows (issue 37)
+    lines = select(out, [r"^qwen2 ", r"^on 1 node", r"^256 prompts", r"^peak (GPU|host) memory", r"^┃ phase",
+                         r"^│ (rollout|ref_logprob) ", r"^per process", r"^┃ process", r"^│ (trainer rank|rollout engine)",
+                         r"^note: plan\.emulate", r"stay cached: host grows", r"^does not fit", r"^  host memory",
+                         r"^recommendations", r"^before the rest", r"^┃ change",
+                         r"^│ (ref\.fsdp|plan\.emulate|rollout\.sleep)", r"^to apply"])
     return "\n".join([f"$ fitrl plan {config}", *lines, f"(exit status {rc})"])
 
 

@@ -122,7 +122,8 @@ def run_config(case: Case, model_dir: Path, run_dir: Path, device: str):
         f"actor.model.path={model_dir}", f"trainer.run_dir={run_dir}", f"trainer.device={device}",
         f"data.train_files=[{data / train}]", 'data.val_files=[]',
         "trainer.max_steps=2", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress_bar=false",
-        "trainer.num_threads=0", "checkpoint.save_final=false", "memory.plan=off", *case.overrides()])
+        "trainer.num_threads=0", "checkpoint.save_final=false", "memory.plan=off", "memory.phase_peaks=rewind",
+        *case.overrides()])
 
 
 def plan_case(case: Case, gpu_memory: int) -> dict:

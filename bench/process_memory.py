@@ -45,7 +45,7 @@ def roles() -> dict:
     model = make_tiny_model(tmp / "tiny-qwen2", arch="qwen2", size="tiny", seed=0)
     cfg = load_config(str(ROOT / "examples" / "arith_ppo.yaml"), [
         f"actor.model.path={model}", f"trainer.run_dir={tmp / 'run'}", f"data.train_files=[{DATA / 'arith_train.jsonl'}]",
-        "data.val_files=[]", "trainer.progress_bar=false", "memory.plan=off", "memory.uss_min_phase_s=0",
+        "data.val_files=[]", "trainer.progress_bar=false", "memory.plan=off", "memory.uss_min_phase_s=0", "memory.phase_peaks=rewind",
         "trainer.max_steps=2", "critic.warmup_steps=0", "algorithm.use_kl_loss=true", "trainer.device=cpu",
         "trainer.backend=ray", "trainer.devices_per_node=2", "data.rollout_batch_size=4", "rollout.n=2",
         "actor.mini_batch_size=4", "critic.mini_batch_size=4", "actor.micro_batch_size=2", "critic.micro_batch_size=2",

@@ -39,7 +39,7 @@ def run(backend: str, tmp: Path, policy: Path, rm: Path) -> dict:
     cfg = toy_config(policy, tmp / backend, "trainer.max_steps=3", "trainer.device=cpu", f"trainer.backend={backend}",
                      f"trainer.devices_per_node={2 if ray else 1}", "data.rollout_batch_size=4", "rollout.n=4",
                      "actor.mini_batch_size=4", "actor.micro_batch_size=4", "trainer.val_before_train=false",
-                     "trainer.val_freq=0", "memory.plan=warn", "memory.uss_min_phase_s=0",
+                     "trainer.val_freq=0", "memory.plan=warn", "memory.uss_min_phase_s=0", "memory.phase_peaks=rewind",
                      "reward.sources.rule.weight=1.0", "reward.sources.rm.kind=model",
                      f"reward.sources.rm.model.path={rm}", "reward.sources.rm.weight=0.5",
                      "reward.sources.rm.micro_batch_size=8")

@@ -126,7 +126,7 @@ def overrides(args, model: Path, data: Path, max_pixels: int, run_dir: str) -> l
             # every one of the vision tower's ~700 small attention calls per picture (6.5 s vs 0.2 s)
             f"trainer.num_threads={args.threads}", f"trainer.max_steps={args.steps}", f"trainer.run_dir={run_dir}",
             "trainer.progress_bar=false", "trainer.val_before_train=false", "checkpoint.save_final=false",
-            "memory.plan=warn", f"plan.host_malloc={args.malloc}"]
+            "memory.plan=warn", "memory.phase_peaks=rewind", f"plan.host_malloc={args.malloc}"]
 
 
 def prompt_lengths(args, model: Path, data: Path, max_pixels: int) -> list[int]:

@@ -119,7 +119,7 @@ def test_plan_plans_this_machine_by_default(capsys, tiny_model_dir):
     if torch.cuda.is_available():
         assert out.startswith("planning this machine: ") and "GPU(s) of" in out
     else:
-        assert out.startswith("planning this machine: CPU only") and " on CPU, 1 rank(s)" in out
+        assert out.startswith("planning this machine: CPU only") and "\non CPU, 1 rank(s)" in out
         assert "GPU GiB" not in out
     assert "qwen2 156K params (2 layers" in out  # the tiny model: 156,224 parameters
     main(["plan", str(ROOT / "examples" / "arith.yaml"), f"actor.model.path={tiny_model_dir}", "--gpu-memory", "80GiB",
@@ -151,3 +151,22 @@ def test_the_flagship_example_fits_its_hardware_with_the_config_only_model(capsy
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("│ ") and "->" in line]
     assert rows[0].startswith("│ rollout.micro_batch_size 128 -> 64") and "data.val_batch_size" in rows[-1]
+
+
+def test_the_plan_fits_an_80_column_terminal(capsys, monkeypatch, tiny_model_dir):
+    """Issue 37: the plan's prose wraps and its tables fit 80 columns (a table per resource, a part
+    per line, a recommendation's cost under it), on a CPU plan and on a GPU plan that does not fit
+    (notes, growth, recommendations); the change keys are folded, never cut."""
+    from fitrl.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    main(["plan", str(ROOT / "examples" / "arith.yaml"), f"actor.model.path={tiny_model_dir}"])
+    cpu = capsys.readouterr().out
+    assert main(["plan", str(ROOT / "examples" / "failure_stories" / "3_host_grows_each_rollout.yaml")]) == 1
+    gpu = capsys.readouterr().out
+    for out in (cpu, gpu):
+        assert max(len(line) for line in out.splitlines()) <= 80, out
+        assert "…" not in out
+    assert "peak GPU memory per device" in gpu and "peak host memory per node" in gpu
+    assert "plan.emulate.free_cache_engine true ->" in gpu and "no growth (was +" in gpu
+    assert "to apply: plan.emulate.free_cache_engine=false" in gpu

@@ -61,7 +61,7 @@ def test_toy_config_fits_one_line_and_trains(tiny_model_dir, tmp_path):
     assert len(history) == 1
     plan_lines = [line for line in text.splitlines() if "memory plan" in line]
     assert len(plan_lines) == 1 and plan_lines[0].startswith("memory plan: fits, peak host"), text
-    assert "GPU –" in plan_lines[0] and "peak memory per phase" not in text
+    assert "GPU –" in plan_lines[0] and "peak host memory per node" not in text
 
 
 @pytest.mark.slow
@@ -74,7 +74,7 @@ def test_too_big_stops_before_anything_loads(tiny_model_dir, tmp_path, node_256g
     assert "cheapest change that fits: actor.model.gradient_checkpointing=true" in message
     assert "memory.plan=warn" in message
     text = out.getvalue()
-    assert "does not fit" in text and "peak memory per phase" in text and "recommendations" in text
+    assert "does not fit" in text and "peak host memory per node" in text and "recommendations" in text
     assert not (tmp_path / "run").exists()  # stopped before the run directory was made
 
 
@@ -82,7 +82,7 @@ def test_cli_too_big_exit_1_with_plan(tmp_path, capsys, node_256gib, no_loading)
     code = main(["train", EXAMPLE, *TOO_BIG, f"trainer.run_dir={tmp_path / 'run'}"])
     captured = capsys.readouterr()
     assert code == 1
-    assert "peak memory per phase" in captured.out and "to apply: actor.model.gradient_checkpointing=true" in captured.out
+    assert "peak host memory per node" in captured.out and "to apply: actor.model.gradient_checkpointing=true" in captured.out
     assert captured.err.startswith("fitrl: run stopped: predicted not to fit")
     assert "memory.plan=warn" in captured.err and "Traceback" not in captured.err
 

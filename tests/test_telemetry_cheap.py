@@ -3,6 +3,7 @@ of the page tables, ~14 ms per GiB of RSS) once every ``memory.uss_every`` steps
 guard's threshold, or per phase only when ``memory.uss_min_phase_s`` asks for it."""
 
 import io
+import os
 
 import psutil
 import pytest
@@ -39,11 +40,11 @@ def walks(monkeypatch):
 def restore_guard_and_recorder():
     saved = (GUARD.settings, GUARD.process, GUARD.phase)
     recorder = phases.RECORDER
-    saved_recorder = (recorder.enabled, recorder.uss_every, recorder.uss_min_s)
+    saved_recorder = (recorder.enabled, recorder.uss_every, recorder.uss_min_s, recorder.phase_peaks)
     recorder._uss_wanted = False  # another test's guard may have asked
     yield
     GUARD.settings, GUARD.process, GUARD.phase = saved
-    recorder.enabled, recorder.uss_every, recorder.uss_min_s = saved_recorder
+    recorder.enabled, recorder.uss_every, recorder.uss_min_s, recorder.phase_peaks = saved_recorder
     recorder._uss_wanted = False
     recorder.drain(end_of_step=False)
 
@@ -172,9 +173,42 @@ def test_run_reports_uss_every_uss_every_steps(tiny_model_dir, tmp_path):
     assert all("mem/rank0/update/host_rss_gib" in r for r in steps)
 
 
+def test_phase_peaks_leave_the_kernels_peak_alone():
+    """Issue 37: by default (``memory.phase_peaks=sample``) the kernel's high-water mark, what
+    ``/usr/bin/time -v`` reports, is never rewound. A phase that raises it reads its peak from it,
+    exactly; a phase that does not gets the largest RSS the helper process saw in it."""
+    import resource
+    import time
+
+    import numpy as np
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no procfs here")
+    r = recorder()
+    assert r.phase_peaks == "sample"
+    with r.phase("big"):
+        block = np.ones(256 * 2**20, dtype=np.uint8)  # 256 MiB, touched: a new lifetime peak
+        del block
+    with r.phase("held"):
+        block = np.ones(128 * 2**20, dtype=np.uint8)  # 128 MiB: under the mark, seen only by sampling
+        deadline = time.monotonic() + 30
+        while not r.sampler.caught_up() and time.monotonic() < deadline:  # a loaded machine: wait, not a bound
+            time.sleep(0.01)
+        del block
+    with r.phase("quiet"):
+        pass
+    rec = r.drain()
+    mark = memory.peak_rss_bytes()
+    assert abs(rec["big"].host_peak - mark) <= 4 * 2**20  # the kernel's mark, which nothing rewound
+    assert rec["held"].host_peak >= rec["held"].host_rss + 120 * 2**20
+    assert rec["quiet"].host_peak <= rec["held"].host_peak - 120 * 2**20
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 >= rec["big"].host_peak - 4 * 2**20
+
+
 def test_the_lifetime_peak_survives_the_phases_rewinds():
-    """Each phase rewinds the kernel's RSS high-water mark to read its own peak; the process's
-    lifetime peak (``mem/host_peak_rss_gib``) is kept apart and never decreases (issue 37)."""
+    """With ``memory.phase_peaks=rewind`` each phase rewinds the kernel's RSS high-water mark to
+    read its own peak; the process's lifetime peak (``mem/host_peak_rss_gib``) is kept apart and
+    never decreases (issue 37)."""
     import numpy as np
 
     from fitrl.telemetry.memory import host_memory, lifetime_peak_rss_bytes, peak_rss_bytes, reset_peak_rss

@@ -54,8 +54,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
     device, gpu_memory, note = this_machine(cfg, args)
-    if note:  # wrapped at a terminal's width, as the tables below are (piped: one line)
-        print(textwrap.fill(note, shutil.get_terminal_size().columns) if sys.stdout.isatty() else note)
+    if note:  # wrapped at the terminal's width (piped: $COLUMNS, else 80), as the tables below are
+        print(textwrap.fill(note, shutil.get_terminal_size().columns))
     hardware = Hardware.for_config(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                    gpu_memory=gpu_memory if args.gpu_memory is None else _size(args.gpu_memory,
                                                                                                  "--gpu-memory"),

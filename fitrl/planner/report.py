@@ -3,7 +3,6 @@ worst phase, the verdict, and the recommendations with their predicted effect.""
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 from rich.console import Console
@@ -19,10 +18,6 @@ def gib(n: float) -> str:
     return f"{n / C.GIB:,.1f}"
 
 
-def signed(n: float) -> str:
-    return f"{'+' if n >= 0 else '−'}{abs(n) / C.GIB:,.1f} GiB"
-
-
 def count_text(n: int) -> str:
     """A parameter count people read: 7.62B, 494M, 156K."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -32,58 +27,63 @@ def count_text(n: int) -> str:
 
 
 def describe_run(plan: Plan) -> str:
+    """What is planned, a line per subject (the model, the hardware, the batch, the lengths), each
+    short enough for an 80-column terminal except where a path is long."""
     hw, s, cfg = plan.hardware, plan.shape, plan.cfg
-    where = (f"{hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of {gib(hw.gpu_memory)} GiB, "
-             if hw.device == "cuda" else f"CPU, {hw.gpus_per_node} rank(s), ")
-    return (f"{s.model_type} {count_text(s.num_params)} params ({s.layers} layers, hidden {s.hidden}, vocab {s.vocab:,}) "
-            f"on {where}{gib(hw.host_memory)} GiB host per node; {cfg.data.rollout_batch_size} prompts x "
-            f"{cfg.rollout.n} samples, prompt <= {cfg.data.max_prompt_length:,}, response <= "
-            f"{cfg.rollout.max_response_length:,} tokens" + _expected_text(plan))
+    where = (f"{hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of {gib(hw.gpu_memory)} GiB"
+             if hw.device == "cuda" else f"CPU, {hw.gpus_per_node} rank(s)")
+    return "\n".join([
+        f"{s.model_type} {count_text(s.num_params)} params ({s.layers} layers, hidden {s.hidden}, vocab {s.vocab:,})",
+        f"on {where}, {gib(hw.host_memory)} GiB host per node",
+        f"{cfg.data.rollout_batch_size} prompts x {cfg.rollout.n} samples, prompt <= {cfg.data.max_prompt_length:,}, "
+        f"response <= {cfg.rollout.max_response_length:,} tokens",
+        _expected_text(plan)])
 
 
 def _expected_text(plan: Plan) -> str:
-    """``; expected: prompt 180 (the longest of 1,000 prompts read from ...), response 400 (plan....) tokens``."""
+    """``expected: prompt 180 (the longest of 1,000 prompts read from ...), response 400 (plan....) tokens``."""
     if plan.lengths is None or plan.lengths.at_caps(plan.cfg):
-        return "; expected lengths: the caps"
-    return f"; expected: {plan.lengths.describe()}"
+        return "expected lengths: the caps"
+    return f"expected: {plan.lengths.describe()}"
 
 
-def phase_table(plan: Plan) -> Table:
-    """Per phase the peaks at the caps with their largest parts, and, with expected lengths
-    shorter than the caps, the peaks at those lengths beside them (the verdict reads both)."""
+def phase_tables(plan: Plan) -> list[Table]:
+    """Per resource (GPU per device on a CUDA plan, then host per node), per phase the peak at the
+    caps with its largest parts, and, with expected lengths shorter than the caps, the peak at those
+    lengths beside it (the verdict reads both). A table per resource keeps each within 80 columns."""
     cuda, exp = plan.hardware.device == "cuda", plan.expected
-    t = Table(title="peak memory per phase (steady state; at the caps" + (", and at expected lengths" if exp else "")
-              + ")", title_justify="left")
-    t.add_column("phase")
-    if cuda:
-        t.add_column("GPU / device GiB", justify="right")
+    tables = []
+    for resource in (("gpu", "host") if cuda else ("host",)):
+        title = ("peak GPU memory per device" if resource == "gpu" else "peak host memory per node") + \
+            ", GiB (steady state)"
+        t = Table(title=title, title_justify="left")
+        t.add_column("phase")
+        t.add_column("at caps" if exp else "peak", justify="right")
         if exp:
             t.add_column("expected", justify="right")
-        t.add_column("largest GPU parts")
-    t.add_column("host / node GiB", justify="right")
-    if exp:
-        t.add_column("expected", justify="right")
-    t.add_column("largest host parts")
-    for ph in plan.phases:
-        dev, host = plan.device(ph), plan.node_host(ph)
-        gd, hd = sum(dev.values()), sum(host.values())
-        row = [ph]
-        if cuda:
-            row += [_mark(gd, plan.gpu_limit)] + ([_mark(sum(exp.device(ph).values()), exp.gpu_limit)] if exp else [])
-            row += [_top(dev)]
-        row += [_mark(hd, plan.host_limit)] + ([_mark(sum(exp.node_host(ph).values()), exp.host_limit)] if exp else [])
-        row += [_top(host)]
-        t.add_row(*row)
-    return t
+        t.add_column("largest parts (at the caps)" if exp else "largest parts")
+        limit, exp_limit = ((plan.gpu_limit, exp.gpu_limit if exp else 0) if resource == "gpu"
+                            else (plan.host_limit, exp.host_limit if exp else 0))
+        for ph in plan.phases:
+            parts = plan.device(ph) if resource == "gpu" else plan.node_host(ph)
+            row = [ph, _mark(sum(parts.values()), limit)]
+            if exp:
+                exp_parts = exp.device(ph) if resource == "gpu" else exp.node_host(ph)
+                row.append(_mark(sum(exp_parts.values()), exp_limit))
+            t.add_row(*row, _top(parts))
+        tables.append(t)
+    return tables
 
 
 def _mark(n: int, limit: int) -> str:
     return f"[bold red]{gib(n)}[/]" if n > limit else gib(n)
 
 
-def _top(parts: dict[str, int], k: int = 4) -> str:
+def _top(parts: dict[str, int], k: int = 3) -> str:
+    """The ``k`` largest parts, a line each; those that round to 0.0 GiB left out (the largest kept)."""
     items = sorted(parts.items(), key=lambda kv: -kv[1])[:k]
-    return ", ".join(f"{name} {gib(v)}" for name, v in items if v >= C.GIB // 100)
+    shown = [(name, v) for i, (name, v) in enumerate(items) if i == 0 or v >= C.GIB // 20]
+    return "\n".join(f"{name} {gib(v)}" for name, v in shown if v > 0)
 
 
 def process_table(plan: Plan) -> Table:
@@ -130,43 +130,53 @@ def verdict(plan: Plan) -> str:
 
 
 def recommendation_table(recs: list[Recommendation], combo: Optional[Recommendation],
-                         fits: bool = False) -> Optional[Table]:
+                         fits: bool = False, cuda: bool = True) -> Optional[Table]:
+    """A row per change: the change and, under it, its cost; the predicted change of the peak per
+    GPU and per node; whether it then fits. Keys are folded, never cut, at 80 columns."""
     if not recs and not combo:
         return None
     title = ("speed-ups that still fit (the plan fits as it is)" if fits
              else "recommendations (cheapest in speed first; those that lower the deciding peak before the rest)")
     t = Table(title=title, title_justify="left")
-    for col in ("change", "GPU / device", "host / node", "then", "cost"):
-        t.add_column(col)
-    for r in recs:
-        t.add_row(r.change.text, signed(r.gpu_delta), _host_effect(r),
-                  "[green]fits[/]" if r.fits else "still short", r.change.cost)
-    if combo:
-        t.add_row(f"[bold]{combo.change.text}[/]", signed(combo.gpu_delta), _host_effect(combo),
-                  "[green]fits[/]" if combo.fits else "still short", "together")
+    t.add_column("change (cost)", overflow="fold")
+    if cuda:
+        t.add_column("GPU GiB", justify="right")
+    t.add_column("host GiB", justify="right")
+    t.add_column("then")
+    rows = [(r, r.change.cost) for r in recs] + ([(combo, "together")] if combo else [])
+    for r, cost in rows:
+        change = f"[bold]{r.change.text}[/]" if r is combo else r.change.text
+        cells = [f"{change}\n[dim]{cost}{_growth_note(r)}[/]"] + ([_delta(r.gpu_delta)] if cuda else [])
+        cells.append(_delta(r.host_delta))
+        t.add_row(*cells, "[green]fits[/]" if r.fits else "still short")
     return t
 
 
-def _host_effect(r: Recommendation) -> str:
-    text = signed(r.host_delta)
+def _delta(n: float) -> str:
+    return f"{'+' if n >= 0 else '−'}{abs(n) / C.GIB:,.1f}"
+
+
+def _growth_note(r: Recommendation) -> str:
+    """``; no growth (was +427.9 GiB/step)`` for a change that stops the host's growth per step."""
     if r.plan.growth_per_step == 0 and r.base_growth:
-        text += f" (no growth: was +{gib(r.base_growth)} GiB/step)"
-    return text
+        return f"; no growth (was +{gib(r.base_growth)} GiB/step)"
+    return ""
 
 
 def print_plan(plan: Plan, recs: list[Recommendation], combo: Optional[Recommendation],
                console: Optional[Console] = None) -> None:
-    if console is None:  # wide tables when piped (rich would wrap them at 80 columns)
-        console = Console() if sys.stdout.isatty() else Console(width=160)
-    console.print(describe_run(plan), highlight=False)
-    console.print(phase_table(plan))
+    if console is None:
+        console = Console()
+    console.print(describe_run(plan), highlight=False, soft_wrap=False)
+    for table in phase_tables(plan):
+        console.print(table)
     console.print(process_table(plan))
     for note in plan.notes:
-        console.print(f"note: {note}", highlight=False)
-    console.print(verdict(plan))
-    table = recommendation_table(recs, combo, fits=plan.fits)
+        console.print(f"note: {note}", highlight=False, soft_wrap=False)
+    console.print(verdict(plan), soft_wrap=False)
+    table = recommendation_table(recs, combo, fits=plan.fits, cuda=plan.hardware.device == "cuda")
     if table is not None:
         console.print(table)
         best = next((r for r in recs if r.fits), combo)
         if best is not None and not plan.fits:
-            console.print("to apply: " + " ".join(as_overrides(best.change)), highlight=False)
+            console.print("to apply: " + " ".join(as_overrides(best.change)), highlight=False, soft_wrap=False)

@@ -76,7 +76,8 @@ class MemoryGuard:
 
     def configure(self, memory_cfg, process: Optional[str] = None) -> None:
         """From a ``MemoryConfig`` (``cfg.memory``); also sets this process's recorder."""
-        RECORDER.configure(memory_cfg.telemetry, memory_cfg.uss_every, memory_cfg.uss_min_phase_s)
+        RECORDER.configure(memory_cfg.telemetry, memory_cfg.uss_every, memory_cfg.uss_min_phase_s,
+                           memory_cfg.phase_peaks)
         gib = memory_cfg.guard_min_available_gib
         self.settings = GuardSettings(
             enabled=memory_cfg.guard, min_available_bytes=None if gib is None else int(gib * GIB),

@@ -8,10 +8,16 @@ what is mapped (3 ms at 0.3 GiB RSS, 38 ms at 2.8 GiB, on the 2-core CI machine)
 :func:`read_memory` takes it only when asked (``uss=True``), and the phase recorder asks rarely
 (:class:`fitrl.telemetry.phases.PhaseRecorder`).
 
-The peak RSS *within* a phase comes from the kernel's high-water mark (``VmHWM``), which
-:func:`reset_peak_rss` rewinds to the current RSS at the start of the phase (Linux
-``/proc/self/clear_refs``); where that is not allowed the peak is the process-lifetime one and
-:func:`reset_peak_rss` says so by returning False.
+The peak RSS *within* a phase has two sources (:class:`fitrl.telemetry.phases.PhaseRecorder`
+chooses, ``memory.phase_peaks``). By default the kernel's high-water mark (``VmHWM``) is left
+alone, so what ``/usr/bin/time -v`` and ``ru_maxrss`` report stays the process's lifetime peak: a
+phase that raises that mark reads its peak exactly from it, and any other phase's peak is the
+largest RSS a sampling process saw (:mod:`fitrl.telemetry.peak_sampler`; a lower bound, short
+of the truth only by a spike briefer than its interval). With ``rewind``, :func:`reset_peak_rss`
+rewinds the mark to the current RSS at each phase's start (Linux ``/proc/self/clear_refs``),
+exact for every phase, at the cost of the kernel's lifetime figure (kept here,
+:func:`lifetime_peak_rss_bytes`); where that is not allowed the peak is the process-lifetime one
+and :func:`reset_peak_rss` says so by returning False.
 """
 
 from __future__ import annotations

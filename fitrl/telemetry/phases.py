@@ -4,9 +4,10 @@ Every process of a run (the driver, each Ray rank) has one :data:`RECORDER`. A p
 the driver times (``rollout``, ``old_logprob``, ``ref``, ``values``, ``critic_update``,
 ``update``, ``validation``, ``checkpoint_save``): the driver's :class:`PhaseTimer` opens it,
 and a Ray rank opens the same name around each call the driver makes during it (the name
-travels with the call, see :func:`current_phase`). At each phase's start the kernel's RSS
-high-water mark and CUDA's peak counter are reset; at its end one reading is taken. The
-driver drains every process's records once per step.
+travels with the call, see :func:`current_phase`). At each phase's start CUDA's peak counter is
+reset and the host peak's source armed (``memory.phase_peaks``: the kernel's high-water mark left
+alone plus a sampling thread, or the mark rewound; :mod:`fitrl.telemetry.memory`); at its end one
+reading is taken. The driver drains every process's records once per step.
 
 Readings at phase boundaries are the cheap kind (kernel counters, ~0.2 ms a phase). USS, a walk of the
 page tables (~14 ms per GiB of RSS: 38 ms at 2.8 GiB, several phases a step), is read once every
@@ -27,6 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from fitrl.telemetry.memory import GIB, peak_rss_bytes, read_memory, reset_peak_rss, uss_bytes
+from fitrl.telemetry.peak_sampler import SAMPLER
 
 _CURRENT_PHASE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fitrl_phase", default=None)
 
@@ -56,7 +58,7 @@ class PhaseMemory:
     calls: int
     host_rss: int            # at the end of the phase
     host_retained: int
-    host_peak: int           # RSS high-water mark during the phase
+    host_peak: int           # RSS high-water mark during the phase (see PhaseRecorder.phase_peaks)
     host_uss: int            # at the end (of the step, on its last phase); 0 where not read, see PhaseRecorder
     node_available: int      # at the end
     node_available_min: int  # lowest seen at the phase's boundaries
@@ -112,6 +114,14 @@ class PhaseRecorder:
     resumed run counts from its first step), on the last phase's record;
     at the end of the phase after :meth:`want_uss`; and, with ``uss_min_s`` set, after every
     phase at least that long.
+
+    ``phase_peaks`` says where a phase's peak RSS comes from. ``sample`` (the default) never
+    touches the kernel's high-water mark, so ``/usr/bin/time -v`` still reports the process's
+    peak: a phase that raises the mark reads its peak from it, exactly; any other phase's peak is
+    the largest RSS :attr:`sampler`'s helper process saw in it (every 2 ms; a lower bound, under
+    the truth only by a spike briefer than that). ``rewind`` rewinds the mark at each phase's start: exact for every
+    phase (the calibration benches use it), the kernel's lifetime figure lost (the process's own
+    ``mem/host_peak_rss_gib`` keeps it).
     """
 
     def __init__(self) -> None:
@@ -119,13 +129,17 @@ class PhaseRecorder:
         self.enabled = True
         self.uss_every = 10
         self.uss_min_s: Optional[float] = None
+        self.phase_peaks = "sample"
+        self.sampler = SAMPLER
         self._uss_wanted = False
         self._steps = 0  # end-of-step drains so far
         self._depth = 0
 
-    def configure(self, enabled: bool, uss_every: int, uss_min_s: Optional[float]) -> None:
+    def configure(self, enabled: bool, uss_every: int, uss_min_s: Optional[float],
+                  phase_peaks: str = "sample") -> None:
         """Settings for a run (``memory.*``); its steps are counted from here."""
         self.enabled, self.uss_every, self.uss_min_s = enabled, uss_every, uss_min_s
+        self.phase_peaks = phase_peaks
         self._steps, self._uss_wanted = 0, False
 
     def want_uss(self) -> None:
@@ -143,7 +157,12 @@ class PhaseRecorder:
             return
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         start = read_memory(uss=False)
-        reset_peak_rss()
+        rewind = self.phase_peaks == "rewind"
+        if rewind:
+            reset_peak_rss()
+        else:
+            mark_before = peak_rss_bytes()
+            self.sampler.arm()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         self._depth += 1
@@ -156,10 +175,15 @@ class PhaseRecorder:
             uss = self._uss_wanted or long_phase
             if uss:
                 self._uss_wanted = False
+            if rewind:
+                host_peak = peak_rss_bytes()
+            else:
+                sampled, mark = self.sampler.disarm(), peak_rss_bytes()
+                host_peak = mark if mark > mark_before else max(sampled, start.host_rss)
             end = read_memory(uss=uss)
             rec = PhaseMemory(
                 calls=1, host_rss=end.host_rss, host_retained=end.host_rss - start.host_rss,
-                host_peak=max(peak_rss_bytes(), end.host_rss), host_uss=end.host_uss,
+                host_peak=max(host_peak, end.host_rss), host_uss=end.host_uss,
                 node_available=end.node_available, node_available_min=min(start.node_available, end.node_available),
                 node_total=end.node_total, gpu_allocated=end.gpu_allocated,
                 gpu_retained=end.gpu_allocated - start.gpu_allocated, gpu_reserved=end.gpu_reserved,

@@ -104,7 +104,7 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
         console.print(fits_line(plan), highlight=False)
         return plan
 
-    print_plan(plan, recs, combo, _wide(console))
+    print_plan(plan, recs, combo, console)
     best = next((r for r in recs if r.fits), combo)
     if mode == "enforce":
         raise RunStopped(stop_message(plan, best))
@@ -214,10 +214,3 @@ def write_plan(plan: Plan, path: Path) -> None:
 
 def _gib(n: float) -> str:
     return f"{n / C.GIB:,.1f}"
-
-
-def _wide(console: Console) -> Console:
-    """The plan's tables need ~160 columns: piped output (80 by default) gets a wider console on the same file."""
-    if console.is_terminal or console.width >= 160:
-        return console
-    return Console(file=console.file, width=160, soft_wrap=console.soft_wrap)

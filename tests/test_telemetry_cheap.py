@@ -223,3 +223,29 @@ def test_the_lifetime_peak_survives_the_phases_rewinds():
     assert peak_rss_bytes() < high - 128 * 2**20  # the kernel's mark is rewound...
     assert lifetime_peak_rss_bytes() >= high - 4 * 2**20  # ...the lifetime one is not (the kernel syncs RSS lazily)
     assert host_memory()["mem/host_peak_rss_gib"] >= before
+
+
+@pytest.mark.parametrize("open_phase", [True, False])
+def test_the_peak_sampler_ends_with_its_process(open_phase):
+    """The helper process never outlives the process it watches, killed in a phase or between."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no procfs here")
+    code = ("import sys, time\nfrom fitrl.telemetry.peak_sampler import SAMPLER\nSAMPLER.arm()\n"
+            "if sys.argv[1] == '0':\n    SAMPLER.disarm()\nprint(SAMPLER._helper.pid, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(int(open_phase))], stdout=subprocess.PIPE, text=True)
+    helper = int(proc.stdout.readline())
+    assert psutil.pid_exists(helper)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the sampler {helper} outlived its process")

@@ -5,14 +5,15 @@ A small helper process (started on first use, one per fitrl process) reads this 
 :meth:`PeakSampler.arm`, in 24 bytes of shared memory. It is a process, not a thread, because a
 thread needs the GIL for each reading: in a run whose steps are Python-bound (the tiny models'
 decode loop) the handovers cost 10-15 % of the step time whatever the interval, while the
-process costs one core ~10 us per reading (~0.5 % of a core at 2 ms) and the parent nothing but
+process costs one core ~35 us per reading (1.2 % of a core at 5 ms, nothing between phases) and the parent nothing but
 two 8-byte reads and a write per phase. The helper is a bare interpreter (``-I -S``: ~10 MiB
 RSS), exits when its parent does, and a fork's child starts its own.
 
 Shared layout (little-endian ``uint64``): [0] the parent's arming count, [8] the largest RSS in
 bytes since the helper saw that count, [16] the count that maximum belongs to (written after it,
 so a reader that finds its own count at [16] reads a maximum of its own phase), [24] 1 while a
-phase is open (between phases the helper reads nothing and wakes every 10 ms only to look).
+phase is open. Between phases the helper blocks on a pipe that :meth:`PeakSampler.arm` writes a
+byte to, so it costs nothing then, and it sees its parent's end close when the parent exits.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _HELPER = r"""
 import mmap, os, struct, sys, time
-pid, fd, interval = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+pid, fd, wake, interval = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 shared = mmap.mmap(fd, 32)
 page = os.sysconf("SC_PAGE_SIZE")
 try:
@@ -40,7 +41,8 @@ except OSError:
 seen, top = -1, 0
 while os.getppid() == pid:
     if not struct.unpack_from("<Q", shared, 24)[0]:
-        time.sleep(0.01)
+        if not os.read(wake, 4096):  # between phases: asleep until the next arm writes; EOF: the parent is gone
+            break
         continue
     arming = struct.unpack_from("<Q", shared, 0)[0]
     try:
@@ -63,10 +65,11 @@ class PeakSampler:
     saw in between (0: it saw none, the phase was shorter than one interval or the helper could
     not start; the phase's boundary readings then stand alone)."""
 
-    def __init__(self, interval_s: float = 0.002) -> None:
+    def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
         self._shared: Optional[mmap.mmap] = None
         self._helper: Optional[subprocess.Popen] = None
+        self._wake: Optional[int] = None  # the pipe's write end: a byte per arm wakes the helper
         self._arming = 0
         self._failed = False
         if hasattr(os, "register_at_fork"):
@@ -74,7 +77,9 @@ class PeakSampler:
 
     def _forget(self) -> None:
         """In a fork's child: the helper watches the parent; this process starts its own if asked."""
-        self._shared, self._helper, self._failed = None, None, False
+        if self._wake is not None:
+            os.close(self._wake)
+        self._shared, self._helper, self._wake, self._failed = None, None, None, False
 
     def _start(self) -> bool:
         if self._failed:
@@ -85,10 +90,14 @@ class PeakSampler:
             fd = os.memfd_create("fitrl-peak-rss")
             os.ftruncate(fd, 32)
             self._shared = mmap.mmap(fd, 32)
+            wake_r, self._wake = os.pipe()
+            os.set_blocking(self._wake, False)  # a full pipe (a helper already awake) never blocks a phase
             self._helper = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _HELPER, str(os.getpid()), str(fd), str(self.interval_s)],
-                pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            os.close(fd)  # the mapping and the helper's copy keep the memory
+                [sys.executable, "-I", "-S", "-c", _HELPER, str(os.getpid()), str(fd), str(wake_r),
+                 str(self.interval_s)],
+                pass_fds=(fd, wake_r), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            os.close(fd)  # the mapping and the helper's copies keep the memory and the pipe
+            os.close(wake_r)
             atexit.register(self.close)
             return True
         except (OSError, AttributeError, ValueError):  # no memfd (not Linux), no fork allowed
@@ -102,7 +111,12 @@ class PeakSampler:
         self._arming += 1
         struct.pack_into("<Q", self._shared, 0, self._arming)
         struct.pack_into("<Q", self._shared, 24, 1)
-
+        try:
+            os.write(self._wake, b"a")
+        except BlockingIOError:
+            pass  # 64 KiB of wake-ups unread: the helper is sampling, not asleep
+        except OSError:  # the helper is gone: boundary readings from here on
+            self._failed = True
     def caught_up(self) -> bool:
         """Whether the helper has read the RSS since the latest :meth:`arm`."""
         return self._shared is not None and struct.unpack_from("<Q", self._shared, 16)[0] == self._arming

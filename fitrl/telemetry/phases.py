@@ -118,7 +118,7 @@ class PhaseRecorder:
     ``phase_peaks`` says where a phase's peak RSS comes from. ``sample`` (the default) never
     touches the kernel's high-water mark, so ``/usr/bin/time -v`` still reports the process's
     peak: a phase that raises the mark reads its peak from it, exactly; any other phase's peak is
-    the largest RSS :attr:`sampler`'s helper process saw in it (every 2 ms; a lower bound, under
+    the largest RSS :attr:`sampler`'s helper process saw in it (every 5 ms; a lower bound, under
     the truth only by a spike briefer than that). ``rewind`` rewinds the mark at each phase's start: exact for every
     phase (the calibration benches use it), the kernel's lifetime figure lost (the process's own
     ``mem/host_peak_rss_gib`` keeps it).

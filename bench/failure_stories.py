@@ -109,7 +109,7 @@ STORIES = (
                "the maintainers': `free_cache_engine=False` (the engine keeps its cache: fitrl's "
                "`rollout.sleep_level=0`)"),
         figures=(
-            Figure("the generation that ran out (the plan: past its 85 % margin)", "3rd",
+            Figure("the generation that ran out (the plan: past the guard's limit at its band's low end)", "3rd",
                    lambda o: _growth_step(o.plan)),
             Figure("the rollout that crosses Ray's kill threshold (95 % of the node)", "3rd",
                    lambda o: _ray_kill_step(o.plan)),
@@ -117,12 +117,7 @@ STORIES = (
                    lambda o: f"{gib(o.plan.growth_per_step)} GiB per step; with the fix "
                              f"{gib(o.fixed.growth_per_step)} GiB"),
         ),
-        gaps={"step": "The plan's step is where the node passes the plan's 85 % margin, from the steady peak "
-                      "of any phase (the checkpoint save's included, though it comes every 20 steps) plus the "
-                      "growth of each rebuild (the engines' pinned weight backups and vLLM's swap space, 40 GiB "
-                      "per GPU). Ray kills at 95 % of the node: the rollout crosses that at the step in the "
-                      "figures above.",
-              "fix": "The maintainers' fix stops the growth in the plan too (an engine that never frees "
+        gaps={"fix": "The maintainers' fix stops the growth in the plan too (an engine that never frees "
                      "its cache never rebuilds it), but the plan does not show it fitting: with the engine "
                      "awake through training at `gpu_memory_utilization` 0.6, the log-prob and update phases "
                      "at the 8,192-token cap exceed the device, beyond its whole memory, so expected lengths "

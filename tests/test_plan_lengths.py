@@ -103,25 +103,32 @@ def test_verdict_rule_three_outcomes(tiny_model_dir):
     probe = plan_on(80 * C.GIB)
     at_caps = max(g for g, _ in probe.peaks().values())
     expected = max(g for g, _ in probe.expected.peaks().values())
-    assert expected < C.GPU_MARGIN * at_caps  # room for the middle outcome
+    band = probe.band("gpu")[0]
+    assert band == C.GPU_PLAN_BAND  # one device, the HF engine, text: the measured band
+    usable = cfg.memory.guard_gpu_max_fraction  # the limit: the guard's ceiling of each device
+    assert expected * (1 + band) < at_caps * (1 - band)  # room for every outcome
 
-    roomy = plan_on(at_caps / C.GPU_MARGIN + C.MIB)           # the caps within the margin
+    def device(peak: float, edge: int, nudge: int) -> float:
+        """The device whose limit meets ``peak`` at the top (+1) or bottom (-1) of its band, nudged."""
+        return peak * (1 + edge * band) / usable + nudge * C.MIB
+
+    roomy = plan_on(device(at_caps, +1, +1))  # even the caps' top of band within the limit
     assert roomy.verdict == "fits" and roomy.fits and not roomy.problems()
 
-    tight = plan_on(at_caps + C.MIB)                          # the caps within the device, over the margin
-    assert tight.expected.over(tight.gpu_limit, tight.host_limit) == []
-    assert tight.verdict == "fits at expected lengths" and tight.fits and not tight.problems()
-    assert tight.over(tight.gpu_limit, tight.host_limit)     # what makes it the middle outcome
+    capped = plan_on(device(at_caps, -1, -1))  # the caps over even at the band's low end, the expected lengths within
+    assert capped.verdict == "tight" and capped.fits
+    assert {(p.at, p.call) for p in capped.problems()} == {("caps", "tight")}  # a step at the caps: rare, guarded
 
-    short = plan_on(at_caps - C.MIB)                          # the caps over the device itself
+    near = plan_on(device(expected, 0, 0))  # the expected peak at the limit: inside its band
+    assert near.verdict == "tight" and ("expected", "tight") in {(p.at, p.call) for p in near.problems()}
+
+    short = plan_on(device(expected, -1, -1))  # the expected peak over even at the band's low end
     assert short.verdict == "does not fit" and not short.fits
-    assert {(p.resource, p.at, p.limit) for p in short.problems()} == {("gpu", "caps", short.hardware.gpu_memory)}
+    assert ("gpu", "expected", "does not fit") in {(p.resource, p.at, p.call) for p in short.problems()}
+    assert all(p.limit == short.gpu_limit for p in short.problems())
 
-    small = plan_on(expected)                                 # expected lengths over the margin too
-    assert {p.at for p in small.problems()} == {"caps", "expected"}
-
-    # the same need without an expected plan (lengths at the caps): over the margin does not fit
-    caps_only = plan_config(cfg, tight.hardware, lengths=Lengths.caps(cfg))
+    # the same need without an expected plan (lengths at the caps): the caps decide
+    caps_only = plan_config(cfg, capped.hardware, lengths=Lengths.caps(cfg))
     assert caps_only.expected is None and caps_only.verdict == "does not fit"
 
 

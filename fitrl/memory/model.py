@@ -22,7 +22,7 @@ The phase modules (:mod:`.trainer`, :mod:`.services`) build :class:`ProcessPlan`
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 from fitrl.config import ConfigError, FitrlConfig
@@ -137,10 +137,17 @@ class ProcessPlan:
 class Problem:
     resource: str      # "gpu" | "host"
     phase: str
-    need: int
-    limit: int
+    need: int          # the predicted peak (the middle of its band)
+    limit: int         # what the run may use (Plan.gpu_limit / host_limit)
     step: int = 0      # > 0: reached only at this step (host growth)
     at: str = "caps"   # the lengths of the plan it is in: "caps" | "expected"
+    band: float = 0.0  # the plan's error band for the resource (a fraction of ``need``)
+    call: str = "does not fit"  # "does not fit" (over even at the band's low end) | "tight"
+
+    @property
+    def short(self) -> int:
+        """Bytes the peak must come down by for the verdict to be ``fits`` (its band's top at the limit)."""
+        return int(self.need * (1 + self.band)) - self.limit
 
 
 def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
@@ -163,20 +170,20 @@ def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
 class Plan:
     """A run's memory per process and phase, at the caps, with the plan at expected lengths in
     :attr:`expected` (None when they are the caps) and the verdict (docs/architecture.md,
-    "Memory model"):
+    "Memory model"). Each predicted peak carries the plan's error band for its resource
+    (:meth:`band`: measured where a calibration covers the run, else a wider one marked assumed),
+    and is held against what the run may use before fitrl's guard stops it (:attr:`gpu_limit`,
+    :attr:`host_limit`):
 
-    - ``fits``: at the caps every device and node stays within its margin
-      (:data:`~fitrl.memory.calibration.GPU_MARGIN`, :data:`~fitrl.memory.calibration.HOST_MARGIN`);
-    - ``fits at expected lengths``: not so at the caps, but at the expected lengths every peak
-      stays within the margin, and at the caps within the whole device and node. Typical steps
-      keep the margin the allocator needs; a step of only capped sequences, rare, still has the
-      memory to run (the margin, not the memory, is what it gives up);
-    - ``does not fit``: otherwise. :meth:`problems` then lists what breaks the rule: the
-      expected plan's peaks over the margin (``at="expected"``) and the caps plan's over the
-      whole memory (``at="caps"``); with no expected plan, the peaks over the margin at the caps.
+    - ``fits``: every peak, at the top of its band, is within the limit;
+    - ``does not fit``: some peak, even at the bottom of its band, is over it;
+    - ``tight``: in between. Where expected lengths are planned, the verdict is theirs, and a
+      peak at the caps over the limit makes it at most ``tight`` (a step of only capped
+      sequences is rare; the guard stops it cleanly if it comes).
 
-    :attr:`fits` is true for both fitting verdicts: ``fitrl plan``'s exit status and ``fitrl
-    train``'s pre-flight refusal follow it."""
+    :attr:`fits` is true for ``fits`` and ``tight``: ``fitrl train`` proceeds on both (warned on
+    ``tight``), and ``fitrl plan`` exits 1 only on ``does not fit``. :meth:`problems` lists what
+    keeps the verdict from ``fits``."""
     cfg: FitrlConfig
     hardware: Hardware
     shape: ModelShape
@@ -227,48 +234,81 @@ class Plan:
 
     @property
     def gpu_limit(self) -> int:
-        return int(self.hardware.gpu_memory * C.GPU_MARGIN)
+        """What one device may hold: the guard's ceiling (``memory.guard_gpu_max_fraction``, 97 %)."""
+        return int(self.hardware.gpu_memory * self.cfg.memory.guard_gpu_max_fraction)
 
     @property
     def host_limit(self) -> int:
-        return int(self.hardware.host_memory * C.HOST_MARGIN)
+        """What a node's processes may hold: its RAM less what the guard keeps available
+        (``memory.guard_min_available_gib``, else ``guard_min_available_fraction``: 7 %)."""
+        m, ram = self.cfg.memory, self.hardware.host_memory
+        keep = m.guard_min_available_gib * C.GIB if m.guard_min_available_gib is not None else \
+            m.guard_min_available_fraction * ram
+        return int(ram - min(keep, ram / 2))
 
-    def over(self, gpu_limit: int, host_limit: int) -> list[Problem]:
-        """This plan's peaks over the given limits (per device, per node), host growth included."""
+    def band(self, resource: str) -> tuple[float, str]:
+        """The plan's error band for ``resource`` ("gpu": a device, "host": a node), as a fraction
+        of a peak, and what it rests on: measured where a calibration covers this run
+        (:mod:`fitrl.memory.calibration`), else a wider one, assumed, naming what is not calibrated."""
+        hw, cfg = self.hardware, self.cfg
+        if resource == "host":
+            if hw.device == "cpu":
+                return C.CPU_HOST_BAND, "measured: held-out CPU corpus"
+            return C.GPU_HOST_BAND, "assumed: no calibration of a GPU node's host memory"
+        outside = [what for what, yes in (
+            ("several devices", hw.nodes * hw.gpus_per_node > 1), ("the vLLM engine", cfg.rollout.engine != "hf"),
+            ("images", self.shape.vision is not None), ("rollout workers", bool(getattr(cfg.rollout, "workers", 0))))
+            if yes]
+        if outside:
+            return C.GPU_PLAN_BAND_ASSUMED, f"assumed: {', '.join(outside)} not calibrated"
+        return C.GPU_PLAN_BAND, "measured: one H100, HF engine"
+
+    def over(self, gpu_limit: int, host_limit: int, edge: int = 0,
+             bands: Optional[tuple[float, float]] = None) -> list[Problem]:
+        """This plan's peaks over the given limits (per device, per node), host growth included;
+        ``edge`` +1 / -1 takes each peak at the top / bottom of its band (``bands``: GPU's and host's,
+        else :meth:`band`'s)."""
         out = []
         cuda = self.hardware.device == "cuda"
         steps = self.cfg.plan.steps or self.cfg.trainer.max_steps
+        band_gpu, band_host = bands if bands is not None else (self.band("gpu")[0], self.band("host")[0])
+        scale_gpu, scale_host = 1 + edge * band_gpu, 1 + edge * band_host
         for ph, (gpu, host) in self.peaks().items():
-            if cuda and gpu > gpu_limit:
-                out.append(Problem("gpu", ph, gpu, gpu_limit, at=self.at))
-            if host > host_limit:
-                out.append(Problem("host", ph, host, host_limit, at=self.at))
+            if cuda and gpu * scale_gpu > gpu_limit:
+                out.append(Problem("gpu", ph, gpu, gpu_limit, at=self.at, band=band_gpu))
+            if host * scale_host > host_limit:
+                out.append(Problem("host", ph, host, host_limit, at=self.at, band=band_host))
         if self.growth_per_step and not any(p.resource == "host" for p in out):
             # the anchor's growth: host in a phase at step k = its steady peak + (k - 1) * growth
             ph, host = max(((ph, h) for ph, (_, h) in self.peaks().items()), key=lambda x: x[1])
-            k = (host_limit - host) // self.growth_per_step + 2
+            k = int(host_limit / scale_host - host) // self.growth_per_step + 2
             if k <= steps:  # reported where it grows: each rollout
                 out.append(Problem("host", "rollout", host + (k - 1) * self.growth_per_step, host_limit, step=k,
-                                   at=self.at))
+                                   at=self.at, band=band_host))
         return out
 
+    def judged(self) -> tuple[str, list[Problem]]:
+        """The verdict and what decides it (the class docstring)."""
+        bands = (self.band("gpu")[0], self.band("host")[0])
+        base = self.expected or self
+        sure = [replace(p, call="does not fit") for p in base.over(base.gpu_limit, base.host_limit, -1, bands)]
+        maybe = base.over(base.gpu_limit, base.host_limit, +1, bands)
+        if self.expected is not None:
+            maybe += self.over(self.gpu_limit, self.host_limit, +1, bands)
+        decided = {(p.resource, p.phase) for p in sure}  # (a growing host: its sure step, not its first possible)
+        maybe = [replace(p, call="tight") for p in maybe if (p.resource, p.phase) not in decided]
+        return ("does not fit" if sure else "tight" if maybe else "fits"), sure + maybe
+
     def problems(self) -> list[Problem]:
-        """What breaks the verdict rule (the class docstring); empty when the run fits."""
-        at_caps = self.over(self.gpu_limit, self.host_limit)
-        if not at_caps or self.expected is None:
-            return at_caps
-        return (self.expected.over(self.expected.gpu_limit, self.expected.host_limit)
-                + self.over(self.hardware.gpu_memory, self.hardware.host_memory))
+        """What keeps the verdict from ``fits`` (the class docstring); empty when it fits."""
+        return self.judged()[1]
 
     @property
     def verdict(self) -> str:
-        """``fits``, ``fits at expected lengths`` or ``does not fit`` (the class docstring)."""
-        if self.problems():
-            return "does not fit"
-        if self.expected is not None and self.over(self.gpu_limit, self.host_limit):
-            return "fits at expected lengths"
-        return "fits"
+        """``fits``, ``tight`` or ``does not fit`` (the class docstring)."""
+        return self.judged()[0]
 
     @property
     def fits(self) -> bool:
-        return not self.problems()
+        """``fits`` or ``tight``: a run that ``fitrl train`` starts."""
+        return self.verdict != "does not fit"

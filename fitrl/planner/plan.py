@@ -46,7 +46,7 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     plan.lengths = lengths
     if lengths.note and lengths.prompt_source != "dataset":  # auto could not read the data here
         plan.notes.append(f"{lengths.note}: the expected prompt length is the cap")
-    if not lengths.at_caps(cfg) and not (expected_if_needed and plan.fits):
+    if not lengths.at_caps(cfg) and not (expected_if_needed and plan.verdict == "fits"):
         plan.expected = _plan(Run(cfg, hardware, shape, ref_shape, spec, lengths))
         plan.expected.at, plan.expected.lengths = "expected", lengths
     return plan

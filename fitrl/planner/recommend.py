@@ -39,7 +39,8 @@ class Recommendation:
 
     @property
     def fits(self) -> bool:
-        return self.plan.fits
+        """The change makes the verdict ``fits`` (not merely ``tight``)."""
+        return self.plan.verdict == "fits"
 
 
 def _get(cfg, key: str):
@@ -168,13 +169,13 @@ def _apply(plan: Plan, change: Change) -> Optional[Plan]:
 
 
 def _overshoot(plan: Plan) -> int:
-    """Bytes over the limits, summed over the problems (0 when the plan fits)."""
-    return sum(p.need - p.limit for p in plan.problems())
+    """Bytes over the limits at the top of the plan's band, summed over the problems (0 when it fits)."""
+    return sum(p.short for p in plan.problems())
 
 
 def _worst(plan: Plan) -> int:
     """Bytes over the limit of the worst problem: the peak that decides the verdict (0 when it fits)."""
-    return max((p.need - p.limit for p in plan.problems()), default=0)
+    return max((p.short for p in plan.problems()), default=0)
 
 
 def _peaks(plan: Plan) -> tuple[int, int]:
@@ -194,10 +195,10 @@ def recommend(plan: Plan, limit: int = 8, first_fit: bool = False) -> tuple[list
             continue
         gpu, host = _peaks(new)
         rec = Recommendation(change, new, gpu - base_gpu, host - base_host, plan.growth_per_step)
-        if change.only_if_fits and not (failing and new.fits):
+        if change.only_if_fits and not (failing and new.verdict == "fits"):
             continue
         helps = _overshoot(new) < _overshoot(plan)
-        faster_and_fits = not failing and change.cost.startswith("faster") and new.fits
+        faster_and_fits = not failing and change.cost.startswith("faster") and new.verdict == "fits"
         if (failing and helps) or faster_and_fits:
             shown.append(rec)
             if first_fit and failing and rec.fits:
@@ -223,7 +224,7 @@ def _combine(plan: Plan, singles: list[Recommendation], base_gpu: int, base_host
         before, after = _overshoot(current), _overshoot(new)
         if after < before and not ({p.resource for p in new.problems()} - {p.resource for p in current.problems()}):
             current, applied = new, applied + [rec.change]
-            if current.fits:
+            if current.verdict == "fits":
                 gpu, host = _peaks(current)
                 change = Change([o for c in applied for o in c.overrides], "; ".join(c.cost for c in applied),
                                 " + ".join(c.text for c in applied))

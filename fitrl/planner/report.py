@@ -104,29 +104,39 @@ def process_table(plan: Plan) -> Table:
     return t
 
 
-def verdict(plan: Plan) -> str:
-    """The verdict by :class:`~fitrl.memory.model.Plan`'s rule, with what decided it."""
+def limits_text(plan: Plan) -> str:
+    """``usable: a device 76.7 of 79.1 GiB (band ±12 %, assumed: ...); a node ...``: the limits
+    the verdict holds the peaks against (the guard's thresholds) and the plan's bands."""
     hw = plan.hardware
-    within = (f"every device <= {C.GPU_MARGIN:.0%} of {gib(hw.gpu_memory)} GiB, every node <= {C.HOST_MARGIN:.0%} "
-              f"of {gib(hw.host_memory)} GiB" if hw.device == "cuda"
-              else f"host <= {C.HOST_MARGIN:.0%} of {gib(hw.host_memory)} GiB")
-    problems = plan.problems()
-    if not problems and plan.verdict == "fits":
-        return f"[bold green]fits[/]: {within}" + (" at the caps" if plan.expected else "")
-    if not problems:
-        lines = [f"[bold yellow]fits at expected lengths[/]: {within} at {plan.lengths.describe()}; at the caps "
-                 f"within the whole device and node, but over the margin:"]
-        problems = plan.over(plan.gpu_limit, plan.host_limit)
+    parts = []
+    if hw.device == "cuda":
+        band, why = plan.band("gpu")
+        parts.append(f"a device {gib(plan.gpu_limit)} of {gib(hw.gpu_memory)} GiB (band ±{band:.0%}, {why})")
+    band, why = plan.band("host")
+    parts.append(f"a node {gib(plan.host_limit)} of {gib(hw.host_memory)} GiB (band ±{band:.0%}, {why})")
+    return "usable: " + "; ".join(parts)
+
+
+def problem_line(plan: Plan, p) -> str:
+    """``GPU per device in update at expected lengths: 72.4 GiB ±12% against 76.7 usable``."""
+    what = "GPU per device" if p.resource == "gpu" else "host on node 0"
+    when = f" from step {p.step}" if p.step else ""
+    at = (" at expected lengths" if p.at == "expected" else " at the caps") if plan.expected else ""
+    return f"{what} in {p.phase}{when}{at}: {gib(p.need)} GiB ±{p.band:.0%} against {gib(p.limit)} usable"
+
+
+def verdict(plan: Plan) -> str:
+    """The verdict by :class:`~fitrl.memory.model.Plan`'s rule, what decided it, and the limits."""
+    call, problems = plan.judged()
+    if call == "fits":
+        at = " at the caps and at the expected lengths" if plan.expected is not None else ""
+        head = f"[bold green]fits[/]{at}, peaks taken at the top of the plan's band:"
+    elif call == "tight":
+        head = ("[bold yellow]tight[/]: the limit is inside the plan's band (`fitrl train` goes on; the guard stops "
+                "it cleanly if memory runs out):")
     else:
-        lines = ["[bold red]does not fit[/]:"]
-    for p in problems:
-        what = "GPU memory per device" if p.resource == "gpu" else "host memory on node 0"
-        when = f" from step {p.step}" if p.step else ""
-        at = (" at expected lengths" if p.at == "expected" else " at the caps") if plan.expected else ""
-        total = hw.gpu_memory if p.resource == "gpu" else hw.host_memory
-        limit = "all of the memory" if p.limit == total else "limit"
-        lines.append(f"  {what} in {p.phase}{when}{at}: {gib(p.need)} GiB > {gib(p.limit)} GiB {limit}")
-    return "\n".join(lines)
+        head = "[bold red]does not fit[/], even at the low end of the plan's band:"
+    return "\n".join([head, *(f"  {problem_line(plan, p)}" for p in problems), limits_text(plan)])
 
 
 def recommendation_table(recs: list[Recommendation], combo: Optional[Recommendation],
@@ -148,7 +158,7 @@ def recommendation_table(recs: list[Recommendation], combo: Optional[Recommendat
         change = f"[bold]{r.change.text}[/]" if r is combo else r.change.text
         cells = [f"{change}\n[dim]{cost}{_growth_note(r)}[/]"] + ([_delta(r.gpu_delta)] if cuda else [])
         cells.append(_delta(r.host_delta))
-        t.add_row(*cells, "[green]fits[/]" if r.fits else "still short")
+        t.add_row(*cells, "[green]fits[/]" if r.fits else "[yellow]tight[/]" if r.plan.fits else "still short")
     return t
 
 
@@ -178,5 +188,5 @@ def print_plan(plan: Plan, recs: list[Recommendation], combo: Optional[Recommend
     if table is not None:
         console.print(table)
         best = next((r for r in recs if r.fits), combo)
-        if best is not None and not plan.fits:
+        if best is not None and plan.verdict != "fits":
             console.print("to apply: " + " ".join(as_overrides(best.change)), highlight=False, soft_wrap=False)

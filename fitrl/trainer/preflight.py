@@ -91,7 +91,7 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
             plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path), lengths=lengths,
                                expected_if_needed=True)
             # Recommendations re-plan the run once per candidate change: only worth it when it does not fit.
-            recs, combo = ([], None) if plan.fits else recommend(plan, first_fit=True)
+            recs, combo = ([], None) if plan.verdict == "fits" else recommend(plan, first_fit=True)
             plan_cache.store(key, (plan, recs, combo))
     except ConfigError:
         raise
@@ -100,11 +100,18 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
         console.print(f"memory plan skipped: {type(e).__name__}: {e}", highlight=False)
         return None
     log.info("memory plan took %.2f s%s", time.perf_counter() - start, " (cached)" if cached is not None else "")
-    if plan.fits:
+    if plan.verdict == "fits":
         console.print(fits_line(plan), highlight=False)
         return plan
 
     print_plan(plan, recs, combo, console)
+    if plan.fits:  # tight: the limit is inside the plan's band; the guard stops the run cleanly if it comes
+        best = next((r for r in recs if r.fits), combo)
+        fix = f"; for room: {' '.join(as_overrides(best.change))} ({best.change.cost})" if best is not None else ""
+        guard = "" if cfg.memory.guard else " (memory.guard=false: nothing will stop it before the OS does)"
+        console.print(f"[bold yellow]warning[/]: memory plan is tight: {problem_text(plan)}; going on, the guard "
+                      f"armed{guard}{fix}", highlight=False)
+        return plan
     best = next((r for r in recs if r.fits), combo)
     if mode == "enforce":
         raise RunStopped(stop_message(plan, best))
@@ -124,14 +131,15 @@ def fits_line(plan: Plan) -> str:
         gpu = f"GPU {_gib(peaks[gpu_phase][0])} of {_gib(hw.gpu_memory)} GiB per device ({gpu_phase})"
     else:
         gpu = "GPU –"
-    if plan.verdict == "fits at expected lengths":  # over the margin at the caps, within it at these lengths
-        return (f"memory plan: fits at expected lengths ({plan.lengths.describe()}), at the caps {host}, {gpu}: "
-                f"within the memory, over the margin; `fitrl plan` on this config shows both")
+    if plan.expected is not None:  # the caps need more than the expected lengths: both figures are worth a look
+        return (f"memory plan: fits at expected lengths ({plan.lengths.describe()}), at the caps {host}, {gpu}; "
+                f"`fitrl plan` on this config shows both")
     return f"memory plan: fits, {host}, {gpu}; `fitrl plan` on this config shows the table"
 
 
 def problem_text(plan: Plan) -> str:
-    """The worst problem in words: resource, phase, need > limit, the process that takes most of it."""
+    """The worst problem in words: resource, phase, need and band against the limit, the process
+    that takes most of it."""
     problems = plan.problems()
     p = max(problems, key=lambda q: q.need / q.limit)
     when = f" from step {p.step}" if p.step else ""
@@ -143,9 +151,9 @@ def problem_text(plan: Plan) -> str:
         total = plan.hardware.host_memory
     at = f" at expected lengths ({plan.lengths.describe()})" if p.at == "expected" else (
         " at the caps" if plan.expected is not None else "")
-    limit = "all" if p.limit == total else f"{p.limit / total:.0%}"
-    text = (f"predicted not to fit: {what}{at}: {_gib(p.need)} GiB > {_gib(p.limit)} GiB "
-            f"({limit} of {_gib(total)} GiB)")
+    said = "predicted not to fit" if p.call == "does not fit" else "within the plan's band of the limit"
+    text = (f"{said}: {what}{at}: {_gib(p.need)} GiB ±{p.band:.0%} against {_gib(p.limit)} GiB usable "
+            f"({p.limit / total:.0%} of {_gib(total)} GiB)")
     biggest = _largest_process(plan.expected if p.at == "expected" else plan, p.resource, p.phase)
     text += f", mostly {biggest}" if biggest else ""
     others = sorted({q.phase for q in problems} - {p.phase}, key=list(plan.phases).index)

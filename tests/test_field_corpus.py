@@ -50,7 +50,7 @@ def test_search_edge_floor_by_hand():
     """Ran at 10, failed at 11 and 14. Planned 70 GiB at the caps (60 expected) at 10 and 78 (62)
     at 14: 2.0 GiB per unit at the caps, 0.5 expected; the larger gives the lower floor. Size 11
     needed more than the 80 GiB device, so size 10 more than 80 - 2.0 = 78 GiB: 97.5 %, over the
-    90 % margin (72 GiB); a plan passes it only by predicting 1 - 72 / 78 = 7.7 % low."""
+    usable 97 % (77.6 GiB); a plan calls it fits only by predicting 1 - 77.6 / 78 = 0.5 % low."""
     cases = [_case("a-run", "runs", 10), _case("a-oom", "oom", 14)]
     rows = [_row("a-run", "runs", 70.0, 60.0), _row("a-oom", "oom", 78.0, 62.0)]
     (edge,) = fc.search_edges(cases, rows)
@@ -59,15 +59,15 @@ def test_search_edge_floor_by_hand():
     assert edge["device"] == pytest.approx(80.0)
     assert edge["floor"] == pytest.approx(78.0)
     assert edge["over_margin"]
-    assert edge["under_to_pass"] == pytest.approx(1 - 72.0 / 78.0)
-    assert edge["step_slack"] == pytest.approx(8.0 / 2.0)  # a real step of 8 GiB would put the floor at 72
+    assert edge["under_to_pass"] == pytest.approx(1 - 77.6 / 78.0)
+    assert edge["step_slack"] == pytest.approx(2.4 / 2.0)  # a real step of 2.4 GiB would put the floor at 77.6
 
 
 def test_a_search_edge_needs_its_oom_partner_and_a_run():
     cases = [_case("a-run", "runs", 10), _case("a-oom", "oom", 14)]
     assert fc.search_edges(cases[:1], [_row("a-run", "runs", 70.0)]) == []   # no partner planned
     assert fc.search_edges(cases[1:], [_row("a-oom", "oom", 78.0)]) == []    # an OOM is no edge
-    # a wide step: the floor drops under the margin and nothing is claimed of the run
+    # a wide step: the floor drops under the usable memory and nothing is claimed of the run
     wide = [_case("b-run", "runs", 10), _case("b-oom", "oom", 14)]
     rows = [_row("b-run", "runs", 50.0), _row("b-oom", "oom", 90.0)]      # 10 GiB per unit
     (edge,) = fc.search_edges(wide, rows)

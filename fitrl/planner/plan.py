@@ -31,8 +31,8 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     :func:`~fitrl.memory.lengths.expected_lengths`) are shorter, a second time at them: the same
     code with :attr:`Run.lengths` set, so every per-token term follows the lengths and what is
     allocated at the caps stays there (:attr:`Plan.expected`; the verdict rule is
-    :class:`Plan`'s). ``expected_if_needed``: skip the second plan when the caps plan fits within
-    the margins, the one case where the verdict does not read it (pre-flight, recommendations)."""
+    :class:`Plan`'s). ``expected_if_needed``: skip the second plan when the caps plan's verdict is
+    ``fits``, the one case where the verdict does not read it (pre-flight, recommendations)."""
     # lazy: fitrl.config.choices imports fitrl.algo and so torch, which `fitrl --help` must not wait for;
     # fitrl.rollout registers every engine's planner
     import fitrl.rollout  # noqa: F401

@@ -2,7 +2,8 @@
 
 Wired into the main parser by ``fitrl.cli`` through :func:`add_plan_command`. The config is loaded
 as for any command (its ``plan:`` section included); the flags override ``plan.hardware``. Exit
-status: 0 when the plan fits, 1 when it does not, 2 on a configuration error (raised as ConfigError).
+status: 0 when the plan fits or is tight (``fitrl train`` would start), 1 when it does not fit, 2
+on a configuration error (raised as ConfigError).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="predict GPU and host memory per process and phase before launching; recommend changes",
         description="Predict peak GPU memory per device and host memory per node for each phase of a run, "
-                    "say whether it fits (GPU <= 90%, host <= 85%), and rank changes that make it fit. "
+                    "say whether it fits, is tight or does not fit (each peak with the plan's error band, against "
+                    "what the run may use before fitrl's guard stops it: 97% of a device, a node less 7%), and rank "
+                    "changes that make it fit. "
                     "Needs only the model's config.json (actor.model.path may hold nothing else).")
     p.add_argument("config", nargs="?", help="YAML config (its `plan:` section: hardware, rollout engine)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.micro_batch_size=2 or rollout.engine=vllm")

@@ -21,7 +21,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.fitrl-installed
 
-.PHONY: demo demo-tools demo-vl test test-unit test-fast test-vllm gpu-check bench bench-trl install browser clean
+.PHONY: demo demo-tools demo-vl test test-unit test-fast test-vllm gpu-check bench bench-trl install browser clean allocators
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -94,6 +94,15 @@ gpu-check:
 
 bench: $(STAMP)
 	$(BIN)/python bench/step_time.py
+
+# jemalloc and tcmalloc for bench/host_allocators.py: the distribution's packages, unpacked (no root,
+# nothing installed system-wide) into .cache/allocators; Debian/Ubuntu's apt-get, else a line saying so
+ALLOC_DIR := .cache/allocators
+allocators:
+	@command -v apt-get >/dev/null || { echo "no apt-get here: put libjemalloc.so.2 and libtcmalloc_minimal.so.4 under $(ALLOC_DIR)"; exit 1; }
+	mkdir -p $(ALLOC_DIR)/debs
+	cd $(ALLOC_DIR)/debs && apt-get download libjemalloc2 libtcmalloc-minimal4
+	for deb in $(ALLOC_DIR)/debs/*.deb; do dpkg-deb -x $$deb $(ALLOC_DIR); done
 
 $(BENCH_STAMP): pyproject.toml requirements/constraints.txt requirements/bench-trl.txt
 	$(PYTHON) -m venv $(BENCH_VENV)

@@ -259,7 +259,7 @@ def test_plan_help_has_no_doubled_percent(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     out = capsys.readouterr().out
-    assert "90%" in out and "%%" not in out
+    assert "97% of a device" in out and "%%" not in out
 
 
 def test_lock_is_exclusive_within_one_process_and_released(tmp_path):

@@ -1,5 +1,6 @@
-"""Printing a plan with rich tables: per phase the device and node peaks, the breakdown of the
-worst phase, the verdict, and the recommendations with their predicted effect."""
+"""Printing a plan in an 80-column terminal: a table per resource (a device's peak per phase, a
+node's), each phase's largest parts a line each, the processes, the verdict with the plan's error
+bands, and the recommendations with their predicted effect."""
 
 from __future__ import annotations
 

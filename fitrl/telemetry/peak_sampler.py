@@ -121,15 +121,17 @@ class PeakSampler:
         """Whether the helper has read the RSS since the latest :meth:`arm`."""
         return self._shared is not None and struct.unpack_from("<Q", self._shared, 16)[0] == self._arming
 
+    def peak_so_far(self) -> int:
+        """The largest RSS the helper has seen since the latest :meth:`arm` (0: none yet)."""
+        return struct.unpack_from("<Q", self._shared, 8)[0] if self.caught_up() else 0
+
     def disarm(self) -> int:
         if self._shared is None or self._failed:
             return 0
         struct.pack_into("<Q", self._shared, 24, 0)
         # [16] is read first: once it holds this phase's count, [8] holds a maximum of this phase
         # (the helper writes a phase's first reading before its count, and no later phase exists yet)
-        if not self.caught_up():
-            return 0
-        return struct.unpack_from("<Q", self._shared, 8)[0]
+        return self.peak_so_far()
 
     def close(self) -> None:
         """Stop the helper (at exit; it would also stop by itself within 10 ms of this process)."""

@@ -263,15 +263,13 @@ class Plan:
             return C.GPU_PLAN_BAND_ASSUMED, f"assumed: {', '.join(outside)} not calibrated"
         return C.GPU_PLAN_BAND, "measured: one H100, HF engine"
 
-    def over(self, gpu_limit: int, host_limit: int, edge: int = 0,
-             bands: Optional[tuple[float, float]] = None) -> list[Problem]:
+    def over(self, gpu_limit: int, host_limit: int, edge: int = 0) -> list[Problem]:
         """This plan's peaks over the given limits (per device, per node), host growth included;
-        ``edge`` +1 / -1 takes each peak at the top / bottom of its band (``bands``: GPU's and host's,
-        else :meth:`band`'s)."""
+        ``edge`` +1 / -1 takes each peak at the top / bottom of its band (:meth:`band`)."""
         out = []
         cuda = self.hardware.device == "cuda"
         steps = self.cfg.plan.steps or self.cfg.trainer.max_steps
-        band_gpu, band_host = bands if bands is not None else (self.band("gpu")[0], self.band("host")[0])
+        band_gpu, band_host = self.band("gpu")[0], self.band("host")[0]
         scale_gpu, scale_host = 1 + edge * band_gpu, 1 + edge * band_host
         for ph, (gpu, host) in self.peaks().items():
             if cuda and gpu * scale_gpu > gpu_limit:
@@ -289,12 +287,11 @@ class Plan:
 
     def judged(self) -> tuple[str, list[Problem]]:
         """The verdict and what decides it (the class docstring)."""
-        bands = (self.band("gpu")[0], self.band("host")[0])
-        base = self.expected or self
-        sure = [replace(p, call="does not fit") for p in base.over(base.gpu_limit, base.host_limit, -1, bands)]
-        maybe = base.over(base.gpu_limit, base.host_limit, +1, bands)
+        base = self.expected or self  # (the same config and hardware: the same bands and limits)
+        sure = [replace(p, call="does not fit") for p in base.over(base.gpu_limit, base.host_limit, -1)]
+        maybe = base.over(base.gpu_limit, base.host_limit, +1)
         if self.expected is not None:
-            maybe += self.over(self.gpu_limit, self.host_limit, +1, bands)
+            maybe += self.over(self.gpu_limit, self.host_limit, +1)
         decided = {(p.resource, p.phase) for p in sure}  # (a growing host: its sure step, not its first possible)
         maybe = [replace(p, call="tight") for p in maybe if (p.resource, p.phase) not in decided]
         return ("does not fit" if sure else "tight" if maybe else "fits"), sure + maybe

@@ -63,14 +63,13 @@ def phase_tables(plan: Plan) -> list[Table]:
         if exp:
             t.add_column("expected", justify="right")
         t.add_column("largest parts (at the caps)" if exp else "largest parts")
-        limit, exp_limit = ((plan.gpu_limit, exp.gpu_limit if exp else 0) if resource == "gpu"
-                            else (plan.host_limit, exp.host_limit if exp else 0))
+        limit = plan.gpu_limit if resource == "gpu" else plan.host_limit  # (the expected plan's: the same)
         for ph in plan.phases:
             parts = plan.device(ph) if resource == "gpu" else plan.node_host(ph)
             row = [ph, _mark(sum(parts.values()), limit)]
             if exp:
                 exp_parts = exp.device(ph) if resource == "gpu" else exp.node_host(ph)
-                row.append(_mark(sum(exp_parts.values()), exp_limit))
+                row.append(_mark(sum(exp_parts.values()), limit))
             t.add_row(*row, _top(parts))
         tables.append(t)
     return tables

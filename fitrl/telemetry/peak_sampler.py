@@ -2,12 +2,12 @@
 
 A small helper process (started on first use, one per fitrl process) reads this process's
 ``/proc/<pid>/statm`` every ``interval_s`` and keeps the largest value since the latest
-:meth:`PeakSampler.arm`, in 24 bytes of shared memory. It is a process, not a thread, because a
+:meth:`PeakSampler.arm`, in 32 bytes of shared memory. It is a process, not a thread, because a
 thread needs the GIL for each reading: in a run whose steps are Python-bound (the tiny models'
 decode loop) the handovers cost 10-15 % of the step time whatever the interval, while the
-process costs one core ~35 us per reading (1.2 % of a core at 5 ms, nothing between phases) and the parent nothing but
-two 8-byte reads and a write per phase. The helper is a bare interpreter (``-I -S``: ~10 MiB
-RSS), exits when its parent does, and a fork's child starts its own.
+process costs one core ~35 us per reading (1.2-1.7 % of a core at 5 ms, nothing between phases)
+and the parent a few 8-byte reads and writes per phase. The helper is a bare interpreter
+(``-I -S``: ~9 MiB RSS), exits when its parent does, and a fork's child starts its own.
 
 Shared layout (little-endian ``uint64``): [0] the parent's arming count, [8] the largest RSS in
 bytes since the helper saw that count, [16] the count that maximum belongs to (written after it,

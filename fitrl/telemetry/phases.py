@@ -6,7 +6,7 @@ the driver times (``rollout``, ``old_logprob``, ``ref``, ``values``, ``critic_up
 and a Ray rank opens the same name around each call the driver makes during it (the name
 travels with the call, see :func:`current_phase`). At each phase's start CUDA's peak counter is
 reset and the host peak's source armed (``memory.phase_peaks``: the kernel's high-water mark left
-alone plus a sampling thread, or the mark rewound; :mod:`fitrl.telemetry.memory`); at its end one
+alone plus a sampling helper process, or the mark rewound; :mod:`fitrl.telemetry.memory`); at its end one
 reading is taken. The driver drains every process's records once per step.
 
 Readings at phase boundaries are the cheap kind (kernel counters, ~0.2 ms a phase). USS, a walk of the
@@ -119,9 +119,9 @@ class PhaseRecorder:
     touches the kernel's high-water mark, so ``/usr/bin/time -v`` still reports the process's
     peak: a phase that raises the mark reads its peak from it, exactly; any other phase's peak is
     the largest RSS :attr:`sampler`'s helper process saw in it (every 5 ms; a lower bound, under
-    the truth only by a spike briefer than that). ``rewind`` rewinds the mark at each phase's start: exact for every
-    phase (the calibration benches use it), the kernel's lifetime figure lost (the process's own
-    ``mem/host_peak_rss_gib`` keeps it).
+    the truth only by a spike briefer than that). ``rewind`` rewinds the mark at each phase's
+    start: exact for every phase (the calibration benches use it), the kernel's lifetime figure
+    lost (the process's own ``mem/host_peak_rss_gib`` keeps it).
     """
 
     def __init__(self) -> None:

@@ -105,14 +105,13 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
         return plan
 
     print_plan(plan, recs, combo, console)
+    best = next((r for r in recs if r.fits), combo)
     if plan.fits:  # tight: the limit is inside the plan's band; the guard stops the run cleanly if it comes
-        best = next((r for r in recs if r.fits), combo)
         fix = f"; for room: {' '.join(as_overrides(best.change))} ({best.change.cost})" if best is not None else ""
         guard = "" if cfg.memory.guard else " (memory.guard=false: nothing will stop it before the OS does)"
         console.print(f"[bold yellow]warning[/]: memory plan is tight: {problem_text(plan)}; going on, the guard "
                       f"armed{guard}{fix}", highlight=False)
         return plan
-    best = next((r for r in recs if r.fits), combo)
     if mode == "enforce":
         raise RunStopped(stop_message(plan, best))
     console.print(f"[bold yellow]warning[/]: {problem_text(plan)}; going on because memory.plan=warn",

@@ -1,5 +1,5 @@
 """Writes the shapes toy task for vision-language GRPO (examples/shapes_vl.yaml): 320 train /
-40 val rows of questions about 112x112 PNG pictures of red and blue squares and circles, under
+40 val rows of questions about 112x112 PNG pictures of coloured squares and circles, under
 examples/data/ (shapes_train.jsonl, shapes_val.jsonl, shapes/*.png). The rows and pictures are
 defined in fitrl/data/toy_images.py, so that `fitrl demo --vl` can write them when missing.
 

@@ -18,10 +18,11 @@ from fitrl.core.errors import Hung, Interrupted, RunStopped, UserError, WorkerFa
 # `fitrl demo` variants: the config (its paths are relative to the repository root), the arch and
 # size of the tiny model it builds when missing, what writes the data when a data file is missing
 # ("module:function(out_dir, seed)"; None: the data is committed only), and the supervised warm
-# start run before GRPO (None: GRPO from the random model).
+# start run before GRPO.
 DEMOS = {
     "text": ("examples/arith_demo.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
-    "vl": ("examples/shapes_vl.yaml", "qwen2_5_vl", "tiny", "fitrl.data.toy_images:write_shapes_data", None),
+    "vl": ("examples/shapes_vl_demo.yaml", "qwen2_5_vl", "tiny", "fitrl.data.toy_images:write_shapes_data",
+           "examples/shapes_vl_sft.yaml"),
     "reward_model": ("examples/arith_rm.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
     "tools": ("examples/mul_tools.yaml", "qwen2", "agent", "fitrl.data.toy_tools:write_mul_tools_data",
               "examples/mul_tools_sft.yaml"),
@@ -276,9 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_sft)
 
     p = sub.add_parser("demo", help="a tiny local model on a toy task (CPU, minutes): arithmetic, warm-started "
-                                     "by supervised steps then GRPO; or with --vl questions about pictures")
+                                     "by supervised steps then GRPO; or with --vl questions about pictures (warm-started too)")
     p.add_argument("--vl", action="store_true", help="a tiny vision-language model (Qwen2.5-VL architecture) on "
-                                                     "pictures of shapes: examples/shapes_vl.yaml")
+                                                     "pictures of shapes: examples/shapes_vl_demo.yaml")
     p.add_argument("--reward-model", action="store_true",
                    help="GRPO on the score of a tiny reward model trained for the task (made when missing), the rule "
                         "only logged: examples/arith_rm.yaml")
@@ -286,9 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an agent: two-digit products answered through the calculator tool in multi-turn episodes, "
                         "warm-started on demonstration conversations: examples/mul_tools.yaml (docs/agents.md)")
     p.add_argument("--warm-start-steps", type=int, default=None,
-                   help="supervised steps before GRPO (text and tools demos; default: the warm start config's; "
-                        "0: none)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith_demo.yaml (--vl: examples/shapes_vl.yaml)")
+                   help="supervised steps before GRPO (default: the warm start config's; 0: none, GRPO "
+                        "from the random model)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of examples/arith_demo.yaml (--vl: examples/shapes_vl_demo.yaml)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("make-tiny-model", help="write a random-initialised HF model + locally trained tokenizer")

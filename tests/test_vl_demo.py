@@ -58,10 +58,14 @@ def test_shapes_answers_match_the_pixels():
         assert row["prompt"].count(toy_images.IMAGE) == len(images) and row["answer"] in row["choices"]
         assert all(img.shape == (toy_images.SIZE, toy_images.SIZE, 3) for img in images)
         if kind == "majority":   # equal squares: a colour's pixels are its squares times SQUARE**2
-            red, blue = (_colour_pixels(images[0], c) for c in ("red", "blue"))
-            assert red % toy_images.SQUARE ** 2 == 0 and blue % toy_images.SQUARE ** 2 == 0 and red != blue
-            assert row["answer"] == ("A" if red > blue else "B")   # (A) red or (B) blue
-            assert _shapes(images[0]) == (red + blue) // toy_images.SQUARE ** 2
+            squares = {c: divmod(_colour_pixels(images[0], c), toy_images.SQUARE ** 2) for c in toy_images.COLOURS}
+            assert all(rest == 0 for _, rest in squares.values())
+            counts = sorted((n for n, _ in squares.values()), reverse=True)
+            assert counts[0] >= 4 and counts[0] - counts[1] >= 3   # a clear winner
+            most = max(squares, key=lambda c: squares[c][0])
+            assert row["answer"] == "ABCD"[list(toy_images.COLOURS).index(most)]   # (A) red, (B) blue, (C) green, (D) yellow
+            assert row["prompt"].split(f"({row['answer']}) ")[1].startswith(most)
+            assert _shapes(images[0]) == sum(counts)
         elif kind == "count":
             assert row["answer"] == str(_shapes(images[0]))
         elif kind == "compare":

@@ -1,4 +1,4 @@
-"""The shapes toy task: small pictures of red and blue squares and circles drawn with PIL, and
+"""The shapes toy task: small pictures of coloured squares and circles drawn with PIL, and
 short closed questions about them, for vision-language GRPO on a tiny model (``fitrl demo --vl``,
 ``examples/shapes_vl.yaml``, scored by the ``choice`` reward).
 
@@ -7,7 +7,7 @@ Four kinds of row, told apart by their ``data_source`` column:
 ===================  ======  ================================================================  ==========
 source               images  prompt                                                            answer
 ===================  ======  ================================================================  ==========
-``shapes/majority``  1       Which colour has more squares in the picture, (A) red or (B) ...  ``A``/``B``
+``shapes/majority``  1       Which colour has the most squares in the picture, (A) red, ...    ``A``..``D``
 ``shapes/count``     1       How many circles are there? Answer with a digit.                  ``1``..``4``
 ``shapes/compare``   2       ... Which picture has more circles, (A) the first or (B) the ...  ``A``/``B``
 ``shapes/text``      0       Which of these is a colour, (A) circle or (B) red? ...            ``A``/``B``
@@ -17,11 +17,13 @@ Every answer is one token of the tiny models' tokenizer (a letter or a digit): a
 ``blue`` is four of its tokens, and GRPO from random weights then settles on a prefix (``re``,
 which earns spelling credit) long before it finds the whole word.
 
-Most rows are ``majority`` (the task the demo is judged on); the others exercise rows with no
-image and with two. Each row also holds its ``choices`` (what the ``choice`` reward gives format
+Most rows are ``majority`` (the task the demo is judged on): four options, so a constant guess
+is right about a quarter of the time and a policy that reads the pictures has room to show it.
+The others exercise rows with no image and with two. Each row also holds its ``choices`` (what the ``choice`` reward gives format
 credit for). A picture is a ``SIZE`` x ``SIZE`` white square cut into a ``GRID`` x ``GRID`` grid;
 each shape sits in its own cell, jittered, flat-coloured with no anti-aliasing, and all squares
-have one size: a colour's pixel count is its number of squares times ``SQUARE**2``, which is how
+have one size, nearly the cell's (a square is then most of one merged image token, which the tiny
+tower tells apart within tens of supervised steps; at 16 px it took hundreds): a colour's pixel count is its number of squares times ``SQUARE**2``, which is how
 the tests check the answers. Deterministic for a seed (``random.Random`` seeded by seed and split).
 """
 
@@ -37,13 +39,14 @@ from PIL import Image, ImageDraw
 SIZE = 112  # px: 8 x 8 patches of 14 px, 16 image tokens after the 2 x 2 merge (data.max_pixels=12544)
 GRID = 4  # 4 x 4 cells of 28 px: one merged token per cell
 CELL = SIZE // GRID
-SQUARE = 16  # side of every square, px
+SQUARE = 26  # side of every square, px
 CIRCLE = 18  # diameter of every circle, px
 BACKGROUND = (255, 255, 255)
-COLOURS = {"red": (220, 30, 30), "blue": (30, 60, 220)}
+COLOURS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 160, 60), "yellow": (230, 200, 20)}
 IMAGE = "<image>"  # data.image_placeholder's default
 
-MAJORITY = "Which colour has more squares in the picture, (A) red or (B) blue? Answer with a letter."
+MAJORITY = ("Which colour has the most squares in the picture, (A) red, (B) blue, (C) green or (D) yellow? "
+            "Answer with a letter.")
 COUNT = "How many circles are there? Answer with a digit."
 COMPARE = ("First picture: {image} Second picture: {image} Which picture has more circles, (A) the first or "
            "(B) the second? Answer with a letter.")
@@ -51,7 +54,7 @@ TEXT = "Which of these is a colour, (A) {a} or (B) {b}? Answer with a letter."
 
 SPLITS = {  # rows per source: mostly the majority task, a few of each other kind
     "train": {"majority": 256, "count": 24, "compare": 24, "text": 16},
-    "val": {"majority": 24, "count": 6, "compare": 6, "text": 4},
+    "val": {"majority": 34, "count": 2, "compare": 2, "text": 2},
 }
 
 
@@ -75,13 +78,16 @@ def draw_picture(shapes: list[tuple[str, str]], rng: random.Random) -> Image.Ima
 
 
 def _majority(rng: random.Random):
-    fewer = rng.randint(1, 3)
-    more = fewer + rng.randint(2, 4)  # a clear majority: a tiny model sees colour area before it counts
-    colour = rng.choice(["red", "blue"])
-    other = "blue" if colour == "red" else "red"
-    shapes = [("square", colour)] * more + [("square", other)] * fewer
+    colours = list(COLOURS)
+    most = rng.choice(colours)
+    # a clear winner (4-6 squares against 0 or 1 of each other colour): a tiny model sees colour
+    # area before it counts
+    shapes = [("square", most)] * rng.randint(4, 6)
+    for colour in colours:
+        if colour != most:
+            shapes += [("square", colour)] * rng.randint(0, 1)
     rng.shuffle(shapes)
-    return IMAGE + MAJORITY, [shapes], "A" if colour == "red" else "B", ["A", "B"]
+    return IMAGE + MAJORITY, [shapes], "ABCD"[colours.index(most)], list("ABCD")
 
 
 def _circles(n: int, rng: random.Random) -> list[tuple[str, str]]:

@@ -41,8 +41,17 @@ def _load(config: str | None, overrides: list[str]):
     return load_config(config, overrides)
 
 
+def _under_allocator(cfg) -> None:
+    """Restart this command under ``memory.host_allocator`` (preloaded) unless it runs under it:
+    only the config has been read so far (fitrl/core/allocator.py)."""
+    from fitrl.core.allocator import reexec_with
+
+    reexec_with(cfg.memory.host_allocator)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.overrides)  # its `plan:` section feeds the memory plan before the run
+    _under_allocator(cfg)
     from fitrl.trainer.run import train
 
     train(cfg)
@@ -51,6 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.overrides)
+    _under_allocator(cfg)
     from fitrl.trainer.run import train
 
     train(cfg, supervised=True)
@@ -67,6 +77,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not Path(config).is_file() and (root / config).is_file():
         os.chdir(root)  # the demo's data and model paths are relative to the repository root
     cfg = _load(config, args.overrides)
+    _under_allocator(cfg)
     from rich.console import Console
 
     from fitrl.models.tiny import make_tiny_model

@@ -188,6 +188,21 @@ def test_each_rank_is_its_own_process_with_torch_env(group):
 
 
 @pytest.mark.slow
+def test_env_vars_reach_every_rank_at_start_preloading_an_allocator(cluster, group):
+    """``memory.host_allocator``'s path under Ray: each rank's process starts with ``LD_PRELOAD``
+    (Ray's runtime_env), so it maps jemalloc; a group without it keeps glibc."""
+    from fitrl.core import allocator
+
+    assert all(allocator.loaded("glibc", str(info["pid"])) for info in group.rank_info)
+    if allocator.find_library("jemalloc") is None:
+        pytest.skip("no libjemalloc.so.2 here (`make allocators`)")
+    env = allocator.runtime_env_vars("jemalloc")
+    with RayWorkerGroup(ToyWorker, world_size=2, num_cpus_per_worker=CPUS, name="alloc", env_vars=env) as g:
+        assert all(allocator.loaded("jemalloc", str(info["pid"])) for info in g.rank_info)
+        assert RoleHandle(g).forward(_batch(4))["total"].tolist() == [6.0] * 4   # and they work as ever
+
+
+@pytest.mark.slow
 def test_exception_on_one_rank_names_it_and_group_survives(group):
     with pytest.raises(ValueError, match=r"^toy rank 1 \(node [\d.]+\) in 'raise_on': shard of 2 rows is bad") as info:
         RoleHandle(group).raise_on(_batch(4), 1)

@@ -18,6 +18,11 @@ CPU_HOST_BAND = 0.10
 """Measured: a CPU run's host peak per node. The held-out CPU corpus (``bench/cpu_corpus.py``,
 bench/RESULTS.md "Memory plan accuracy on CPU") put the fit-deciding peak within 5.6 % on average,
 the worst +9.4 %."""
+CPU_HOST_BAND_OTHER_ALLOCATOR = 0.15
+"""Assumed: a CPU run's host peak under jemalloc or tcmalloc (``memory.host_allocator``), planned
+with glibc's factors. One configuration measured (bench/RESULTS.md, "Host allocators": the 32M
+model, 50 steps): phase peaks 9 % (jemalloc) and 7 % (tcmalloc) under glibc's, steady RSS 15 % and
+33 % over it; no corpus behind it."""
 GPU_HOST_BAND = 0.15
 """Assumed: a GPU node's host memory (pinned buffers, the object store, engines' swap and sleep
 copies, offloaded states) has no calibration run behind it; the field corpus's host figures are

@@ -253,6 +253,8 @@ class Plan:
         hw, cfg = self.hardware, self.cfg
         if resource == "host":
             if hw.device == "cpu":
+                if cfg.memory.host_allocator != "glibc":
+                    return C.CPU_HOST_BAND_OTHER_ALLOCATOR, f"assumed: {cfg.memory.host_allocator} not calibrated"
                 return C.CPU_HOST_BAND, "measured: held-out CPU corpus"
             return C.GPU_HOST_BAND, "assumed: no calibration of a GPU node's host memory"
         outside = [what for what, yes in (

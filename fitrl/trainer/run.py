@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from contextlib import ExitStack
 
@@ -14,6 +15,7 @@ from fitrl.config import ConfigError, FitrlConfig, save_config
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_batch_numbers
 from fitrl.agents.tools import tool_schemas
+from fitrl.core.allocator import loaded as allocator_loaded, preload_env, runtime_env_vars
 from fitrl.core.device import resolve_device
 from fitrl.core.errors import DataError, EngineBroken, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
@@ -101,7 +103,9 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
     group = RayWorkerGroup(worker_cls, cfg, world_size=world, nnodes=nnodes,
                            devices_per_node=per_node, use_gpu=resolve_device(t.device).type == "cuda",
                            name=name, colocate_with=colocate_with.group if colocate_with else None,
-                           dist_timeout_s=max(60.0, t.hang_timeout_s) if t.hang_timeout_s else None)
+                           dist_timeout_s=max(60.0, t.hang_timeout_s) if t.hang_timeout_s else None,
+                           # set per rank: a joined cluster's (or an earlier ray.init's) workers are not our children
+                           env_vars=runtime_env_vars(cfg.memory.host_allocator))
     stack.callback(group.shutdown)
     return RoleHandle(group, sequence_parallel=sequence_parallel)
 
@@ -118,6 +122,7 @@ def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = F
     ``supervised``: supervised fine-tuning on the answers instead of RL (``fitrl sft``,
     fitrl/trainer/sft.py). ``where``: receives ``run_dir``, the run's directory."""
     console = console or Console(soft_wrap=True)
+    _host_allocator(cfg.memory.host_allocator, console)
     restarts, event = 0, None
     where = {} if where is None else where
     if supervised:
@@ -136,6 +141,18 @@ def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = F
             # the same directory, resumed from its newest complete checkpoint (none: from step 0)
             cfg.trainer.run_dir, cfg.checkpoint.resume = str(where["run_dir"]), "auto"
             event = {"event": "restart", "restart": restarts, "cause": cause}
+
+
+def _host_allocator(allocator: str, console: Console) -> None:
+    """``memory.host_allocator`` for the processes this one starts (``LD_PRELOAD`` in the
+    environment they inherit), and a line saying which processes run it."""
+    if allocator == "glibc":
+        return
+    os.environ["LD_PRELOAD"] = preload_env(allocator)["LD_PRELOAD"]
+    here = "this process and" if allocator_loaded(allocator) else (
+        "not this one (started without it: the fitrl command restarts itself with it), only")
+    console.print(f"host allocator: {allocator} ({os.environ['LD_PRELOAD'].split()[0]}) in {here} the processes "
+                  f"it starts", highlight=False)
 
 
 def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: dict | None = None,

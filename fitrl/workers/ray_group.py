@@ -137,13 +137,17 @@ class RayWorkerGroup(WorkerGroup):
             the group is judged stuck and shut down.
         dist_timeout_s: ``init_process_group`` timeout (also the collective timeout);
             default: torch's.
+        env_vars: environment variables of the ranks' processes, set when each starts (Ray's
+            ``runtime_env``: a process of its own per rank), e.g. ``LD_PRELOAD`` for
+            ``memory.host_allocator`` (fitrl/core/allocator.py).
     """
 
     def __init__(self, worker_cls: type, *args, world_size: int, nnodes: int = 1,
                  devices_per_node: Optional[int] = None, num_cpus_per_worker: float = 1, use_gpu: bool = False,
                  name: str = "policy", colocate_with: Optional["RayWorkerGroup"] = None,
                  backend: Optional[str] = None, placement_timeout_s: float = 300.0,
-                 failure_grace_s: float = 10.0, dist_timeout_s: Optional[float] = None, **kwargs):
+                 failure_grace_s: float = 10.0, dist_timeout_s: Optional[float] = None,
+                 env_vars: Optional[dict] = None, **kwargs):
         import ray
         from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                                     PlacementGroupSchedulingStrategy)
@@ -193,7 +197,8 @@ class RayWorkerGroup(WorkerGroup):
                 strategy = PlacementGroupSchedulingStrategy(placement.pgs[slot.pg],
                                                             placement_group_bundle_index=slot.bundle)
                 actor = remote("actor").options(num_cpus=0, num_gpus=GPU_SHARE if use_gpu else 0,
-                                                 scheduling_strategy=strategy)
+                                                 scheduling_strategy=strategy,
+                                                 **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}))
                 self._actors.append(actor.remote(name, env, backend, threads, dist_timeout_s,
                                                  worker_cls, args, kwargs))
             self.rank_info: list[dict] = self._collect([a.ready.remote() for a in self._actors], "__init__")

@@ -1,0 +1,112 @@
+"""The host memory allocator of every fitrl process (``memory.host_allocator``).
+
+glibc's malloc is what every process has by default. jemalloc and tcmalloc replace it when their
+shared library is preloaded (``LD_PRELOAD``), which only works when a process starts: so the
+``fitrl`` command re-executes itself with the library preloaded (:func:`reexec_with`) before any
+model loads, and the variable stays in the environment that every process it starts inherits
+(reward and tool workers, a local Ray cluster's raylet and so its actors). A joined Ray cluster's
+workers get it through Ray's ``runtime_env`` (:func:`runtime_env_vars`); the library must then be
+at the same path on every node.
+
+What each allocator does to RSS and step time on CPU, measured: bench/RESULTS.md, "Host
+allocators" (``make allocators`` unpacks the distribution's packages into ``.cache/allocators``
+without installing anything system-wide).
+
+Standard library only: the CLI calls this before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from fitrl.core.errors import ConfigError
+
+LIBRARIES = {"jemalloc": ("libjemalloc.so.2",), "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")}
+"""The shared library names of each allocator, most likely first (Debian/Ubuntu package names:
+libjemalloc2, libtcmalloc-minimal4 or libgoogle-perftools4)."""
+ROOT = Path(__file__).resolve().parent.parent.parent
+SYSTEM_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+               "/usr/local/lib")
+REEXEC_MARK = "FITRL_ALLOCATOR_REEXEC"  # set on the re-executed process: never re-execute twice
+
+
+def search_dirs() -> list[Path]:
+    """Where a library is looked for: ``$FITRL_ALLOCATOR_DIR``, the checkout's ``.cache/allocators``
+    (``make allocators``), then the system's library directories."""
+    dirs = [Path(d) for d in os.environ.get("FITRL_ALLOCATOR_DIR", "").split(os.pathsep) if d]
+    return [*dirs, ROOT / ".cache" / "allocators", *map(Path, SYSTEM_DIRS)]
+
+
+def find_library(allocator: str) -> Optional[Path]:
+    """The first of ``allocator``'s libraries found under :func:`search_dirs` (subdirectories
+    included: an unpacked package keeps its ``usr/lib/<triplet>/`` layout), or None."""
+    for name in LIBRARIES[allocator]:
+        for d in search_dirs():
+            if (d / name).is_file():
+                return d / name
+            if d.is_dir() and not str(d).startswith("/usr"):  # unpacked trees; never walk the system's
+                found = sorted(p for p in d.rglob(name) if p.is_file())
+                if found:
+                    return found[0]
+    return None
+
+
+def loaded(allocator: str, pid: str = "self") -> bool:
+    """Whether process ``pid`` has one of ``allocator``'s libraries mapped (glibc: neither of the
+    others). Linux only (``/proc``); elsewhere False."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+    found = {name for names in LIBRARIES.values() for name in names if name in maps}
+    if allocator == "glibc":
+        return not found
+    return any(name in found for name in LIBRARIES[allocator])
+
+
+def library_or_error(allocator: str) -> Path:
+    lib = find_library(allocator)
+    if lib is None:
+        where = ", ".join(str(d) for d in search_dirs())
+        raise ConfigError(
+            f"memory.host_allocator={allocator}: none of {', '.join(LIBRARIES[allocator])} in {where}; "
+            f"`make allocators` unpacks it into .cache/allocators (or install the distribution's package, or "
+            f"point FITRL_ALLOCATOR_DIR at a directory holding it), or set memory.host_allocator=glibc")
+    return lib
+
+
+def preload_env(allocator: str, env: Optional[dict] = None) -> dict:
+    """``env`` (default: this process's) with ``allocator``'s library first in ``LD_PRELOAD``."""
+    env = dict(os.environ if env is None else env)
+    lib = str(library_or_error(allocator))
+    rest = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p != lib]
+    env["LD_PRELOAD"] = " ".join([lib, *rest])
+    return env
+
+
+def reexec_with(allocator: str) -> None:
+    """Replace this process with the same command under ``allocator`` (``os.execve``: same pid,
+    same argv), unless it runs under it already. Call before anything worth keeping happened:
+    only the config has been read. A second failure to load it is a config error, not a loop."""
+    if allocator == "glibc" or loaded(allocator):
+        return
+    if os.environ.get(REEXEC_MARK):
+        raise ConfigError(f"memory.host_allocator={allocator}: the process started with LD_PRELOAD="
+                          f"{os.environ.get('LD_PRELOAD', '')} but {allocator} is not loaded (the dynamic loader "
+                          f"refused the library: is it built for this machine?); set memory.host_allocator=glibc")
+    env = preload_env(allocator)
+    env[REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def runtime_env_vars(allocator: str) -> dict:
+    """Environment variables for Ray's ``runtime_env`` that preload ``allocator`` in its workers
+    (empty for glibc)."""
+    if allocator == "glibc":
+        return {}
+    return {"LD_PRELOAD": preload_env(allocator)["LD_PRELOAD"]}

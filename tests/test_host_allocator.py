@@ -1,0 +1,87 @@
+"""``memory.host_allocator``: finding the library, preloading it in the ``fitrl`` command (which
+restarts itself under it) and in the processes it starts, the plan's band for it, and one line
+when the library is missing. The Ray ranks' side: tests/test_ray_group.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitrl.config import ConfigError, load_config
+from fitrl.core import allocator
+from fitrl.memory import calibration as C
+from fitrl.memory.model import Hardware
+from fitrl.planner.plan import plan_config
+
+ROOT = Path(__file__).resolve().parent.parent
+JEMALLOC = allocator.find_library("jemalloc")
+needs_jemalloc = pytest.mark.skipif(JEMALLOC is None, reason="no libjemalloc.so.2 here (`make allocators`)")
+
+
+def test_a_library_is_found_in_an_unpacked_package_tree(tmp_path, monkeypatch):
+    lib = tmp_path / "usr" / "lib" / "x86_64-linux-gnu" / "libtcmalloc_minimal.so.4"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    monkeypatch.setattr(allocator, "search_dirs", lambda: [tmp_path])
+    assert allocator.find_library("tcmalloc") == lib
+    assert allocator.find_library("jemalloc") is None
+    with pytest.raises(ConfigError, match=r"^memory.host_allocator=jemalloc: none of libjemalloc.so.2 in .*"
+                                          r"`make allocators` unpacks it .*set memory.host_allocator=glibc$"):
+        allocator.preload_env("jemalloc")
+
+
+def test_the_allocator_goes_first_in_ld_preload_once(tmp_path, monkeypatch):
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(allocator, "search_dirs", lambda: [tmp_path])
+    env = allocator.preload_env("jemalloc", {"LD_PRELOAD": f"/x/libother.so {lib}", "PATH": "/bin"})
+    assert env["LD_PRELOAD"] == f"{lib} /x/libother.so" and env["PATH"] == "/bin"
+    assert allocator.runtime_env_vars("jemalloc") == {"LD_PRELOAD": str(lib)}
+    assert allocator.runtime_env_vars("glibc") == {}
+
+
+def test_this_process_runs_glibc_unless_preloaded():
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if any(n in preloaded for names in allocator.LIBRARIES.values() for n in names):
+        pytest.skip("the test process itself runs with another allocator preloaded")
+    assert allocator.loaded("glibc") and not allocator.loaded("jemalloc") and not allocator.loaded("tcmalloc")
+    allocator.reexec_with("glibc")  # a no-op: nothing to restart for
+
+
+def test_the_cpu_plan_widens_its_host_band_for_another_allocator(tiny_model_dir):
+    hw = Hardware(nodes=1, gpus_per_node=1, gpu_memory=0, host_memory=16 * C.GIB, device="cpu")
+    for name, band, source in (("glibc", C.CPU_HOST_BAND, "measured"),
+                               ("jemalloc", C.CPU_HOST_BAND_OTHER_ALLOCATOR, "assumed: jemalloc not calibrated")):
+        cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tiny_model_dir}",
+                                                                  "trainer.device=cpu", f"memory.host_allocator={name}"])
+        got, says = plan_config(cfg, hw).band("host")
+        assert got == band and says.startswith(source)
+
+
+@pytest.mark.cli
+@needs_jemalloc
+def test_the_command_restarts_under_the_allocator_and_its_workers_inherit_it(tmp_path, tiny_model_dir):
+    """`fitrl train` with jemalloc: the command itself (same pid, after its restart) and the
+    reward worker processes it starts map the library; the run trains as under glibc."""
+    probe = tmp_path / "probe.py"  # a reward function run in the reward workers: it records their allocator
+    probe.write_text("import os\nfrom fitrl.core.allocator import loaded\n"
+                     "def score(response, answer, **kw):\n"
+                     f"    open({str(tmp_path / 'seen')!r}, 'a').write(f'{{os.getpid()}} {{loaded(\"jemalloc\")}}\\n')\n"
+                     "    return 0.0\n")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fitrl.cli", "train", str(ROOT / "examples" / "arith.yaml"),
+         f"actor.model.path={tiny_model_dir}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=1",
+         "trainer.val_before_train=false", "trainer.progress_bar=false", "memory.host_allocator=jemalloc",
+         f"reward.function={probe}:score", "reward.num_workers=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"host allocator: jemalloc ({JEMALLOC}) in this process and the processes it starts" in out
+    seen = (tmp_path / "seen").read_text().split()
+    pids, flags = set(seen[::2]), set(seen[1::2])
+    assert flags == {"True"} and str(proc.pid) not in pids  # scored in worker processes, each under jemalloc

@@ -1,6 +1,7 @@
 """``memory.host_allocator``: finding the library, preloading it in the ``fitrl`` command (which
 restarts itself under it) and in the processes it starts, the plan's band for it, and one line
-when the library is missing. The Ray ranks' side: tests/test_ray_group.py."""
+when the library is missing. The Ray ranks' side: tests/test_ray_group.py. And
+``memory.expandable_segments``: the GPU allocator's setting each run asks for."""
 
 from __future__ import annotations
 
@@ -50,6 +51,24 @@ def test_this_process_runs_glibc_unless_preloaded():
         pytest.skip("the test process itself runs with another allocator preloaded")
     assert allocator.loaded("glibc") and not allocator.loaded("jemalloc") and not allocator.loaded("tcmalloc")
     allocator.reexec_with("glibc")  # a no-op: nothing to restart for
+
+
+def test_expandable_segments_where_the_run_allows_them():
+    env, why = allocator.cuda_alloc_env("auto", vllm_sleeps=False, env={})
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} and why == "on"
+    # a user's own setting is kept under auto, and merged under on
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert allocator.cuda_alloc_env("auto", False, mine) == ({}, "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 kept as set")
+    assert allocator.cuda_alloc_env("on", False, mine)[0] == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"}
+    assert allocator.cuda_alloc_env("on", False, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})[0] == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    # vLLM's sleep mode refuses them: off under auto, a config error under on
+    assert allocator.cuda_alloc_env("auto", True, {}) == ({}, "off: vLLM's sleep mode (rollout.sleep_level > 0) "
+                                                              "does not allow them")
+    with pytest.raises(ConfigError, match="rollout.sleep_level=0 or memory.expandable_segments=auto$"):
+        allocator.cuda_alloc_env("on", True, {})
+    assert allocator.cuda_alloc_env("off", False, {})[0] == {}
 
 
 def test_the_cpu_plan_widens_its_host_band_for_another_allocator(tiny_model_dir):

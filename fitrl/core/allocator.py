@@ -1,4 +1,5 @@
-"""The host memory allocator of every fitrl process (``memory.host_allocator``).
+"""The memory allocators of every fitrl process: the host's (``memory.host_allocator``) and
+the GPU's expandable segments (``memory.expandable_segments``, :func:`cuda_alloc_env`).
 
 glibc's malloc is what every process has by default. jemalloc and tcmalloc replace it when their
 shared library is preloaded (``LD_PRELOAD``), which only works when a process starts: so the
@@ -110,3 +111,28 @@ def runtime_env_vars(allocator: str) -> dict:
     if allocator == "glibc":
         return {}
     return {"LD_PRELOAD": preload_env(allocator)["LD_PRELOAD"]}
+
+
+CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE = "expandable_segments:True"
+
+
+def cuda_alloc_env(setting: str, vllm_sleeps: bool, env: Optional[dict] = None) -> tuple[dict, str]:
+    """The environment variables that ``memory.expandable_segments`` (``auto`` | ``on`` | ``off``)
+    asks of a GPU run's processes, and why, in a few words. ``vllm_sleeps``: the run's vLLM engine
+    sleeps between rollouts (its memory pool refuses expandable segments). ``env``: the
+    environment it starts from (default: this process's); a setting there is kept under ``auto``."""
+    env = os.environ if env is None else env
+    if setting == "off":
+        return {}, "off (memory.expandable_segments=off)"
+    if setting == "auto":
+        if CUDA_ALLOC_CONF in env:
+            return {}, f"{CUDA_ALLOC_CONF}={env[CUDA_ALLOC_CONF]} kept as set"
+        if vllm_sleeps:
+            return {}, "off: vLLM's sleep mode (rollout.sleep_level > 0) does not allow them"
+    if vllm_sleeps:
+        raise ConfigError("memory.expandable_segments=on with rollout.engine=vllm and rollout.sleep_level > 0: vLLM's "
+                          "sleep mode allocates from a memory pool that refuses expandable segments; set "
+                          "rollout.sleep_level=0 or memory.expandable_segments=auto")
+    others = [p for p in env.get(CUDA_ALLOC_CONF, "").split(",") if p and not p.startswith("expandable_segments")]
+    return {CUDA_ALLOC_CONF: ",".join([EXPANDABLE, *others])}, "on"

@@ -1,7 +1,9 @@
 """Leak detection: a robust trend of each process's memory across steps, attributed to a phase.
 
 The trainer calls :meth:`LeakDetector.observe` once per step with that step's
-:data:`~fitrl.telemetry.phases.StepReport`. Per process and kind (host RSS, GPU allocated) it
+:data:`~fitrl.telemetry.phases.StepReport`. Per process and kind (host RSS, GPU allocated, and the
+GPU allocator's cache: reserved minus allocated, whose steady growth under a flat allocated
+level is fragmentation, not a leak, and is said so) it
 keeps the last ``window`` steps of the *level* (memory at the end of the step) and of what each
 phase *retained* (end minus start). A leak is a level that keeps growing after warm-up; it is
 attributed with the retained deltas, because within one process every phase's end-level grows
@@ -121,13 +123,13 @@ def net_out_cycles(rates: dict[str, float], tolerance: float = 0.1) -> dict[str,
 class LeakWarning:
     process: str                     # "rank0", "driver", "policy.rank1"
     phase: str                       # the phase the growth is attributed to (or OUTSIDE)
-    kind: str                        # "host" (RSS) or "gpu" (torch allocated)
+    kind: str                        # "host" (RSS), "gpu" (torch allocated) or "gpu_cache" (reserved - allocated)
     rate_mib_per_step: float         # the phase's retained growth, cycles netted out
     level_rate_mib_per_step: float   # the process's total growth
     first_step: int                  # the window the rates were fitted on
     last_step: int
     runs_out_at_step: Optional[int]  # at the total rate; None when the headroom is unknown
-    headroom_bytes: Optional[int]    # node available (host) or GPU total - allocated (gpu)
+    headroom_bytes: Optional[int]    # node available (host), GPU total - allocated (gpu), - reserved (gpu_cache)
     phase_rates: dict[str, float] = field(default_factory=dict)  # raw per-phase MiB/step
 
     def message(self) -> str:
@@ -135,14 +137,22 @@ class LeakWarning:
         # which phase of a cycle leaks is a guess (see net_out_cycles), the reader should see it.
         others = ", ".join(f"{p} {r:+.1f}" for p, r in self.phase_rates.items()
                            if p != self.phase and abs(r) >= max(1.0, self.rate_mib_per_step / 2))
-        msg = (f"memory leak? {'host' if self.kind == 'host' else 'GPU'} memory of {self.process} grows "
-               f"{self.rate_mib_per_step:.1f} MiB/step in phase '{self.phase}' (steps {self.first_step}-"
-               f"{self.last_step}; process total +{self.level_rate_mib_per_step:.1f} MiB/step"
-               f"{'; other phases: ' + others if others else ''})")
+        if self.kind == "gpu_cache":
+            msg = (f"GPU fragmentation? the allocator's cache of {self.process} (reserved minus allocated) grows "
+                   f"{self.rate_mib_per_step:.1f} MiB/step in phase '{self.phase}' (steps {self.first_step}-"
+                   f"{self.last_step}; total +{self.level_rate_mib_per_step:.1f} MiB/step) while allocated memory "
+                   f"does not: freed blocks it cannot reuse, not a leak; expandable segments "
+                   f"(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, memory.expandable_segments) avoid most of it")
+        else:
+            msg = (f"memory leak? {'host' if self.kind == 'host' else 'GPU'} memory of {self.process} grows "
+                   f"{self.rate_mib_per_step:.1f} MiB/step in phase '{self.phase}' (steps {self.first_step}-"
+                   f"{self.last_step}; process total +{self.level_rate_mib_per_step:.1f} MiB/step"
+                   f"{'; other phases: ' + others if others else ''})")
         if self.runs_out_at_step is not None:
             free = self.headroom_bytes
             size = f"{free / GIB:.1f} GiB" if free >= GIB else f"{free / MIB:.0f} MiB"
-            what = f"the node's {size} available" if self.kind == "host" else f"the GPU's {size} free"
+            what = f"the node's {size} available" if self.kind == "host" else f"the GPU's {size} free" \
+                if self.kind == "gpu" else f"the GPU's {size} not reserved"
             msg += f"; at this rate {what} run out at step {self.runs_out_at_step}"
         return msg
 
@@ -153,6 +163,11 @@ class _Point:
     level: int                  # bytes at the end of the step
     headroom: Optional[int]     # bytes left at the end of the step
     retained: dict[str, int]    # phase (and OUTSIDE) -> bytes retained in the step
+
+
+def _cache(m) -> int:
+    """What the CUDA caching allocator holds that no tensor uses: reserved minus allocated."""
+    return max(0, m.gpu_reserved - m.gpu_allocated)
 
 
 class LeakDetector:
@@ -192,20 +207,27 @@ class LeakDetector:
             if not phases:
                 continue
             last = list(phases.values())[-1]   # phases are ordered as run: the last ends the step
-            for kind in ("host", "gpu") if last.gpu_total > 0 else ("host",):
+            for kind in ("host", "gpu", "gpu_cache") if last.gpu_total > 0 else ("host",):
                 host = kind == "host"
                 key = (process, kind)
-                level = last.host_rss if host else last.gpu_allocated
+                level = last.host_rss if host else last.gpu_allocated if kind == "gpu" else _cache(last)
                 prev = self.last_level.get(key)
                 self.last_level[key] = level   # kept through warm-up, for OUTSIDE of the first step after
                 if step <= self.warmup_steps:
                     continue
-                retained = {name: m.host_retained if host else m.gpu_retained for name, m in phases.items()}
+                if kind == "gpu_cache":  # no phase-start reading of the cache: each phase's is end minus the previous end
+                    ends = [_cache(m) for m in phases.values()]
+                    retained = {name: end - before for name, end, before in
+                                zip(phases, ends, [prev if prev is not None else ends[0], *ends[:-1]])}
+                else:
+                    retained = {name: m.host_retained if host else m.gpu_retained for name, m in phases.items()}
                 retained[OUTSIDE] = level - prev - sum(retained.values()) if prev is not None else 0
                 if host:   # node-wide: several leaking ranks of one node run it out sooner than each says
                     headroom = last.node_available if last.node_total > 0 else None
-                else:
+                elif kind == "gpu":
                     headroom = last.gpu_total - last.gpu_allocated
+                else:
+                    headroom = last.gpu_total - last.gpu_reserved
                 hist = self.history.setdefault(key, deque(maxlen=self.window))
                 hist.append(_Point(step, level, headroom, retained))
                 w = self._check(process, kind, hist, max_steps)

@@ -15,7 +15,8 @@ from fitrl.config import ConfigError, FitrlConfig, save_config
 from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_batch_numbers
 from fitrl.agents.tools import tool_schemas
-from fitrl.core.allocator import loaded as allocator_loaded, preload_env, runtime_env_vars
+from fitrl.core.allocator import CUDA_ALLOC_CONF, cuda_alloc_env, preload_env, runtime_env_vars
+from fitrl.core.allocator import loaded as allocator_loaded
 from fitrl.core.device import resolve_device
 from fitrl.core.errors import DataError, EngineBroken, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
@@ -104,8 +105,7 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
                            devices_per_node=per_node, use_gpu=resolve_device(t.device).type == "cuda",
                            name=name, colocate_with=colocate_with.group if colocate_with else None,
                            dist_timeout_s=max(60.0, t.hang_timeout_s) if t.hang_timeout_s else None,
-                           # set per rank: a joined cluster's (or an earlier ray.init's) workers are not our children
-                           env_vars=runtime_env_vars(cfg.memory.host_allocator))
+                           env_vars=_worker_env(cfg))
     stack.callback(group.shutdown)
     return RoleHandle(group, sequence_parallel=sequence_parallel)
 
@@ -123,6 +123,7 @@ def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = F
     fitrl/trainer/sft.py). ``where``: receives ``run_dir``, the run's directory."""
     console = console or Console(soft_wrap=True)
     _host_allocator(cfg.memory.host_allocator, console)
+    _device_allocator(cfg, console)
     restarts, event = 0, None
     where = {} if where is None else where
     if supervised:
@@ -153,6 +154,27 @@ def _host_allocator(allocator: str, console: Console) -> None:
         "not this one (started without it: the fitrl command restarts itself with it), only")
     console.print(f"host allocator: {allocator} ({os.environ['LD_PRELOAD'].split()[0]}) in {here} the processes "
                   f"it starts", highlight=False)
+
+
+def _device_allocator(cfg: FitrlConfig, console: Console) -> None:
+    """``memory.expandable_segments`` on a GPU run: in the environment of this process (read when
+    CUDA initialises, which has not happened yet) and so of every process it starts."""
+    if resolve_device(cfg.trainer.device).type != "cuda":
+        return
+    vllm_sleeps = cfg.rollout.engine == "vllm" and cfg.rollout.sleep_level > 0
+    env, why = cuda_alloc_env(cfg.memory.expandable_segments, vllm_sleeps)
+    os.environ.update(env)
+    late = " (CUDA was initialised before: this process keeps its settings)" if env and torch.cuda.is_initialized() else ""
+    console.print(f"GPU allocator: expandable segments {why}{late}", highlight=False)
+
+
+def _worker_env(cfg: FitrlConfig) -> dict:
+    """What every Ray rank's process must start with (a joined cluster's workers, or those of an
+    earlier ``ray.init``, are not this process's children)."""
+    env = runtime_env_vars(cfg.memory.host_allocator)
+    if CUDA_ALLOC_CONF in os.environ and resolve_device(cfg.trainer.device).type == "cuda":
+        env[CUDA_ALLOC_CONF] = os.environ[CUDA_ALLOC_CONF]
+    return env
 
 
 def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: dict | None = None,

@@ -48,6 +48,19 @@ def test_pressure_survives_pickling_with_its_fields():
     assert str(q) == str(p) and "another rank" in str(q)
 
 
+def test_a_gpu_stop_names_fragmentation_when_the_cache_is_large():
+    import pickle
+
+    # 78 GiB in use, 12 of them the allocator's cache: fragmentation, and the setting that helps
+    p = MemoryPressure("gpu", "rank0", "update", 2 * GIB, 2 * GIB, 80 * GIB, cache=12 * GIB)
+    assert str(p).endswith("; 12.0 GiB of it is rank0's allocator cache (reserved, no tensor in it): fragmentation, "
+                           "which memory.expandable_segments=on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) "
+                           "avoids")
+    assert pickle.loads(pickle.dumps(p)).cache == 12 * GIB
+    # a cache of 2 GiB in 78 is the allocator's ordinary slack: not said
+    assert "fragmentation" not in str(MemoryPressure("gpu", "rank0", "update", 2 * GIB, 2 * GIB, 80 * GIB, cache=2 * GIB))
+
+
 @pytest.mark.slow
 def test_one_low_rank_makes_every_rank_leave_the_same_safe_point():
     import torch.multiprocessing as mp

@@ -31,6 +31,7 @@ from fitrl.telemetry.phases import RECORDER
 
 HOST, GPU = 1, 2  # verdict codes, all-reduced with max: GPU pressure outranks host pressure
 POLL_INTERVAL_S = 0.25  # tight loops: a reading (~30 us of /proc) at most this often
+CACHE_SAYS = 0.10  # a GPU stop names fragmentation when the cache is at least this share of the memory in use
 USS_NEAR = 1.5  # node available under this x the host threshold: the recorder reads USS at the phase's end
 
 
@@ -39,13 +40,18 @@ class MemoryPressure(RuntimeError):
     (the others left because it did); the driver reports the origin's numbers."""
 
     def __init__(self, kind: str, process: str, phase: Optional[str], available: int, threshold: int,
-                 total: int, origin: bool = True):
+                 total: int, origin: bool = True, cache: int = 0):
         self.kind, self.process, self.phase = kind, process, phase
         self.available, self.threshold, self.total, self.origin = available, threshold, total, origin
+        self.cache = cache  # GPU: what this process's caching allocator holds that no tensor uses
         where = f"during {phase!r}" if phase else "between phases"
         if kind == "gpu":
             text = (f"GPU memory of {process} nearly full {where}: {(total - available) / GIB:.1f} of "
                     f"{total / GIB:.1f} GiB in use (guard: {threshold / GIB:.1f} GiB must stay free)")
+            if cache >= CACHE_SAYS * max(total - available, 1):  # fragmentation, not tensors: say what helps
+                text += (f"; {cache / GIB:.1f} GiB of it is {process}'s allocator cache (reserved, no tensor in it): "
+                         f"fragmentation, which memory.expandable_segments=on (PYTORCH_CUDA_ALLOC_CONF="
+                         f"expandable_segments:True) avoids")
         else:
             text = (f"host memory low {where} ({process}): {available / GIB:.2f} GiB available on the node, "
                     f"under the guard's {threshold / GIB:.2f} GiB of {total / GIB:.1f} GiB")
@@ -55,7 +61,7 @@ class MemoryPressure(RuntimeError):
 
     def __reduce__(self):  # crosses process boundaries (Ray) with its fields
         return (MemoryPressure, (self.kind, self.process, self.phase, self.available, self.threshold,
-                                 self.total, self.origin))
+                                 self.total, self.origin, self.cache))
 
 
 @dataclass
@@ -98,8 +104,9 @@ class MemoryGuard:
             used = mem.gpu_used_fraction()
             if used > self.settings.gpu_max_fraction:
                 free, total = torch.cuda.mem_get_info()
+                cache = max(0, torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
                 return MemoryPressure("gpu", self.process, self.phase, free, int((1 - self.settings.gpu_max_fraction)
-                                                                                 * total), total)
+                                                                                 * total), total, cache=cache)
         available, total = mem.node_available_bytes(), mem.node_total_bytes()  # module attributes: tests can simulate
         threshold = self.host_threshold(total)
         if available < USS_NEAR * threshold:  # near: record what this process alone would free

@@ -41,12 +41,19 @@ def _load(config: str | None, overrides: list[str]):
     return load_config(config, overrides)
 
 
+_LAUNCH = {"cwd": os.getcwd(), "own_argv": False}  # where and how this process was started (main() sets own_argv)
+
+
 def _under_allocator(cfg) -> None:
     """Restart this command under ``memory.host_allocator`` (preloaded) unless it runs under it:
-    only the config has been read so far (fitrl/core/allocator.py)."""
+    only the config has been read so far (fitrl/core/allocator.py). Only when this process is the
+    command (``main()`` parsed the process's own argv): called from Python, it keeps running and
+    only the processes it starts get the allocator."""
+    if not _LAUNCH["own_argv"]:
+        return
     from fitrl.core.allocator import reexec_with
 
-    reexec_with(cfg.memory.host_allocator)
+    reexec_with(cfg.memory.host_allocator, cwd=_LAUNCH["cwd"])
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -398,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     debug = _debug_requested(args)
+    _LAUNCH["own_argv"] = argv is None
     _enable_faulthandler()
     try:
         return args.fn(args)

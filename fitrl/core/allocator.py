@@ -88,10 +88,12 @@ def preload_env(allocator: str, env: Optional[dict] = None) -> dict:
     return env
 
 
-def reexec_with(allocator: str) -> None:
+def reexec_with(allocator: str, cwd: Optional[str] = None) -> None:
     """Replace this process with the same command under ``allocator`` (``os.execve``: same pid,
-    same argv), unless it runs under it already. Call before anything worth keeping happened:
-    only the config has been read. A second failure to load it is a config error, not a loop."""
+    same argv, started from ``cwd``, the directory it was launched in, so relative paths in its
+    argv mean what they meant), unless it runs under it already. Call before anything worth
+    keeping happened: only the config has been read. A second failure to load it is a config
+    error, not a loop."""
     if allocator == "glibc" or loaded(allocator):
         return
     if os.environ.get(REEXEC_MARK):
@@ -102,6 +104,8 @@ def reexec_with(allocator: str) -> None:
     env[REEXEC_MARK] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
+    if cwd is not None:
+        os.chdir(cwd)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 

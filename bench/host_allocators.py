@@ -5,11 +5,15 @@ The libraries come from the distribution's packages, unpacked without installing
 needed): ``make allocators`` runs ``apt-get download libjemalloc2 libtcmalloc-minimal4`` and
 ``dpkg-deb -x`` into ``.cache/allocators``. An allocator whose library is missing is skipped,
 with a line saying so. Each run is one process (in-process backend: the driver is the trainer),
-``LD_PRELOAD`` set for it; ``memory.trim_heap`` is left on (glibc's ``malloc_trim`` then trims
+``LD_PRELOAD`` set for it and ``memory.host_allocator`` naming it (so the plan it writes carries
+that allocator's band); ``memory.trim_heap`` is left on (glibc's ``malloc_trim`` then trims
 only glibc's own arenas, which the other allocators leave empty).
 
     make allocators && .venv/bin/python bench/host_allocators.py                 # 300 steps each
     .venv/bin/python bench/host_allocators.py --steps 50 --size tiny --set rollout.n=4
+
+Besides RSS and step time, each row holds the plan's update peak (the plan the run wrote, at the
+expected lengths it found) and its error against the measured update peak.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def run(allocator: str, lib: Path | None, model: Path, steps: int, extra: list[s
         env["LD_PRELOAD"] = str(lib)
     overrides = [f"actor.model.path={model}", f"trainer.run_dir={run_dir}", f"trainer.max_steps={steps}",
                  "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress_bar=false",
-                 "checkpoint.save_final=false", "memory.plan=off", "memory.phase_peaks=rewind", *extra]
+                 "checkpoint.save_final=false", "memory.plan=warn", "memory.phase_peaks=rewind",
+                 f"memory.host_allocator={allocator}", *extra]
     out = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "examples" / "arith.yaml"), *overrides],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -64,11 +69,14 @@ def run(allocator: str, lib: Path | None, model: Path, steps: int, extra: list[s
     peak = [r["mem/rank0/update/host_peak_gib"] for r in steps_ if "mem/rank0/update/host_peak_gib" in r]
     times = [r["time/step"] for r in steps_][5:]
     k = max(1, len(rss) // 10)
+    plan = json.loads((run_dir / "plan.json").read_text())  # the plan the run printed, its band for this allocator
+    planned = plan["processes"]["trainer"]["phases"]["update"]["host_gib"]
     return {"allocator": allocator, "lib": str(lib) if lib else "glibc (libc.so.6)", "steps": len(steps_),
             "rss_first_gib": statistics.mean(rss[5:5 + k]), "rss_last_gib": statistics.mean(rss[-k:]),
             "update_peak_max_gib": max(peak), "lifetime_peak_gib": steps_[-1]["mem/host_peak_rss_gib"],
             "s_per_step": statistics.mean(times), "s_per_step_median": statistics.median(times), "wall_s": wall,
-            "reward_last": statistics.mean(r["reward/mean"] for r in steps_[-k:])}
+            "reward_last": statistics.mean(r["reward/mean"] for r in steps_[-k:]),
+            "plan_update_gib": planned, "plan_error": planned / max(peak) - 1}
 
 
 def main() -> None:
@@ -94,11 +102,12 @@ def main() -> None:
     print(f"examples/arith.yaml, qwen2 {args.size}, {args.steps} steps, one process"
           + (f"; {' '.join(args.set)}" if args.set else ""))
     print(f"{'allocator':<10} {'RSS steps 6-':>12} {'RSS last 10%':>13} {'update peak':>12} {'lifetime':>9} "
-          f"{'s/step':>7} {'median':>7} {'reward':>7}")
+          f"{'s/step':>7} {'median':>7} {'reward':>7} {'plan update':>12} {'error':>7}")
     for r in rows:
         print(f"{r['allocator']:<10} {r['rss_first_gib']:>8.3f} GiB {r['rss_last_gib']:>9.3f} GiB "
               f"{r['update_peak_max_gib']:>8.3f} GiB {r['lifetime_peak_gib']:>5.3f} GiB {r['s_per_step']:>7.3f} "
-              f"{r['s_per_step_median']:>7.3f} {r['reward_last']:>7.3f}")
+              f"{r['s_per_step_median']:>7.3f} {r['reward_last']:>7.3f} {r['plan_update_gib']:>8.3f} GiB "
+              f"{100 * r['plan_error']:>+6.1f}%")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 

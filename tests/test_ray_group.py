@@ -197,9 +197,11 @@ def test_env_vars_reach_every_rank_at_start_preloading_an_allocator(cluster, gro
     if allocator.find_library("jemalloc") is None:
         pytest.skip("no libjemalloc.so.2 here (`make allocators`)")
     env = allocator.runtime_env_vars("jemalloc")
+    free = ray.available_resources().get("CPU", 0)
     with RayWorkerGroup(ToyWorker, world_size=2, num_cpus_per_worker=CPUS, name="alloc", env_vars=env) as g:
         assert all(allocator.loaded("jemalloc", str(info["pid"])) for info in g.rank_info)
         assert RoleHandle(g).forward(_batch(4))["total"].tolist() == [6.0] * 4   # and they work as ever
+    assert _cpus_free_back(free)   # (the next tests count the cluster's free CPUs)
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ only glibc's own arenas, which the other allocators leave empty).
     make allocators && .venv/bin/python bench/host_allocators.py                 # 300 steps each
     .venv/bin/python bench/host_allocators.py --steps 50 --size tiny --set rollout.n=4
 
-Besides RSS and step time, each row holds the plan's update peak (the plan the run wrote, at the
-expected lengths it found) and its error against the measured update peak.
+Besides RSS and step time, each row holds the plan's trainer update peak at the expected lengths
+(planned again from the run's saved config) and its error against the measured update peak.
 """
 
 from __future__ import annotations
@@ -69,14 +69,26 @@ def run(allocator: str, lib: Path | None, model: Path, steps: int, extra: list[s
     peak = [r["mem/rank0/update/host_peak_gib"] for r in steps_ if "mem/rank0/update/host_peak_gib" in r]
     times = [r["time/step"] for r in steps_][5:]
     k = max(1, len(rss) // 10)
-    plan = json.loads((run_dir / "plan.json").read_text())  # the plan the run printed, its band for this allocator
-    planned = plan["processes"]["trainer"]["phases"]["update"]["host_gib"]
+    planned = expected_update_gib(run_dir)
     return {"allocator": allocator, "lib": str(lib) if lib else "glibc (libc.so.6)", "steps": len(steps_),
             "rss_first_gib": statistics.mean(rss[5:5 + k]), "rss_last_gib": statistics.mean(rss[-k:]),
             "update_peak_max_gib": max(peak), "lifetime_peak_gib": steps_[-1]["mem/host_peak_rss_gib"],
             "s_per_step": statistics.mean(times), "s_per_step_median": statistics.median(times), "wall_s": wall,
             "reward_last": statistics.mean(r["reward/mean"] for r in steps_[-k:]),
             "plan_update_gib": planned, "plan_error": planned / max(peak) - 1}
+
+
+def expected_update_gib(run_dir: Path) -> float:
+    """The plan's trainer update (host GiB) at the expected lengths of the run's saved config (the
+    preflight skips that second plan when the caps already fit, so ``plan.json`` may hold only the
+    caps)."""
+    from fitrl.config import load_config
+    from fitrl.memory.model import Hardware
+    from fitrl.planner.plan import plan_config
+
+    cfg = load_config(str(run_dir / "config.yaml"), [])
+    plan = plan_config(cfg, Hardware.for_config(cfg, device="cpu"))  # (trainer.device=auto would plan a GPU)
+    return (plan.expected or plan).process("trainer").host_peak("update") / GIB
 
 
 def main() -> None:

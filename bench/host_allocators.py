@@ -29,8 +29,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from fitrl.core import allocator as host_alloc  # noqa: E402  (standard library only: the libraries' names and lookup)
+
 GIB = 1024**3
-LIBS = {"glibc": None, "jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
+ALLOCATORS = ("glibc", *host_alloc.LIBRARIES)
 
 CHILD = """
 import sys, time
@@ -42,11 +44,6 @@ start = time.perf_counter()
 train(cfg, Console(quiet=True))
 print("WALL", time.perf_counter() - start)
 """
-
-
-def find_lib(name: str, lib_dir: Path) -> Path | None:
-    found = sorted(lib_dir.rglob(name))
-    return found[0] if found else None
 
 
 def run(allocator: str, lib: Path | None, model: Path, steps: int, extra: list[str], work: Path) -> dict:
@@ -95,8 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--size", default="small", help="the tiny qwen2 model's size (fitrl.models.tiny.SIZES)")
-    p.add_argument("--lib-dir", type=Path, default=ROOT / ".cache" / "allocators")
-    p.add_argument("--only", nargs="*", choices=list(LIBS), default=list(LIBS))
+    p.add_argument("--only", nargs="*", choices=ALLOCATORS, default=list(ALLOCATORS))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -106,9 +102,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", arch="qwen2", size=args.size, seed=0)
         for name in args.only:
-            lib = find_lib(LIBS[name], args.lib_dir) if LIBS[name] else None
-            if LIBS[name] and lib is None:
-                print(f"{name}: no {LIBS[name]} under {args.lib_dir} (make allocators): skipped")
+            lib = None if name == "glibc" else host_alloc.find_library(name)  # memory.host_allocator's lookup
+            if name != "glibc" and lib is None:
+                print(f"{name}: none of {', '.join(host_alloc.LIBRARIES[name])} found (make allocators): skipped")
                 continue
             rows.append(run(name, lib, model, args.steps, args.set, Path(tmp)))
     print(f"examples/arith.yaml, qwen2 {args.size}, {args.steps} steps, one process"

@@ -363,6 +363,7 @@ class RayWorkerGroup(WorkerGroup):
                     ray.kill(a, no_restart=True)
                 except Exception as e:
                     log.debug("ray.kill failed: %s", e)
+            _wait_dead(actors, timeout_s=15.0)
         self._failed = self._failed or "shut down"
         if self._placement is not None:
             placement, self._placement = self._placement, None
@@ -378,3 +379,27 @@ class RayWorkerGroup(WorkerGroup):
     def __repr__(self) -> str:
         return (f"RayWorkerGroup({self.worker_cls.__name__}, name={self.name!r}, world_size={self.world_size}, "
                 f"nodes={sorted(set(self.node_ips))})")
+
+
+def _wait_dead(actors: list, timeout_s: float) -> None:
+    """ray.kill only asks the GCS to kill: a call sent right after it can still run, and the
+    process keeps its memory until the raylet reaps it. Poll each actor until a call on it fails
+    (or the deadline passes), so the next group placed here finds the cores and memory free."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for a in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(a.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except Exception as e:                       # any other failure also means no answer
+                log.debug("after ray.kill: %s", e)
+                break
+            time.sleep(0.05)
+        else:
+            log.warning("a killed actor still answered %.0f s after ray.kill", timeout_s)
+

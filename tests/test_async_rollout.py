@@ -158,3 +158,37 @@ def test_one_step_off_under_ray(tiny_model_dir, tmp_path, ray_cluster):
     assert all(0.0 <= r["rollout/worker_idle_frac"] <= 1.0 for r in rows)
     # the worker's memory is recorded under the phase of its calls, while the trainer trains
     assert all("mem/rollout.rank0/rollout/host_peak_gib" in r for r in rows[:2])
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_worker_is_named_restarted_and_then_stops_the_run_loadable(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """The rollout worker (a Ray actor of its own) is SIGKILLed in its 3rd generation of each
+    process: while step 3 generates beside step 2's update. trainer.max_restarts=1: the first death
+    restarts the run from its newest checkpoint, the cause naming the role, the rank and the call
+    it died in; the restarted worker dies again at its own 3rd generation and the run stops with
+    that one line, its last checkpoint loadable. Across the restart no step's prompts were drawn
+    twice or skipped."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("FITRL_TEST_MODEL", str(tiny_model_dir))
+    run = tmp_path / "run"
+    out = _train(run, "rollout.mode=one_step_off", "trainer.backend=ray", "trainer.devices_per_node=1",
+                 "trainer.max_steps=5", "checkpoint.save_freq=1", "trainer.max_restarts=1",
+                 env={"FITRL_INJECT_FAULT": "rollout:0:rollout:3:kill"}, timeout=900)
+    assert out.returncode == 1, (out.stdout + out.stderr)[-3000:]
+    named = "rollout rank 0 on node "
+    error = [line for line in out.stderr.splitlines() if line.startswith("fitrl: worker failed")]
+    assert error and error[0].startswith("fitrl: worker failed: " + named), out.stderr[-2000:]
+    assert "died during 'generate'" in error[0] and "without a Python exception" in error[0], error
+    restarts = [r for r in read_metrics(run) if r.get("event") == "restart"]
+    assert len(restarts) == 1 and named in restarts[0]["cause"] and "'generate'" in restarts[0]["cause"], restarts
+    log = prompt_log(run)
+    cfg = load_config(EXAMPLE, [])
+    sampler = PromptSampler(80, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+    assert [p["step"] for p in log] == list(range(1, len(log) + 1)) and len(log) >= 2, log
+    assert [p["rows"] for p in log] == [sampler.next_indices() for _ in log]
+    newest = max((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    assert int(newest.name.split("_")[1]) == len(log)
+    verify = subprocess.run([sys.executable, "-m", "fitrl.cli", "checkpoint", "verify", str(newest)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0 and "intact" in verify.stdout, verify.stdout + verify.stderr

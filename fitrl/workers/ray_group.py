@@ -163,6 +163,9 @@ class RayWorkerGroup(WorkerGroup):
         self.failure_grace_s = failure_grace_s
         self._actors: list = []
         self._failed: Optional[str] = None
+        # main-thread calls sent and not yet collected, oldest first: a rank runs them in this
+        # order, so when it dies the oldest is what it was doing (whichever call noticed)
+        self._running: list[tuple[str, int]] = []  # (method, id of its refs: holding them would pin results)
         self._placement: Optional[Placement] = None
 
         if colocate_with is not None:
@@ -242,8 +245,11 @@ class RayWorkerGroup(WorkerGroup):
         if self.world_size > 1 and all(a is per_rank_args[0] for a in per_rank_args):
             args = [ray.put(per_rank_args[0])] * self.world_size  # one copy in the object store, not n
         calls = [getattr(a, via) for a in self._actors]
-        return [(c.options(concurrency_group="mailbox") if mailbox else c).remote(method, x, kwargs, phase)
+        refs = [(c.options(concurrency_group="mailbox") if mailbox else c).remote(method, x, kwargs, phase)
                 for c, x in zip(calls, args)]
+        if not mailbox:
+            self._running.append((method, id(refs)))
+        return refs
 
     def health(self, timeout_s: float) -> list[dict]:
         """Each rank's phase, idle seconds and main-thread stack, asked in the actors' ``health``
@@ -307,11 +313,18 @@ class RayWorkerGroup(WorkerGroup):
                         # a guard stop is not a hang: the other ranks finish their (collective-free)
                         # phase or leave at the same safe point, and the group stays usable
                         deadline = time.monotonic() + self.failure_grace_s
+        mine = next((k for k, (_, i) in enumerate(self._running) if i == id(refs)), None)
+        # the oldest main-thread call, when sent before this one (a mailbox call runs beside it)
+        running = self._running[0][0] if self._running and mine != 0 else None
+        self._running = [(m, i) for m, i in self._running if i != id(refs)]
         if not errors:
             return results
-        raise self._failure(errors, sorted(pending.values()), method)
+        raise self._failure(errors, sorted(pending.values()), method, running)
 
-    def _failure(self, errors: dict[int, BaseException], stuck: list[int], method: str) -> BaseException:
+    def _failure(self, errors: dict[int, BaseException], stuck: list[int], method: str,
+                 running: Optional[str] = None) -> BaseException:
+        """``running``: a main-thread call sent before ``method`` and still unanswered (a death is
+        reported as during it: ``method`` only noticed)."""
         import ray.exceptions as rex
 
         deaths = {r: e for r, e in errors.items() if is_death(e)}
@@ -323,7 +336,7 @@ class RayWorkerGroup(WorkerGroup):
             others = {r: c for r, (_, c) in causes.items() if r != rank}
             others.update({r: f"{type(getattr(e, 'cause', e)).__name__} (after the death)"
                            for r, e in errors.items() if r not in deaths})
-            err = WorkerFailed(self.name, rank, self.node_ips[rank], method, cause,
+            err = WorkerFailed(self.name, rank, self.node_ips[rank], running or method, cause,
                                ANSI_RE.sub("", str(deaths[rank])), kind=kind, other_ranks=others)
             self._failed = f"{self.name} rank {rank} {cause}"
             self.shutdown()

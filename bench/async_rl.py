@@ -10,6 +10,8 @@ samples, one optimizer step per RL step; ``--task curve`` by default: up to 8 ne
 examples/data/arith_val.jsonl after the last step. Layouts, all on the same cores:
 
 - ``sync-1proc``: one process, 2 torch threads in every phase (the embedded default's layout);
+  ``sync-1proc-m16``: the same with micro-batches of 16 sequences (the other layouts take the
+  whole step's 64 in one forward/backward, ``--micro-batch``: the fastest for every layout here);
 - ``sync-ray``: two colocated Ray ranks of 1 thread each (data-parallel FSDP2), the driver beside;
 - ``sync-split``: one trainer rank and one rollout worker (1 thread each), not overlapped: what
   the split alone costs (the weights sent every step, two processes taking turns);
@@ -61,6 +63,7 @@ def _bench_module(name: str):
 
 LAYOUTS: dict[str, list[str]] = {
     "sync-1proc": ["trainer.backend=inprocess", "trainer.num_threads=2"],
+    "sync-1proc-m16": ["trainer.backend=inprocess", "trainer.num_threads=2", "actor.micro_batch_size=16"],
     "sync-ray": ["trainer.backend=ray", "trainer.devices_per_node=2", "trainer.num_threads=1"],
     "sync-split": ["trainer.backend=ray", "trainer.devices_per_node=1", "rollout.workers=1", "trainer.num_threads=1"],
     "one_step_off": ["trainer.backend=ray", "trainer.devices_per_node=1", "rollout.mode=one_step_off",
@@ -70,7 +73,7 @@ LAYOUTS: dict[str, list[str]] = {
     "one_step_off-1proc": ["trainer.backend=inprocess", "rollout.mode=one_step_off", "trainer.num_threads=1"],
     "async-1proc": ["trainer.backend=inprocess", "rollout.mode=async", "trainer.num_threads=1"],
 }
-SYNC = ("sync-1proc", "sync-ray", "sync-split", "sync-split-1proc")
+SYNC = ("sync-1proc", "sync-1proc-m16", "sync-ray", "sync-split", "sync-split-1proc")
 """The synchronous layouts: the ratio column is against the fastest of those run."""
 
 
@@ -113,12 +116,12 @@ def tree_cpu(root: psutil.Process, seen: dict[int, float]) -> float:
 
 
 def run_one(work: Path, model: Path, layout: str, seed: int, steps: int, staleness: int, extra: list[str],
-            task: dict) -> dict:
+            task: dict, micro_batch: int = 64) -> dict:
     sides = _bench_module("vs_trl_sides")
     run_dir = work / "runs" / f"{model.name}-{layout}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # (an old metrics.jsonl would read as steps done)
     spec = {"model": str(model), "run_dir": str(run_dir), "data": str(ROOT / "examples/data/arith_train.jsonl"),
-            "micro_batch": 16, "steps": steps, "seed": seed, "threads": 1, "precision": "fp32", **task}
+            "micro_batch": micro_batch, "steps": steps, "seed": seed, "threads": 1, "precision": "fp32", **task}
     overrides = sides.fitrl_overrides(spec) + LAYOUTS[layout] + [
         f"data.val_files=[{ROOT / 'examples/data/arith_val.jsonl'}]", f"rollout.max_staleness={staleness}",
         "trainer.loggers=[console]", *extra]
@@ -189,6 +192,9 @@ def main() -> int:
                         "steps) or throughput (<= 32 new tokens, lr 1e-3: a random 0.64M model's reward stays 0)")
     p.add_argument("--warm-start", type=int, default=50,
                    help="supervised steps before RL (examples/arith_sft.yaml; 0: RL from the random weights)")
+    p.add_argument("--micro-batch", type=int, default=64,
+                   help="actor.micro_batch_size: 64, the step's every sequence in one forward/backward, is the fastest "
+                        "here for every layout (sync-1proc-m16 shows the synchronous one at 16)")
     p.add_argument("--set", nargs="*", default=[], help="more overrides for every run")
     args = p.parse_args()
     work = Path(args.work)
@@ -205,7 +211,8 @@ def main() -> int:
         runs = []
         for seed in args.seeds:
             for layout in args.layouts:  # the layouts alternate within each seed (machine drift spreads)
-                r = run_one(work, model, layout, seed, args.steps, args.staleness, args.set, vs.TASKS[args.task])
+                r = run_one(work, model, layout, seed, args.steps, args.staleness, args.set, vs.TASKS[args.task],
+                            args.micro_batch)
                 if r["rc"] != 0 or len(r["steps"]) < args.steps:
                     print(f"{layout} seed {seed}: exit {r['rc']}, {len(r['steps'])} steps (log in {work / 'runs'})")
                     continue

@@ -55,8 +55,9 @@ def test_overlapped_modes_config():
     assert kept.old_logprob_source == "pass"  # recomputed, importance-weighted: the user's choice
     with pytest.raises(ConfigError, match="dynamic sampling"):
         load_config(EXAMPLE, ["rollout.mode=one_step_off", "algorithm.filter_groups.enable=true"])
-    with pytest.raises(ConfigError, match="hf engine only"):
-        load_config(EXAMPLE, ["rollout.workers=1", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="one engine on one device"):
+        load_config(EXAMPLE, ["rollout.workers=1", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
+    assert load_config(EXAMPLE, ["rollout.workers=1", "rollout.engine=vllm"]).rollout.trainer_engine == "hf"
 
 
 def _slow(cls, method: str, seconds: float, monkeypatch):

@@ -194,3 +194,32 @@ def test_separate_engine_processes_cost_a_runtime_and_context_per_worker():
     assert plan.node_host("update")["runtime"] == 8 * C.VLLM_PROCESS_RUNTIME + 8 * C.CUDA_PROCESS_RUNTIME + C.DRIVER_RUNTIME
     assert "vLLM runtime" not in plan.node_host("update")
     assert plan.device("update")["cuda context"] == 2 * C.CUDA_CONTEXT
+
+
+def test_a_vllm_rollout_worker_is_planned_as_its_engine_and_the_trainer_holds_none():
+    """rollout.workers with rollout.engine=vllm: each worker's device holds its engine
+    (gpu_memory_utilization x the device: weights and KV cache; its module is only the
+    architecture, on meta), its host the vLLM runtime and the version in the mailbox; the trainer
+    ranks validate with the hf engine on the trained module, so they plan no engine. On CPU the
+    worker holds the CPU engine's measured parts."""
+    from fitrl.memory.run import Run
+    from fitrl.rollout.vllm_plan import vllm_cpu_engine
+
+    common = ("rollout.workers=4", "rollout.mode=one_step_off", "trainer.devices_per_node=4",
+              "rollout.gpu_memory_utilization=0.6")
+    hf, vllm = _plan(*common), _plan("rollout.engine=vllm", *common)
+    engine = "rollout vllm engine (weights, kv cache)"
+    for ph in ("rollout", "update"):
+        assert vllm.process("rollout").phases[ph].gpu == {"cuda context": C.CUDA_CONTEXT, engine: int(0.6 * 80 * C.GIB)}
+        assert vllm.process("rollout").phases[ph].host["vLLM runtime"] == C.VLLM_IN_PROCESS_RUNTIME
+        assert "rollout params" in hf.process("rollout").phases[ph].gpu
+        assert vllm.process("trainer").phases[ph].gpu == hf.process("trainer").phases[ph].gpu
+        assert vllm.process("trainer").phases[ph].host == hf.process("trainer").phases[ph].host
+    assert "engine" not in [p.kind for p in vllm.processes]  # no colocated engine process
+    cfg = load_config(ARITH, ["rollout.engine=vllm", "rollout.workers=1", "rollout.mode=one_step_off",
+                              "trainer.backend=ray", "trainer.devices_per_node=1"])
+    cpu = plan_config(cfg, Hardware.cpu(1, host_memory=64 * C.GIB))
+    parts = cpu.process("rollout").phases["update"].host
+    run = Run(cfg, cpu.hardware, cpu.shape, None, cpu.spec)
+    assert parts["rollout vllm engine (weights, kv cache)"] == sum(vllm_cpu_engine(run).values()) > 0
+    assert "vLLM runtime" not in cpu.process("trainer").phases["update"].host

@@ -136,6 +136,13 @@ class RolloutConfig(Sampling):
         (``one_step_off``) or ``max_staleness`` (``async``)."""
         return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
+    @property
+    def trainer_engine(self) -> str:
+        """The engine the policy's own ranks run: ``engine``, or with rollout workers of their own
+        (which then run ``engine``) the ``hf`` engine on the trained module, for validation only (a
+        second engine copy beside each trainer rank would cost memory for a few greedy passes)."""
+        return "hf" if self.workers else self.engine
+
     def sampling(self) -> SamplingConfig:
         """Training-time sampling as the engines take it."""
         return SamplingConfig(**sampling_fields(self), max_tokens=self.max_response_length)

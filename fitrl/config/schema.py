@@ -143,10 +143,11 @@ def check_rollout_placement(cfg: FitrlConfig) -> None:
         raise ConfigError(f"algorithm.filter_groups (dynamic sampling) draws more prompts during a step, while "
                           f"rollout.mode={r.mode} has already drawn the next steps'; use rollout.mode=sync "
                           f"(rollout.workers keeps generation on processes of its own)")
-    if r.workers and r.engine != "hf":
-        raise ConfigError(f"rollout.workers={r.workers}: rollout workers of their own run the hf engine only so far; "
-                          f"rollout.engine={r.engine} generates on the policy's ranks (set rollout.workers=0 and "
-                          f"rollout.mode=sync)")
+    if r.workers and r.engine != "hf" and r.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.workers={r.workers} with rollout.tensor_parallel_size={r.tensor_parallel_size}: a "
+                          f"rollout worker of its own runs one engine on one device so far; set "
+                          f"rollout.tensor_parallel_size=1, or rollout.workers=0 and rollout.mode=sync (engines "
+                          f"colocated with the policy's ranks take any tensor_parallel_size)")
     if r.mode != "sync" and a.recompute_old_logprob and a.rollout_correction.mode == "off":
         # recomputed (or folded) old log-probs are the current weights': the ratio of a single
         # optimizer step is then 1 and nothing bounds the update against the weights that sampled;

@@ -18,7 +18,7 @@ A planner answers, for a :class:`~fitrl.memory.run.Run`:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from fitrl.core.errors import ConfigError
 from fitrl.core.registry import Registry
@@ -60,6 +60,17 @@ class EnginePlanner:
         fitrl/roles/rollout_worker.py), which holds a whole copy of the weights."""
         raise ConfigError(f"rollout.engine={self.name} has no plan for rollout workers of its own (rollout.workers)")
 
+    def worker_copy(self, run: "Run") -> Optional[int]:
+        """An engine with a copy of the weights of its own, in a rollout worker: the bytes it holds
+        on the worker's device through the whole run (its weights, its cache). None: the engine
+        computes with the worker's module, whose weights are the role's states."""
+        return None
+
+    def worker_host(self, run: "Run") -> dict[str, int]:
+        """Host memory such an engine holds in a rollout worker in every phase, beyond
+        :meth:`worker_copy` (its runtime, on a GPU run)."""
+        return {}
+
     def processes(self, run: "Run", notes: list[str]) -> tuple[list[ProcessPlan], int]:
         """Processes of its own beside the trainer ranks, and the host bytes a node gains per step."""
         unused_engine_emulation(run, notes, f"rollout.engine={self.name}")
@@ -82,10 +93,13 @@ class EnginePlanner:
         return []
 
 
-def engine_planner(cfg) -> EnginePlanner:
-    """The planner of ``cfg.rollout.engine``; a :class:`~fitrl.core.errors.ConfigError` naming the
-    registered ones when it has none (fitrl/rollout/__init__.py registers the built-in ones)."""
-    return ENGINE_PLANNERS.get(cfg.rollout.engine)()
+def engine_planner(cfg, where: str = "trainer") -> EnginePlanner:
+    """The planner of the engine the policy's ranks run (``where="trainer"``:
+    ``rollout.trainer_engine``) or a rollout worker of its own runs (``"worker"``:
+    ``rollout.engine``); a :class:`~fitrl.core.errors.ConfigError` naming the registered ones when
+    it has none (fitrl/rollout/__init__.py registers the built-in ones)."""
+    r = cfg.rollout
+    return ENGINE_PLANNERS.get(r.engine if where == "worker" else getattr(r, "trainer_engine", r.engine))()
 
 
 def unused_engine_emulation(run: "Run", notes: list[str], where: str) -> None:

@@ -67,6 +67,10 @@ class RolePlanner(ABC):
         """Host memory the role holds in ``phase`` beyond its states, wherever its model computes."""
         return {}
 
+    def params_label(self, run: Run) -> str:
+        """What the plan's tables call the ``params`` of its states."""
+        return "params"
+
     def per_node(self, run: Run) -> int | None:
         """Its processes on the busiest node when not one per trainer device (None)."""
         return None
@@ -273,8 +277,18 @@ class RolloutPlanner(RolePlanner):
 
     def states(self, run: Run) -> tuple[States, Any]:
         from fitrl.config.roles import FSDPConfig  # (never offloaded, never sharded)
+        from fitrl.memory.engines import engine_planner
 
+        engine_copy = engine_planner(run.cfg, "worker").worker_copy(run)  # (vLLM: its module is on meta)
+        if engine_copy is not None:
+            return States(params=engine_copy), FSDPConfig()
         return frozen_states(run.shape, 1, run.compute_dtype, pinned=False), FSDPConfig()
+
+    def params_label(self, run: Run) -> str:
+        from fitrl.memory.engines import engine_planner
+
+        own = engine_planner(run.cfg, "worker").worker_copy(run) is not None
+        return f"{run.cfg.rollout.engine} engine (weights, kv cache)" if own else "params"
 
     def active_phases(self, run: Run) -> set[str]:
         return {"rollout"} if run.cfg.rollout.mode == "sync" else OVERLAPPED_PHASES
@@ -287,15 +301,18 @@ class RolloutPlanner(RolePlanner):
             return {}
         u = Usage()
         dev = "gpu" if run.cuda else "host"
-        engine_planner(run.cfg).in_worker(run, phase, u, dev)
+        engine_planner(run.cfg, "worker").in_worker(run, phase, u, dev)
         return u.gpu if run.cuda else u.host
 
     def own_host(self, run: Run, phase: str) -> dict[str, int]:
+        from fitrl.memory.engines import engine_planner
+
+        held = dict(engine_planner(run.cfg, "worker").worker_host(run))
         # a version waits in the mailbox until the worker loads it (sync: between the push and the next rollout)
         waiting = phase == "weight_sync" or (run.cfg.rollout.mode != "sync" and phase in OVERLAPPED_PHASES)
-        if not waiting:
-            return {}
-        return {"weights in the mailbox": frozen_states(run.shape, 1, run.compute_dtype, pinned=False).params}
+        if waiting:
+            held["weights in the mailbox"] = frozen_states(run.shape, 1, run.compute_dtype, pinned=False).params
+        return held
 
     def per_node(self, run: Run) -> int | None:
         return run.cfg.rollout.workers

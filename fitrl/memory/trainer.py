@@ -81,7 +81,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
                 st = States(st.params, optimizer=st.optimizer)
             where_w = dev if on_dev else "host"
             offl = "" if where_w == dev else "offloaded "
-            u.add(where_w, f"{offl}{label}params", st.params)
+            u.add(where_w, f"{offl}{label}{ROLE_PLANNERS.get(role).params_label(run)}", st.params)
             u.add(where_w, f"{offl}{label}grads", st.grads)
             u.add("host", f"pinned cache ({label}grads)", pinned_grads)
             u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",

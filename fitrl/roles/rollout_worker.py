@@ -10,6 +10,10 @@ with the new ones. Every sequence records the version it was sampled under
 (``rollout_version``, (B,)): the driver turns it into staleness and the loss's importance
 weights use the engine's own log-probs, taken under that version.
 
+An engine with a copy of its own (``rollout.engine: vllm``) is built from a ``meta`` module (the
+architecture, no weights: the engine's copy is the only one); a loaded version is streamed into
+it, one tensor at a time, as the colocated engine's pushes are.
+
 Memory: the copy (weights only, in the policy's compute dtype; no gradients or optimizer states), the engine's generation
 transients, and one version in the mailbox until it is loaded (host memory): the planner's
 ``rollout`` role (fitrl/memory/roles.py).
@@ -30,7 +34,7 @@ from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.rollout import build_engine
 from fitrl.rollout.agent import AgentRollout
-from fitrl.rollout.engine import RolloutEngine
+from fitrl.rollout.engine import EngineContext, RolloutEngine
 from fitrl.rollout.layout import concat_rollouts, eos_ids, gather_rollouts
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.progress import PROGRESS
@@ -58,6 +62,20 @@ def episode_runner(cfg: FitrlConfig, engine: RolloutEngine, model: torch.nn.Modu
                         max_prompt_length=cfg.data.max_prompt_length)
 
 
+def shape_only(model_cfg) -> torch.nn.Module:
+    """The policy's architecture on the ``meta`` device (no memory), with the checkpoint's
+    generation config (its EOS ids), for an engine that holds the weights itself."""
+    from transformers import GenerationConfig
+
+    with torch.device("meta"):
+        model = family_for(model_cfg.path).builders("causal_lm", model_cfg)[1]()
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(model_cfg.path)
+    except OSError:  # no generation_config.json: the one built from config.json stays
+        pass
+    return model
+
+
 class RolloutWorker:
     def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -69,11 +87,24 @@ class RolloutWorker:
         # model, held in the dtype the policy computes in (bf16 under mixed precision: half the
         # memory of the trained fp32 weights, and half of every weight send)
         self.dtype = compute_dtype(cfg)
-        self.model = build_model("causal_lm", dataclasses.replace(cfg.actor.model, dtype=self.dtype), cfg.actor.fsdp,
-                                 self.device, replicate=True)
+        model_cfg = dataclasses.replace(cfg.actor.model, dtype=self.dtype)
+        self.own_copy = cfg.rollout.engine != "hf"  # the engine holds the weights, not self.model
+        self._pushing: dict[str, torch.Tensor] = {}  # the version being streamed into such an engine
+        if self.own_copy:
+            self.model = shape_only(model_cfg)
+        else:
+            self.model = build_model("causal_lm", model_cfg, cfg.actor.fsdp, self.device, replicate=True)
         self.model.eval().requires_grad_(False)
         inputs = family_for(cfg.actor.model.path).inputs_for(self.model)
-        self.engine = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs)
+        context = EngineContext(
+            model_path=cfg.actor.model.path, tokenizer_path=cfg.actor.model.tokenizer_path or cfg.actor.model.path,
+            dtype=self.dtype, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+            seed=cfg.trainer.seed + 104_729 + rank, device=self.device,
+            limit_images=cfg.data.limit_images if getattr(self.model.config, "vision_config", None) else 0,
+            weights=lambda: iter(self._pushing.items()))
+        # on a device of its own an engine never sleeps: nothing else there needs its memory back
+        engine_cfg = dataclasses.replace(cfg.rollout, sleep_level=0) if self.own_copy else cfg.rollout
+        self.engine = build_engine(engine_cfg, self.model, self.tokenizer, inputs=inputs, context=context)
         self.agent = episode_runner(cfg, self.engine, self.model, self.tokenizer, inputs)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.version = -1  # the weights in the copy: -1 until the first send (the trainer's step count after it)
@@ -111,6 +142,14 @@ class RolloutWorker:
         if taken is None:
             return
         version, weights = taken
+        if self.own_copy:
+            self._pushing = weights
+            try:
+                self.engine.push_weights()  # (its own device, never asleep: streamed now)
+            finally:
+                self._pushing = {}
+            self.version = version
+            return
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {k for k in missing if self.model.config.tie_word_embeddings and k.endswith("lm_head.weight")}
         if unexpected or set(missing) - tied:

@@ -11,6 +11,8 @@ FSDP2-sharded module (:func:`fitrl.models.loading.build_model`); the code here i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fitrl.checkpoint.sharded import load_role, save_role
@@ -60,7 +62,8 @@ class PolicyWorker:
                            inputs=inputs, autocast_dtype=self.autocast_dtype,
                            after_micro_batch=lambda: self.offload.micro_batch_done(),
                            sequence_group=sequence_groups(cfg.actor.ulysses_size))
-        self.rollout = build_engine(cfg.rollout, self.model, self.tokenizer, inputs=inputs,
+        self.rollout = build_engine(dataclasses.replace(cfg.rollout, engine=cfg.rollout.trainer_engine), self.model,
+                                    self.tokenizer, inputs=inputs,
                                     context=self.engine_context())
         self.offload = OffloadBetweenPhases(self.model, cfg.actor.fsdp, self.device, self.actor.optimizer,
                                             trim=cfg.memory.trim_heap)

@@ -61,6 +61,9 @@ class EngineContext:
     (LoRA adapters merged); a collective under FSDP2, so every rank drains it together."""
     limit_images: int = 0
     """Images (and videos) per prompt at most (vision-language models)."""
+    device: Optional[torch.device] = None
+    """Where the engine runs, when the module it is given holds no weights (a rollout worker's
+    ``meta`` module: fitrl/roles/rollout_worker.py); None: the module's own device."""
 
 
 class RolloutEngine(ABC):

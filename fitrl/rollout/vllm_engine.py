@@ -69,7 +69,7 @@ class VllmRollout(RolloutEngine):
             raise ValueError("the vLLM engine needs EngineContext.model_path and .weights")
         self.cfg, self.inputs, self.context, self.tokenizer = cfg, inputs, context, tokenizer
         self._model = model  # the trainer's module (checks only: weights reach vLLM through context.weights)
-        self.device = next(model.parameters()).device
+        self.device = context.device or next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]

@@ -34,6 +34,25 @@ class VLLMPlanner(EnginePlanner):
         if not run.cuda:  # on CUDA the engine is a process of its own (processes)
             _in_process(run, phase, usage)
 
+    def worker_copy(self, run: Run) -> int:
+        # a rollout worker's engine (tensor_parallel_size 1), awake all run on its own device
+        return engine_budget(run, 1)[0] if run.cuda else sum(vllm_cpu_engine(run).values())
+
+    def worker_host(self, run: Run) -> dict[str, int]:
+        return {"vLLM runtime": C.VLLM_IN_PROCESS_RUNTIME} if run.cuda else {}
+
+    def in_worker(self, run: Run, phase: str, usage: Usage, dev: str) -> None:
+        """On a GPU the generation is inside the engine's budget (:meth:`worker_copy`); on CPU the
+        rollout batch, the push of a received version (one tensor materialised in the engine's
+        dtype: the version itself is the worker's mailbox) and the sampler's logits."""
+        if run.cuda:
+            return
+        seqs = max(1, run.batch.sequences_per_step // run.cfg.rollout.workers)
+        usage.add("host", "batch", run.batch_bytes(seqs))
+        largest = max(numel(s) for _, s in run.shape.tensors())
+        usage.add("host", "engine weight push", largest * DTYPE_BYTES[run.compute_dtype])
+        usage.add("host", "activations", min(seqs, C.VLLM_CPU_MAX_NUM_SEQS) * run.shape.vocab * 4 * 4)
+
     def processes(self, run: Run, notes: list[str]) -> tuple[list[ProcessPlan], int]:
         if not run.cuda:  # on CPU the engine is in the trainer's process (in_trainer)
             unused_engine_emulation(run, notes, "a CPU run (the engine is in the trainer)")
@@ -98,13 +117,7 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
     e, em, shape, hw = run.cfg.rollout, run.cfg.plan.emulate, run.shape, run.hw
     tp = e.tensor_parallel_size
     engines, workers = engines_per_node(tp, hw)
-    weights = full_weights(shape, "bfloat16", tp)
-    if e.kv_cache_memory is not None:  # a KV cache of this size per device, the rest as vLLM needs it
-        kv = parse_bytes(e.kv_cache_memory, "rollout.kv_cache_memory")
-        budget = weights + kv + C.VLLM_ACTIVATION_RESERVE
-    else:  # gpu_memory_utilization x the device, on every device of the engine
-        budget = int(e.gpu_memory_utilization * hw.gpu_memory)
-        kv = budget - weights - C.VLLM_ACTIVATION_RESERVE
+    budget, weights, kv = engine_budget(run, tp)
     demand = run.batch.sequences_per_step * tp // (hw.nodes * hw.gpus_per_node) * run.seq_len
     capacity = max(0, kv) // max(1, shape.kv_bytes_per_token(2) // tp)
     if kv <= 0:
@@ -146,6 +159,17 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
                      f"({(swap + backup) / C.GIB:.1f} GiB {where}) stay cached: host grows "
                      f"{growth / C.GIB:.0f} GiB per step")
     return ProcessPlan("engine", engines, phases), growth
+
+
+def engine_budget(run: Run, tp: int) -> tuple[int, int, int]:
+    """(what an engine of ``tp`` GPUs holds per device, its weights' share, its KV cache's share)."""
+    e = run.cfg.rollout
+    weights = full_weights(run.shape, "bfloat16", tp)
+    if e.kv_cache_memory is not None:  # a KV cache of this size per device, the rest as vLLM needs it
+        kv = parse_bytes(e.kv_cache_memory, "rollout.kv_cache_memory")
+        return weights + kv + C.VLLM_ACTIVATION_RESERVE, weights, kv
+    budget = int(e.gpu_memory_utilization * run.hw.gpu_memory)  # of every device of the engine
+    return budget, weights, budget - weights - C.VLLM_ACTIVATION_RESERVE
 
 
 def engines_per_node(tp: int, hw: Hardware) -> tuple[int, float]:

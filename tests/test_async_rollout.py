@@ -193,3 +193,17 @@ def test_a_killed_rollout_worker_is_named_restarted_and_then_stops_the_run_loada
     verify = subprocess.run([sys.executable, "-m", "fitrl.cli", "checkpoint", "verify", str(newest)], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0 and "intact" in verify.stdout, verify.stdout + verify.stderr
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_run_on_a_rollout_worker(tiny_model_dir, tmp_path):
+    """rollout.agent with rollout.mode=one_step_off (examples/mul_tools.yaml, the calculator tool):
+    the worker runs the episodes with its own copy, and the trainer trains on them one update old."""
+    cfg = load_config(str(ROOT / "examples" / "mul_tools.yaml"), [
+        f"actor.model.path={tiny_model_dir}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=2",
+        "data.rollout_batch_size=4", "actor.mini_batch_size=4", "data.max_prompt_length=512",
+        "trainer.progress_bar=false", "memory.plan=off", "rollout.mode=one_step_off", *LEAN])
+    train(cfg)
+    rows = steps(tmp_path / "run")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0]
+    assert all(r["agent/turns"] >= 1 for r in rows)

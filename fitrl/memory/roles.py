@@ -265,7 +265,9 @@ OVERLAPPED_PHASES = {"rollout", "reward", "weight_sync", "old_logprob", "ref_log
 
 class RolloutPlanner(RolePlanner):
     """Rollout workers of their own (``rollout.workers``, fitrl/roles/rollout_worker.py): a whole
-    copy of the policy's weights each in its compute dtype (no gradients, no optimizer), the engine's generation of the
+    copy of the policy's weights each in its compute dtype (no gradients, no optimizer; with an
+    engine holding a copy of its own, that engine:
+    :meth:`~fitrl.memory.engines.EnginePlanner.worker_copy`), the engine's generation of the
     worker's share of the step (:meth:`~fitrl.memory.engines.EnginePlanner.in_worker`) and one
     version of the weights in the mailbox. Under Ray, actors on bundles (devices) of their own; in
     one process, a thread of the trainer's process, generating in every phase of the step when

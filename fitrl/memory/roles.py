@@ -279,18 +279,14 @@ class RolloutPlanner(RolePlanner):
 
     def states(self, run: Run) -> tuple[States, Any]:
         from fitrl.config.roles import FSDPConfig  # (never offloaded, never sharded)
-        from fitrl.memory.engines import engine_planner
 
-        engine_copy = engine_planner(run.cfg, "worker").worker_copy(run)  # (vLLM: its module is on meta)
+        engine_copy = _engine_copy(run)  # (vLLM: its module is on meta)
         if engine_copy is not None:
             return States(params=engine_copy), FSDPConfig()
         return frozen_states(run.shape, 1, run.compute_dtype, pinned=False), FSDPConfig()
 
     def params_label(self, run: Run) -> str:
-        from fitrl.memory.engines import engine_planner
-
-        own = engine_planner(run.cfg, "worker").worker_copy(run) is not None
-        return f"{run.cfg.rollout.engine} engine (weights, kv cache)" if own else "params"
+        return "params" if _engine_copy(run) is None else f"{run.cfg.rollout.engine} engine (weights, kv cache)"
 
     def active_phases(self, run: Run) -> set[str]:
         return {"rollout"} if run.cfg.rollout.mode == "sync" else OVERLAPPED_PHASES
@@ -318,6 +314,13 @@ class RolloutPlanner(RolePlanner):
 
     def per_node(self, run: Run) -> int | None:
         return run.cfg.rollout.workers
+
+
+def _engine_copy(run: Run) -> int | None:
+    """What a rollout worker's engine holds of its own (None: the worker's module is the copy)."""
+    from fitrl.memory.engines import engine_planner
+
+    return engine_planner(run.cfg, "worker").worker_copy(run)
 
 
 for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner(), RewardModelPlanner(), JudgePlanner(),

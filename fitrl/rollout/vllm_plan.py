@@ -45,13 +45,9 @@ class VLLMPlanner(EnginePlanner):
         """On a GPU the generation is inside the engine's budget (:meth:`worker_copy`); on CPU the
         rollout batch, the push of a received version (one tensor materialised in the engine's
         dtype: the version itself is the worker's mailbox) and the sampler's logits."""
-        if run.cuda:
-            return
-        seqs = max(1, run.batch.sequences_per_step // run.cfg.rollout.workers)
-        usage.add("host", "batch", run.batch_bytes(seqs))
-        largest = max(numel(s) for _, s in run.shape.tensors())
-        usage.add("host", "engine weight push", largest * DTYPE_BYTES[run.compute_dtype])
-        usage.add("host", "activations", min(seqs, C.VLLM_CPU_MAX_NUM_SEQS) * run.shape.vocab * 4 * 4)
+        if not run.cuda:
+            _generating(run, usage, max(1, run.batch.sequences_per_step // run.cfg.rollout.workers),
+                        vllm_push_bytes(run, received=True))
 
     def processes(self, run: Run, notes: list[str]) -> tuple[list[ProcessPlan], int]:
         if not run.cuda:  # on CPU the engine is in the trainer's process (in_trainer)
@@ -243,7 +239,7 @@ def vllm_cpu_engine(run: Run) -> dict[str, int]:
     return parts
 
 
-def vllm_push_bytes(run: Run) -> int:
+def vllm_push_bytes(run: Run, received: bool = False) -> int:
     """What a weight push holds beyond the two copies of the weights, one tensor at a time
     (``fitrl.distributed.fsdp.stream_full_tensors``): vLLM materialises the module being reloaded
     (its largest tensor, in the engine dtype) before processing it into place; the trainer side
@@ -254,9 +250,12 @@ def vllm_push_bytes(run: Run) -> int:
     (:data:`fitrl.rollout.vllm_engine.PUSH_BUCKET_BYTES`): each worker holds a received bucket and,
     as the layers it fills are materialised and repacked, about as much again, plus the largest
     tensor. Measured (``medium``, fp32, 128 MiB buckets, 2 workers): +290-330 MiB of peak RSS per
-    worker for a push, planned 288 MiB."""
+    worker for a push, planned 288 MiB.
+
+    ``received``: a rollout worker's engine, fed a version already whole on its host (its mailbox,
+    planned apart): only the engine's materialised tensor."""
     largest = max(numel(s) for _, s in run.shape.tensors())
-    copy = run.fsdp or run.lora is not None
+    copy = (run.fsdp or run.lora is not None) and not received
     tp = run.cfg.rollout.tensor_parallel_size
     if tp > 1 and not run.cuda and run.world == 1:  # TP worker processes
         weights = full_weights(run.shape, run.compute_dtype)
@@ -276,10 +275,15 @@ def _in_process(run: Run, ph: str, u: Usage) -> None:
     for name, nbytes in vllm_cpu_engine(run).items():
         u.add("host", name, nbytes)
     if ph in ("rollout", "validation"):
-        seqs = run.generated_seqs(ph)
-        u.add("host", "batch", run.batch_bytes(seqs))
-        u.add("host", "engine weight push", vllm_push_bytes(run))
-        u.add("host", "activations", min(seqs, C.VLLM_CPU_MAX_NUM_SEQS) * run.shape.vocab * 4 * 4)
+        _generating(run, u, run.generated_seqs(ph), vllm_push_bytes(run))
+
+
+def _generating(run: Run, u: Usage, seqs: int, push: int) -> None:
+    """A CPU engine's generation of ``seqs`` sequences: the batch, the weight push before it and
+    the sampler's logits (:func:`_in_process`)."""
+    u.add("host", "batch", run.batch_bytes(seqs))
+    u.add("host", "engine weight push", push)
+    u.add("host", "activations", min(seqs, C.VLLM_CPU_MAX_NUM_SEQS) * run.shape.vocab * 4 * 4)
 
 
 def _cpu_note(run: Run) -> str:

@@ -177,27 +177,36 @@ def test_phase_peaks_leave_the_kernels_peak_alone():
     """Issue 37: by default (``memory.phase_peaks=sample``) the kernel's high-water mark, what
     ``/usr/bin/time -v`` reports, is never rewound. A phase that raises it reads its peak from it,
     exactly; a phase that does not gets the largest RSS the helper process saw in it."""
+    import mmap
     import resource
     import time
 
-    import numpy as np
-
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("no procfs here")
+
+    def touched_map(size: int) -> mmap.mmap:
+        # an anonymous mapping, touched: its pages are resident until close() unmaps them, whatever
+        # the allocator would do with a freed block of that size (CI once saw glibc keep an
+        # np.ones block resident after del, which made this test's baseline move)
+        m = mmap.mmap(-1, size)
+        page = b"\x01" * 4096
+        for offset in range(0, size, 4096):
+            m[offset:offset + 4096] = page
+        return m
+
     r = recorder()
     assert r.phase_peaks == "sample"
     # enough touched pages to pass this process's lifetime peak (earlier tests may have set it high)
     record = max(256 * 2**20, memory.peak_rss_bytes() - memory.rss_bytes() + 128 * 2**20)
     with r.phase("big"):
-        block = np.ones(record, dtype=np.uint8)  # a new lifetime peak
-        del block
+        touched_map(record).close()  # a new lifetime peak
     with r.phase("held"):
         before = memory.rss_bytes()
-        block = np.ones(128 * 2**20, dtype=np.uint8)  # 128 MiB: under the mark, seen only by sampling
+        block = touched_map(128 * 2**20)  # 128 MiB: under the mark, seen only by sampling
         deadline = time.monotonic() + 30  # a loaded machine: wait for a reading of the whole block, not a bound
         while r.sampler.peak_so_far() < before + 120 * 2**20 and time.monotonic() < deadline:
             time.sleep(0.01)
-        del block
+        block.close()
     with r.phase("quiet"):
         pass
     rec = r.drain()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,16 +29,13 @@ def main() -> None:
     from rich.console import Console
 
     from fitrl.config import load_config
+    from fresh_models import tiny_model_in_child
     from fitrl.report.load import load_run
     from fitrl.trainer.run import train
 
     with tempfile.TemporaryDirectory() as tmp:
-        # built in a child process: building it here would leave the random weights' freed pages in
-        # this process, the run's driver, and count them against the driver's plan
-        model = Path(tmp) / "model"
-        subprocess.run([sys.executable, "-c", "import sys; from fitrl.models.tiny import make_tiny_model; "
-                        f"make_tiny_model(sys.argv[1], arch='qwen2', size={args.size!r}, seed=0)", str(model)],
-                       check=True, cwd=ROOT)
+        # built in a child process: here it would count against the driver (bench/fresh_models.py)
+        model = tiny_model_in_child(Path(tmp) / "model", arch="qwen2", size=args.size, seed=0)
         run = Path(tmp) / "run"
         cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [
             f"actor.model.path={model}", f"trainer.run_dir={run}", "trainer.backend=ray", "trainer.devices_per_node=2",

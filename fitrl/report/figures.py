@@ -233,8 +233,17 @@ def process_memory_figure(run: RunData, process: str, phases: dict[str, set[str]
         return None
     cols = min(3, len(names))
     rows = math.ceil(len(names) / cols)
+    # the plan at the expected lengths (a typical step's), and at the caps where that differs
     predicted = {ph: run.plan.peak(process, ph, resource) if run.plan else None for ph in names}
-    titles = [ph + (f" · plan {predicted[ph]:.2f} GiB" if predicted[ph] is not None else "") for ph in names]
+    caps = {ph: run.plan.peak(process, ph, resource, at="caps") if run.plan else None for ph in names}
+
+    def title(ph: str) -> str:
+        if predicted[ph] is None:
+            return ph
+        at_caps = f", caps {caps[ph]:.2f}" if caps[ph] is not None and abs(caps[ph] - predicted[ph]) >= 0.005 else ""
+        return f"{ph} · plan {predicted[ph]:.2f} GiB{at_caps}"
+
+    titles = [title(ph) for ph in names]
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles, vertical_spacing=min(0.12, 0.45 / rows),
                         horizontal_spacing=0.06)
     cells = {}

@@ -112,15 +112,19 @@ class PlanPredictions:
         kinds = ["trainer"] + (["rank0"] if m.group(2) == "0" else [])
         return kinds + (["driver"] if m.group(1) is None else [])
 
-    def peak(self, process: str, phase: str, resource: str) -> Optional[float]:
+    def peak(self, process: str, phase: str, resource: str, at: str = "expected") -> Optional[float]:
         """Predicted peak in GiB of ``resource`` (``host`` or ``gpu``) for this process and phase;
-        None where the plan has no prediction for it."""
+        None where the plan has no prediction for it. ``at="expected"``: the plan at the expected
+        lengths, what a run's typical step should measure (the caps' where the plan has none: the
+        caps are the expected lengths, or the plan was written before plan.json kept both);
+        ``at="caps"``: the plan at the length caps."""
         if process.startswith("critic."):
             phase = self.CRITIC_PHASES.get(phase, phase)
         phase = self.PHASE_NAMES.get(phase, phase)
+        processes = (at == "expected" and self.record.get("expected_processes")) or self.record.get("processes", {})
         found, total = False, 0.0
         for kind in self.kinds(process):
-            entry = self.record.get("processes", {}).get(kind, {}).get("phases", {}).get(phase)
+            entry = processes.get(kind, {}).get("phases", {}).get(phase)
             if entry is not None:
                 found, total = True, total + float(entry.get(f"{resource}_gib", 0.0))
         if not found or (resource == "gpu" and total == 0.0):

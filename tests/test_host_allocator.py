@@ -72,13 +72,25 @@ def test_expandable_segments_where_the_run_allows_them():
 
 
 def test_the_cpu_plan_widens_its_host_band_for_another_allocator(tiny_model_dir):
+    """Under glibc each process kind has its band (measured for the trainer rank, assumed for the
+    node's services); the node's peak at the top of its band is the processes' at theirs. Under
+    another allocator every process has the assumed band."""
     hw = Hardware(nodes=1, gpus_per_node=1, gpu_memory=0, host_memory=16 * C.GIB, device="cpu")
-    for name, band, source in (("glibc", C.CPU_HOST_BAND, "measured"),
-                               ("jemalloc", C.CPU_HOST_BAND_OTHER_ALLOCATOR, "assumed: jemalloc not calibrated")):
+    plans = {}
+    for name in ("glibc", "jemalloc"):
         cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tiny_model_dir}",
                                                                   "trainer.device=cpu", f"memory.host_allocator={name}"])
-        got, says = plan_config(cfg, hw).band("host")
-        assert got == band and says.startswith(source)
+        plans[name] = plan_config(cfg, hw)
+    glibc, jemalloc = plans["glibc"], plans["jemalloc"]
+    assert (glibc.host_band("trainer"), glibc.host_band("node")) == (C.CPU_HOST_BAND, C.CPU_HOST_BAND_ASSUMED)
+    assert glibc.band("host")[1].startswith("per process: ±10% measured")
+    trainer, node = glibc.process("trainer"), glibc.process("node")
+    host = {k: sum(p.phases["update"].host.values()) for k, p in (("trainer", trainer), ("node", node))}
+    assert host["trainer"] > 0 and host["node"] > 0  # (the reward workers)
+    top = host["trainer"] * 1.10 + host["node"] * 1.15 + sum(glibc.process("driver").phases["update"].host.values()) * 1.10
+    assert glibc.node_host_at("update", +1) == pytest.approx(top, abs=4)
+    assert jemalloc.host_band("trainer") == jemalloc.host_band("node") == C.CPU_HOST_BAND_OTHER_ALLOCATOR
+    assert jemalloc.band("host") == (C.CPU_HOST_BAND_OTHER_ALLOCATOR, "assumed: jemalloc not calibrated")
 
 
 @pytest.mark.cli

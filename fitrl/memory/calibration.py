@@ -15,9 +15,25 @@ MIB = 1024**2
 # (fitrl/memory/model.py, Plan): the bands replace the fixed margins (90 % of a device, 85 % of a
 # node) that the verdict kept before.
 CPU_HOST_BAND = 0.10
-"""Measured: a CPU run's host peak per node. The held-out CPU corpus (``bench/cpu_corpus.py``,
-bench/RESULTS.md "Memory plan accuracy on CPU") put the fit-deciding peak within 5.6 % on average,
+"""Measured: a CPU process's host peak under glibc, for the process kinds of
+:data:`CPU_HOST_BANDS`. The held-out CPU corpus (``bench/cpu_corpus.py``, bench/RESULTS.md
+"Memory plan accuracy on CPU": one process) put the fit-deciding peak within 5.6 % on average,
 the worst +9.4 %."""
+CPU_HOST_BANDS = {
+    "trainer": CPU_HOST_BAND, "rank0": CPU_HOST_BAND, "driver": CPU_HOST_BAND, "ref": CPU_HOST_BAND,
+    "critic": CPU_HOST_BAND, "reward_model": CPU_HOST_BAND, "judge": CPU_HOST_BAND}
+"""Measured, per process kind (glibc), each process's peak against the plan at the lengths the run
+had (``plan.json``'s expected plan; bench/RESULTS.md "Plan against telemetry per Ray process" and
+"Reward models"): a trainer rank in one process, the held-out corpus above (worst +9.4 %); Ray
+trainer ranks (bf16 FSDP2, 32M) +2.5 to +4.7 %, the reference's ranks -0.8 to +1.8 %, the Ray
+driver -1.5 to +7.7 % (``bench/ray_process_plan.py``, two runs); reward-model ranks +1.9 and
++3.5 %, a reward model in the trainer's process -2.1 % (``bench/reward_models.py``). A critic's
+rank runs the reference's pass code and the update's, a judge's the reward model's: theirs are
+taken as measured. Kinds not here have :data:`CPU_HOST_BAND_ASSUMED`."""
+CPU_HOST_BAND_ASSUMED = 0.15
+"""Assumed: a CPU process kind with no measurement of its own against the plan: the node's
+services (Ray's processes, the object store, reward function and tool workers: constants per
+process), the rollout workers and the vLLM CPU engine's process."""
 CPU_HOST_BAND_OTHER_ALLOCATOR = 0.15
 """Assumed: a CPU run's host peak under jemalloc or tcmalloc (``memory.host_allocator``), planned
 with glibc's factors. One configuration measured (bench/RESULTS.md, "Host allocators": the 32M

@@ -166,6 +166,11 @@ def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
     return [ph for ph in PHASES if not skip.get(ph, False)]
 
 
+_KIND_NAMES = {"node": "Ray's services and the reward and tool workers", "rollout": "rollout workers",
+               "engine": "the rollout engine's process"}
+"""How :meth:`Plan.band` names the process kinds it has no measured band for."""
+
+
 @dataclass
 class Plan:
     """A run's memory per process and phase, at the caps, with the plan at expected lengths in
@@ -249,13 +254,21 @@ class Plan:
     def band(self, resource: str) -> tuple[float, str]:
         """The plan's error band for ``resource`` ("gpu": a device, "host": a node), as a fraction
         of a peak, and what it rests on: measured where a calibration covers this run
-        (:mod:`fitrl.memory.calibration`), else a wider one, assumed, naming what is not calibrated."""
+        (:mod:`fitrl.memory.calibration`), else a wider one, assumed, naming what is not calibrated.
+        A node's host band is its processes' (:meth:`host_band`): the widest of them here."""
         hw, cfg = self.hardware, self.cfg
         if resource == "host":
             if hw.device == "cpu":
                 if cfg.memory.host_allocator != "glibc":
                     return C.CPU_HOST_BAND_OTHER_ALLOCATOR, f"assumed: {cfg.memory.host_allocator} not calibrated"
-                return C.CPU_HOST_BAND, "measured: held-out CPU corpus"
+                kinds = {p.kind for p in self.processes if any(p.host_peak(ph) for ph in p.phases)}
+                assumed = sorted(k for k in kinds if k not in C.CPU_HOST_BANDS)
+                measured = "measured: held-out CPU corpus, Ray ranks"
+                if not assumed:
+                    return C.CPU_HOST_BAND, measured
+                return (C.CPU_HOST_BAND_ASSUMED, f"per process: ±{C.CPU_HOST_BAND:.0%} {measured}; "
+                        f"±{C.CPU_HOST_BAND_ASSUMED:.0%} assumed for "
+                        f"{', '.join(_KIND_NAMES.get(k, k) for k in assumed)}")
             return C.GPU_HOST_BAND, "assumed: no calibration of a GPU node's host memory"
         outside = [what for what, yes in (
             ("several devices", hw.nodes * hw.gpus_per_node > 1), ("the vLLM engine", cfg.rollout.engine != "hf"),
@@ -265,27 +278,51 @@ class Plan:
             return C.GPU_PLAN_BAND_ASSUMED, f"assumed: {', '.join(outside)} not calibrated"
         return C.GPU_PLAN_BAND, "measured: one H100, HF engine"
 
+    def host_band(self, kind: str) -> float:
+        """The band of one process kind's host peak: on a CPU node under glibc measured per kind
+        (:data:`~fitrl.memory.calibration.CPU_HOST_BANDS`, else assumed), otherwise the node's."""
+        if self.hardware.device == "cpu" and self.cfg.memory.host_allocator == "glibc":
+            return C.CPU_HOST_BANDS.get(kind, C.CPU_HOST_BAND_ASSUMED)
+        return self.band("host")[0]
+
+    def node_host_at(self, phase: str, edge: int) -> int:
+        """Node 0's host bytes in ``phase`` with each process's peak at the top (``edge`` +1) or
+        bottom (-1) of its own band (:meth:`host_band`)."""
+        total = 0.0
+        for p in self.processes:
+            if phase in p.phases:
+                count = 1 if p.kind in ("driver", "node", "rank0") else p.per_node
+                total += count * sum(p.phases[phase].host.values()) * (1 + edge * self.host_band(p.kind))
+        return int(total)
+
     def over(self, gpu_limit: int, host_limit: int, edge: int = 0) -> list[Problem]:
         """This plan's peaks over the given limits (per device, per node), host growth included;
-        ``edge`` +1 / -1 takes each peak at the top / bottom of its band (:meth:`band`)."""
+        ``edge`` +1 / -1 takes each peak at the top / bottom of its band (:meth:`band`; a node's
+        host, each process at its own: :meth:`node_host_at`)."""
         out = []
         cuda = self.hardware.device == "cuda"
         steps = self.cfg.plan.steps or self.cfg.trainer.max_steps
-        band_gpu, band_host = self.band("gpu")[0], self.band("host")[0]
-        scale_gpu, scale_host = 1 + edge * band_gpu, 1 + edge * band_host
-        for ph, (gpu, host) in self.peaks().items():
+        band_gpu = self.band("gpu")[0]
+        scale_gpu = 1 + edge * band_gpu
+        peaks = self.peaks()
+        for ph, (gpu, host) in peaks.items():
             if cuda and gpu * scale_gpu > gpu_limit:
                 out.append(Problem("gpu", ph, gpu, gpu_limit, at=self.at, band=band_gpu))
-            if host * scale_host > host_limit:
-                out.append(Problem("host", ph, host, host_limit, at=self.at, band=band_host))
+            if self.node_host_at(ph, edge) > host_limit:
+                out.append(Problem("host", ph, host, host_limit, at=self.at, band=self._node_band(ph, host)))
         if self.growth_per_step and not any(p.resource == "host" for p in out):
             # the anchor's growth: host in a phase at step k = its steady peak + (k - 1) * growth
-            ph, host = max(((ph, h) for ph, (_, h) in self.peaks().items()), key=lambda x: x[1])
-            k = int(host_limit / scale_host - host) // self.growth_per_step + 2
+            ph, host = max(((ph, h) for ph, (_, h) in peaks.items()), key=lambda x: x[1])
+            band_host = self._node_band(ph, host)
+            k = int(host_limit / (1 + edge * band_host) - host) // self.growth_per_step + 2
             if k <= steps:  # reported where it grows: each rollout
                 out.append(Problem("host", "rollout", host + (k - 1) * self.growth_per_step, host_limit, step=k,
                                    at=self.at, band=band_host))
         return out
+
+    def _node_band(self, phase: str, host: int) -> float:
+        """The node's band in ``phase``: its processes' bands weighted by their peaks."""
+        return (self.node_host_at(phase, +1) - host) / host if host else self.band("host")[0]
 
     def judged(self) -> tuple[str, list[Problem]]:
         """The verdict and what decides it (the class docstring)."""

@@ -89,7 +89,7 @@ def _top(parts: dict[str, int], k: int = 3) -> str:
 def process_table(plan: Plan) -> Table:
     cuda = plan.hardware.device == "cuda"
     t = Table(title="per process (peak over phases)", title_justify="left")
-    for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", "host peak phase"):
+    for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", "band", "host peak phase"):
         t.add_column(col, justify="left" if col.startswith("process") else "right")
     names = {"trainer": "trainer rank", "engine": "rollout engine (vLLM)", "driver": "driver",
              **{p.name: p.title for p in ROLE_PLANNERS.in_order() if p.own_process},
@@ -100,7 +100,8 @@ def process_table(plan: Plan) -> Table:
         gpu = max(sum(p.phases[ph].gpu.values()) for ph in phases)
         host = max(sum(p.phases[ph].host.values()) for ph in phases)
         if gpu or host:
-            t.add_row(names.get(p.kind, p.kind), str(p.per_node), *((gib(gpu),) if cuda else ()), gib(host), peak_phase)
+            t.add_row(names.get(p.kind, p.kind), str(p.per_node), *((gib(gpu),) if cuda else ()), gib(host),
+                      f"±{plan.host_band(p.kind):.0%}", peak_phase)
     return t
 
 
@@ -113,7 +114,8 @@ def limits_text(plan: Plan) -> str:
         band, why = plan.band("gpu")
         parts.append(f"a device {gib(plan.gpu_limit)} of {gib(hw.gpu_memory)} GiB (band ±{band:.0%}, {why})")
     band, why = plan.band("host")
-    parts.append(f"a node {gib(plan.host_limit)} of {gib(hw.host_memory)} GiB (band ±{band:.0%}, {why})")
+    bands = why if why.startswith("per process") else f"±{band:.0%}, {why}"  # (per process: each kind's)
+    parts.append(f"a node {gib(plan.host_limit)} of {gib(hw.host_memory)} GiB (band {bands})")
     return "usable: " + "; ".join(parts)
 
 

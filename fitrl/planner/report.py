@@ -89,7 +89,11 @@ def _top(parts: dict[str, int], k: int = 3) -> str:
 def process_table(plan: Plan) -> Table:
     cuda = plan.hardware.device == "cuda"
     t = Table(title="per process (peak over phases)", title_justify="left")
-    for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", "band", "host peak phase"):
+    # each kind's host band where they differ (a CPU node under glibc: fitrl/memory/calibration.py)
+    bands = {p.kind: f"±{plan.host_band(p.kind):.0%}" for p in plan.processes}
+    banded = len(set(bands.values())) > 1
+    for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", *(("band",) if banded else ()),
+                "host peak phase"):
         t.add_column(col, justify="left" if col.startswith("process") else "right")
     names = {"trainer": "trainer rank", "engine": "rollout engine (vLLM)", "driver": "driver",
              **{p.name: p.title for p in ROLE_PLANNERS.in_order() if p.own_process},
@@ -101,7 +105,7 @@ def process_table(plan: Plan) -> Table:
         host = max(sum(p.phases[ph].host.values()) for ph in phases)
         if gpu or host:
             t.add_row(names.get(p.kind, p.kind), str(p.per_node), *((gib(gpu),) if cuda else ()), gib(host),
-                      f"±{plan.host_band(p.kind):.0%}", peak_phase)
+                      *((bands[p.kind],) if banded else ()), peak_phase)
     return t
 
 

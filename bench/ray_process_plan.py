@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="small", help="the tiny qwen2 model's size (fitrl.models.tiny.SIZES)")
+    p.add_argument("--config", default="examples/arith.yaml", help="the run's config (examples/arith_ppo.yaml: a critic)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     args = p.parse_args()
     from rich.console import Console
@@ -37,7 +38,7 @@ def main() -> None:
         # built in a child process: here it would count against the driver (bench/fresh_models.py)
         model = tiny_model_in_child(Path(tmp) / "model", arch="qwen2", size=args.size, seed=0)
         run = Path(tmp) / "run"
-        cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [
+        cfg = load_config(str(ROOT / args.config), [
             f"actor.model.path={model}", f"trainer.run_dir={run}", "trainer.backend=ray", "trainer.devices_per_node=2",
             "trainer.max_steps=4", "trainer.val_freq=0", "trainer.val_before_train=false",
             "trainer.progress_bar=false", "checkpoint.save_final=false", "algorithm.use_kl_loss=true",

@@ -50,6 +50,35 @@ def test_a_quiet_phase_fires_only_past_its_limit(monkeypatch):
     assert not dog.check()  # between phases: nothing to judge
 
 
+RESTARTED_AFTER_A_HANG = '''
+import time
+import fitrl.trainer.watchdog as w
+from fitrl.core.errors import Hung
+from fitrl.telemetry.progress import PROGRESS
+
+w.EXIT_GRACE_S = 1.0
+dog = w.HangWatchdog(lambda phase: 0.5, lambda timeout: [], report=lambda text, event: "resume", poll_s=0.1)
+PROGRESS.enter("update")
+try:
+    with dog:
+        for _ in range(100):  # a hang in Python code: the stop arrives at the next instruction
+            time.sleep(0.05)
+except Hung:
+    pass
+time.sleep(3)  # a restarted run going on past the grace, with a watchdog of its own
+print("went on")
+'''
+
+
+def test_a_main_thread_that_took_the_stop_is_not_ended_after_the_grace():
+    """The watchdog's grace ends with ``os._exit`` only while the main thread is still inside the
+    watched block: one that took the stop and went on (a restart) keeps running."""
+    proc = subprocess.run([sys.executable, "-c", RESTARTED_AFTER_A_HANG], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "went on", proc.stderr[-2000:]
+    assert "still stuck" not in proc.stderr
+
+
 def test_bad_limits_are_one_line():
     with pytest.raises(ConfigError, match=r"trainer.hang_timeouts.update must be a number of seconds >= 0"):
         load_config(str(EXAMPLE), ["trainer.hang_timeouts={update: -1}"])

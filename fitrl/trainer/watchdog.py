@@ -108,7 +108,9 @@ class HangWatchdog:
                             f"hang.txt); {resume}"))
         deadline = time.monotonic() + EXIT_GRACE_S
         while time.monotonic() < deadline:
-            if not threading.main_thread().is_alive():
+            # the main thread took the stop once it has left the watchdog's block (a restart then runs
+            # on with a watchdog of its own) or ended
+            if self._stop.is_set() or not threading.main_thread().is_alive():
                 return
             time.sleep(0.2)
         print(f"fitrl: hang: the main thread is still stuck {EXIT_GRACE_S:g} s after the stop (in C code); "

@@ -114,6 +114,31 @@ def test_ray_critic_is_a_process_with_its_states_and_update():
     assert both.device("update")["cuda context"] == 3 * C.CUDA_CONTEXT
 
 
+def test_a_ray_critic_rank_holds_its_values_and_update_passes(tiny_model_dir):
+    """On CPU under Ray the critic's rank holds its own traced passes (issue 38 measured it 37-39 %
+    over its plan without them): its values forward in ``old_logprob``, its update with FSDP2's
+    units and glibc's heap terms, none of it outside those phases; in one process the policy's
+    passes are the larger and the critic adds none."""
+    from fitrl.memory.trace import trace_spec, transient_bytes
+
+    args = [f"actor.model.path={tiny_model_dir}", "trainer.device=cpu", GAE, "critic.micro_batch_size=4"]
+    ray = plan_config(load_config(ARITH, args + ["trainer.backend=ray", "trainer.devices_per_node=2"]),
+                      Hardware.cpu(ranks_per_node=2, host_memory=64 * C.GIB))
+    critic = ray.process("critic").phases
+    seq_len = ray.cfg.data.max_prompt_length + ray.cfg.rollout.max_response_length
+    traced = transient_bytes(trace_spec(ray.shape, phase="value_update", batch=4, seq_len=seq_len,
+                                        response_len=ray.cfg.rollout.max_response_length), ray.shape.layers)
+    assert critic["update"].host["activations"] >= traced > 0
+    for part in ("gathered weights", "allocator (FSDP2 unit buffers)", "allocator (heap residue)", "critic grads"):
+        assert critic["update"].host[part] > 0, part
+    assert critic["old_logprob"].host["activations"] > 0 and critic["old_logprob"].host["allocator (regrown heap)"] > 0
+    assert "activations" not in critic["rollout"].host
+    one = plan_config(load_config(ARITH, args), Hardware.cpu(host_memory=64 * C.GIB))
+    grpo = plan_config(load_config(ARITH, args[:2]), Hardware.cpu(host_memory=64 * C.GIB))
+    assert one.process("trainer").phases["update"].host["activations"] == \
+        grpo.process("trainer").phases["update"].host["activations"]
+
+
 def test_cpu_ray_role_processes_cost_a_ray_actor_runtime(tiny_model_dir):
     """On CPU a role's rank is a Ray actor: CPU_PROCESS_RUNTIME + CPU_RANK_EXTRA (bench/process_memory.py)."""
     cfg = load_config(ARITH, [f"actor.model.path={tiny_model_dir}", "trainer.device=cpu", "trainer.backend=ray",

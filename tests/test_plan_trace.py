@@ -41,6 +41,38 @@ def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
     assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-3 * real + 3 * B * T * 8
 
 
+def test_the_critics_update_trace_equals_memtracker_on_the_real_critic(tiny_model_dir):
+    """PPO's critic (a token-classification head, fitrl.roles.critic.response_values and a loss
+    over its values): the planner's ``value_update`` trace against MemTracker on the real model,
+    as the policy's update above."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from fitrl.config.schema import FSDPConfig, ModelConfig
+    from fitrl.models.loading import build_model
+    from fitrl.roles.critic import response_values
+
+    shape = ModelShape.from_path(tiny_model_dir)
+    B, T, R = 4, 48, 32
+    model = build_model("value", ModelConfig(path=str(tiny_model_dir)), FSDPConfig(), torch.device("cpu"))
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, shape.vocab, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1:, :2] = 0  # left padding, as in a rollout batch: the 4-D attention mask exists (the trace's case)
+    micro = {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(T).expand(B, T),
+             "responses": ids[:, -R:]}
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        (response_values(model, micro) * torch.zeros(B, R)).sum().backward()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    real = peak["Total"] - sum(v for k, v in peak.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
+    spec = trace_spec(shape, phase="value_update", batch=B, seq_len=T, response_len=R)
+    # within 1 % (0.7 % under here; the policy's update above is within 0.1 %)
+    assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-2 * real + 3 * B * T * 8
+
+
 @pytest.mark.slow
 def test_depth_extrapolation_matches_a_traced_deeper_model():
     """Two and three traced layers predict five: linear with autograd, constant without."""
@@ -91,6 +123,8 @@ _EQUAL_CASES = [  # (model type, phase, dtype, attention, options): every path t
     ("qwen2", "logprob", "bfloat16", "sdpa", {}),
     ("qwen3", "logprob", "float32", "eager", {}),
     ("llama", "prefill", "float32", "sdpa", {}),
+    ("qwen2", "values", "float32", "sdpa", {}),
+    ("llama", "value_update", "bfloat16", "sdpa", dict(checkpointing=True)),
     ("qwen2", "prefill", "bfloat16", "sdpa", dict(lora=LoRAConfig(rank=4))),
 ]
 

@@ -126,8 +126,8 @@ class ReferencePlanner(RolePlanner):
 
 
 class CriticPlanner(RolePlanner):
-    """The value model of PPO: fp32 weights and AdamW states; its value and update passes have no
-    traced transients (:mod:`.trainer`)."""
+    """The value model of PPO: fp32 weights and AdamW states; a Ray rank of its own holds its
+    traced values and update passes (:func:`fitrl.memory.trainer._critic_pass`)."""
     name, title = "critic", "critic rank (Ray actor)"
 
     def built(self, run: Run) -> bool:

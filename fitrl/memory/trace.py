@@ -54,7 +54,8 @@ class TraceSpec:
     """One phase's micro-step on one device. ``text_config`` is a frozen tuple of (key, value)."""
     text_config: tuple
     phase: str                  # "logprob" (no grad), "update" (forward + backward), "prefill" (generate's first
-                                # forward), "score" (a reward model's forward: fitrl/roles/model_reward.py)
+                                # forward), "score" (a reward model's forward: fitrl/roles/model_reward.py),
+                                # "values" / "value_update" (the critic's passes: fitrl/roles/critic.py)
     batch: int                  # sequences in the micro-batch
     seq_len: int                # prompt + response tokens per sequence (the prompt alone for prefill)
     response_len: int           # response tokens (log-probs are taken over these)
@@ -67,6 +68,9 @@ class TraceSpec:
     lora_targets: tuple = ()    # actor.lora.target_modules
     lora_dropout: float = 0.0   # actor.lora.dropout
 
+
+VALUE_PHASES = ("values", "value_update")
+"""The critic's passes: its values without gradients, and its update (forward, backward)."""
 
 PLAIN_KV_DECODERS = frozenset({"qwen2", "llama", "qwen3"})
 """Decoders whose prefill keeps one plain K/V pair per layer and nothing else that grows with
@@ -127,7 +131,8 @@ def _traced(spec: TraceSpec, layers: int, on: str = "meta") -> int:
 def _trace(spec: TraceSpec, layers: int, on: str) -> int:
     # lazy: torch and transformers take seconds to import; `fitrl --help` must not wait for them
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                              AutoModelForTokenClassification)
 
     import fitrl.ops.logprob as logprob_ops
     from fitrl.memory.live_bytes import StorageBytes
@@ -143,6 +148,9 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
             if spec.phase == "score":  # a reward model: the decoder and a one-label score head
                 config.num_labels, config.pad_token_id = 1, 0
                 model = AutoModelForSequenceClassification.from_config(config, dtype=dtype, attn_implementation=attn)
+            elif spec.phase in VALUE_PHASES:  # PPO's critic: a one-label head on every position (fitrl/roles/critic.py)
+                config.num_labels = 1
+                model = AutoModelForTokenClassification.from_config(config, dtype=dtype, attn_implementation=attn)
             else:
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
             if spec.lora_rank:
@@ -152,11 +160,11 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
             mask = torch.ones((B, T), dtype=torch.long)
             pos = torch.arange(T).expand(B, T)
             adv = torch.zeros((B, R))
-            if spec.phase == "update":
+            if spec.phase in ("update", "value_update"):
                 for p in model.parameters():  # from the second micro-batch on, every gradient exists
                     if p.requires_grad:           # (LoRA: the adapters' only)
                         p.grad = torch.zeros_like(p)
-        if spec.phase == "update":
+        if spec.phase in ("update", "value_update"):
             if spec.checkpointing:  # as fitrl.models.loading does
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
@@ -175,6 +183,13 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
             elif spec.phase == "score":
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=mask, use_cache=False)
+            elif spec.phase == "values":
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=mask, use_cache=False)
+            elif spec.phase == "value_update":  # fitrl.roles.critic.response_values, then the value loss
+                values = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -R - 1:-1, 0].float()
+                (values * adv).sum().backward()
+                del values
             elif spec.phase == "logprob":
                 with torch.no_grad():
                     logprob_ops.response_logprobs(model, ids, mask, pos, R, chunk_size=spec.chunk, with_entropy=True)

@@ -14,7 +14,7 @@ from fitrl.memory import calibration as C
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import ProcessPlan, Usage
 from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, pass_transient,
-                                 vision_activations)
+                                 traced_transient, vision_activations)
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.memory.run import Run, process_roles, resident, role_states
 from fitrl.models.shape import numel
@@ -33,9 +33,10 @@ def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
     in every phase (where the offload settings put them) and its own runtime and CUDA context; the
     traced transients of a log-prob pass or an update are the process's that runs it: the
     reference's in ``ref_logprob`` (the policy's with LoRA), the policy's in ``old_logprob`` and
-    ``update``. The critic's value and update passes have no traced transients (nor in one
-    process): only its states, its gradients in ``update`` where it is the process's largest
-    trained role (one role updates at a time)."""
+    ``update``; a Ray critic rank's its values and update passes (:func:`_critic_pass`; in one
+    process the policy's passes in those phases are the larger: the critic's are not added), and
+    its gradients in ``update`` where it is the process's largest trained role (one role updates
+    at a time)."""
     roles = role_states(run)
     held = process_roles(run)
     plans = [_rank_plan(run, kind, {r: roles[r] for r in names}, notes) for kind, names in held.items()]
@@ -148,6 +149,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
                 if not cuda:
                     u.add(dev, "bf16 widening", bf16_widening(
                         run, min(cfg.actor.logprob_chunk_size, b * run.response_len), b * run.seq_len))
+        if kind == "critic" and ph in ("old_logprob", "update"):  # its values and its update
+            _critic_pass(run, ph, u, dev)
         if trainer:  # the policy's rollout engine, loading and saving
             engine.in_trainer(run, ph, u, dev)
             if ph == "load":  # (the reference and critic groups load after the policy's: one copy at a time)
@@ -161,6 +164,35 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
         _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
     own = ROLE_PLANNERS.get(kind).per_node(run) if kind in ROLE_PLANNERS else None  # (rollout workers: their count)
     return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.fsdp else 1, phases)
+
+
+def _critic_pass(run: Run, phase: str, u: Usage, dev: str) -> None:
+    """PPO's critic in a Ray process of its own: the traced values pass (``old_logprob``) or
+    update micro-step (a one-label head on every position: no vocabulary-wide logits), FSDP2's
+    gathered units, and on CPU glibc's heap as a trainer rank's update gets it (the same measured
+    factors: the same decoder's forward and backward). In one process the policy's passes in the
+    same phases are the larger, and the critic's are not added."""
+    c, shape = run.cfg.critic, run.shape
+    model = c.model or run.cfg.actor.model
+    grad = phase == "update"
+    dtype = "bfloat16" if c.fsdp.mixed_precision else "float32"  # its weights are fp32 (CriticPlanner)
+    ckpt = grad and model.gradient_checkpointing
+    b = min(c.micro_batch_size if grad else c.values_micro_batch_size, run.seqs_per_rank)
+    live = traced_transient(run, "value_update" if grad else "values", b, run.seq_len, dtype=dtype,
+                            adapters=False, checkpointing=ckpt)
+    tr = live
+    heap = not run.cuda and run.cfg.plan.host_malloc == "glibc"
+    if heap and grad:
+        tr = _cpu_transient(run, live, grad, ckpt, dtype=dtype)
+        if run.cfg.memory.trim_heap:
+            u.add("host", "allocator (heap residue)", _update_heap_residue(run, live, trained=shape.num_params))
+    u.add(dev, "activations", tr * (1.0 if run.cuda else C.CPU_ALLOCATOR_SLACK))
+    if run.fsdp:
+        cb = DTYPE_BYTES[dtype]
+        u.add(dev, "gathered weights", root_bytes(shape, cb) + 2 * layer_bytes(shape, cb))
+        if heap and grad:
+            u.add("host", "allocator (FSDP2 unit buffers)",
+                  max(0, _fsdp_unit_buffers(run, cb, trained=shape.num_params) - (tr - live)))
 
 
 def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
@@ -218,12 +250,13 @@ def _cpu_retention(phases: dict[str, Usage], unretained: int = 0, trimmed: bool 
             u.add("host", "allocator (retained)", retained - own)
 
 
-def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora: bool = False) -> int:
+def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora: bool = False,
+                   dtype: str | None = None) -> int:
     """glibc keeps freed heap memory: RSS above the traced live bytes by a measured factor, one
     set for a heap trimmed at every phase's end (``memory.trim_heap``, the default) and one for
-    a heap that kept the last step's blocks."""
+    a heap that kept the last step's blocks. ``dtype``: the pass's compute dtype (the policy's)."""
     if run.cfg.memory.trim_heap:  # (a no-grad pass's excess is :func:`_cpu_retention`'s, with the rest of the phase)
-        mixed = run.compute_dtype != "float32"  # bf16 compute casts fp32 weights every forward
+        mixed = (dtype or run.compute_dtype) != "float32"  # bf16 compute casts fp32 weights every forward
         logprob, recompute, lora_bwd, bwd = (1.0, C.CPU_TRIMMED_RECOMPUTE_RSS_FACTOR,
                                              C.CPU_TRIMMED_LORA_BACKWARD_RSS_FACTOR,
                                              C.CPU_TRIMMED_MIXED_BACKWARD_RSS_FACTOR if mixed
@@ -238,7 +271,7 @@ def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora:
     return int(traced * (lora_bwd if lora else bwd))
 
 
-def _update_heap_residue(run: Run, traced: int) -> int:
+def _update_heap_residue(run: Run, traced: int, trained: int | None = None) -> int:
     """What a trimmed glibc heap adds to an update besides its transients' factor: a fixed part,
     and a share of the smaller of its traced transients and its gradients (fp32, this rank's
     share of the trained parameters). The gradients are allocated in the first micro-batch's
@@ -246,7 +279,7 @@ def _update_heap_residue(run: Run, traced: int) -> int:
     returns only whole free pages; under FSDP2 it comes on top of the unit buffers
     (:data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_FIXED`,
     :data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_PINNED`)."""
-    grads = _trained_params(run) * 4 // (run.world if run.fsdp else 1)
+    grads = (_trained_params(run) if trained is None else trained) * 4 // (run.world if run.fsdp else 1)
     return int(C.CPU_UPDATE_HEAP_FIXED + C.CPU_UPDATE_HEAP_PINNED * min(traced, grads))
 
 
@@ -255,16 +288,16 @@ def _trained_params(run: Run) -> int:
     return adapter_params(run)[1] if run.lora else run.shape.num_params
 
 
-def _fsdp_unit_buffers(run: Run, cb: int) -> int:
+def _fsdp_unit_buffers(run: Run, cb: int, trained: int | None = None) -> int:
     """What a CPU rank's glibc heap keeps of FSDP2's per-unit buffers over an update: one unsharded
     copy of every unit's parameters in the compute dtype (all-gather outputs; with bf16 compute
     also the shards cast for the all-gather) and of its gradients in fp32 (the reduce dtype):
     layer-sized blocks that the heap keeps in place as it goes through the units
     (:data:`~fitrl.memory.calibration.CPU_FSDP_UNIT_BUFFERS`). The activations' own excess can
     reuse those holes: the planner counts the larger of the two."""
-    trained = _trained_params(run)
+    trained = _trained_params(run) if trained is None else trained
     n = run.shape.num_params
-    cast = n // run.world * cb if run.compute_dtype != "float32" else 0  # bf16 all-gather inputs (shards)
+    cast = n // run.world * cb if cb < 4 else 0  # bf16 all-gather inputs (shards)
     return int(C.CPU_FSDP_UNIT_BUFFERS * (n * cb + trained * 4 + cast))
 
 

@@ -6,6 +6,10 @@ reads it) and the measured one (``mem/<process>/<phase>/host_peak_gib``, the lar
 
     .venv/bin/python bench/ray_process_plan.py                  # the 32M "small" model, ~3 min
     .venv/bin/python bench/ray_process_plan.py --size medium --set memory.plan=warn
+    .venv/bin/python bench/ray_process_plan.py --config examples/arith_ppo.yaml --set critic.warmup_steps=0
+
+The model is built in a child process (bench/fresh_models.py) and the plan read at the run's
+expected lengths (plan.json keeps both).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def main() -> None:
         train(cfg, Console(file=io.StringIO()))
         steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
         plan = load_run(run).plan
-        print(f"qwen2 {args.size}, 2 Ray ranks per role, bf16 FSDP2 policy + KL reference, steps 2-4"
+        print(f"{args.config}, qwen2 {args.size}, 2 Ray ranks per role, bf16 FSDP2 policy + KL reference, steps 2-4"
               + (f"; {' '.join(args.set)}" if args.set else ""))
         print(f"{'process':<14} {'phase':<12} {'plan GiB':>9} {'measured':>9} {'error':>7}")
         for key in sorted(steps[-1]):

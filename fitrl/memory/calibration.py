@@ -26,10 +26,11 @@ CPU_HOST_BANDS = {
 had (``plan.json``'s expected plan; bench/RESULTS.md "Plan against telemetry per Ray process" and
 "Reward models"): a trainer rank in one process, the held-out corpus above (worst +9.4 %); Ray
 trainer ranks (bf16 FSDP2, 32M) +2.5 to +4.7 %, the reference's ranks -0.8 to +1.8 %, the Ray
-driver -1.5 to +7.7 % (``bench/ray_process_plan.py``, two runs); reward-model ranks +1.9 and
-+3.5 %, a reward model in the trainer's process -2.1 % (``bench/reward_models.py``). A critic's
-rank runs the reference's pass code and the update's, a judge's the reward model's: theirs are
-taken as measured. Kinds not here have :data:`CPU_HOST_BAND_ASSUMED`."""
+driver -1.5 to +7.7 % (``bench/ray_process_plan.py``, four runs); PPO's critic ranks +3.5 to
++7.7 % (their update; ``--config examples/arith_ppo.yaml``, two runs); reward-model ranks +1.9
+and +3.5 %, a reward model in the trainer's process -2.1 % (``bench/reward_models.py``). A
+judge's rank runs the reward model's forward and the policy's generation: taken as measured.
+Kinds not here have :data:`CPU_HOST_BAND_ASSUMED`."""
 CPU_HOST_BAND_ASSUMED = 0.15
 """Assumed: a CPU process kind with no measurement of its own against the plan: the node's
 services (Ray's processes, the object store, reward function and tool workers: constants per

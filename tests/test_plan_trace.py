@@ -9,34 +9,46 @@ from fitrl.memory import trace
 from fitrl.memory.trace import PLAIN_KV_DECODERS, _traced, kv_layer_bytes, trace_spec, transient_bytes
 
 
+B, T, R = 4, 48, 32  # the real batch of the MemTracker checks
+
+
+def _real_transient(tiny_model_dir, kind: str, step) -> int:
+    """MemTracker's peak beyond parameters, buffers and gradients while ``step(model, ids, mask,
+    pos)`` runs on the real ``kind`` model (every gradient already there) and a left-padded batch,
+    as in a rollout: the 4-D attention mask exists, as the trace assumes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from fitrl.config.schema import FSDPConfig, ModelConfig
+    from fitrl.models.loading import build_model
+
+    model = build_model(kind, ModelConfig(path=str(tiny_model_dir)), FSDPConfig(), torch.device("cpu"))
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, ModelShape.from_path(tiny_model_dir).vocab, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1:, :2] = 0
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step(model, ids, mask, torch.arange(T).expand(B, T))
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return peak["Total"] - sum(v for k, v in peak.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
+
+
 def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
     """The fake trace's transient (fitrl.memory.live_bytes) equals PyTorch's MemTracker on the
     real model and a real left-padded batch (same code, same shapes; fake tensors only skip the
     arithmetic): within 0.1% and the batch's (B, T) int64 inputs, which MemTracker counts when a
     module receives them and the trace leaves to the plan's "batch" entry."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from fitrl.config.schema import FSDPConfig, ModelConfig
-    from fitrl.models.loading import build_model
     from fitrl.ops.logprob import response_logprobs
 
-    shape = ModelShape.from_path(tiny_model_dir)
-    B, T, R = 4, 48, 32
-    model = build_model("causal_lm", ModelConfig(path=str(tiny_model_dir)), FSDPConfig(), torch.device("cpu"))
-    model.train()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    ids = torch.randint(0, shape.vocab, (B, T))
-    mask = torch.ones(B, T, dtype=torch.long)
-    mask[1:, :2] = 0  # left padding, as in a rollout batch: the 4-D attention mask exists
-    pos = torch.arange(T).expand(B, T)
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
+    def update(model, ids, mask, pos):
         logp, _ = response_logprobs(model, ids, mask, pos, R, chunk_size=64, with_entropy=True)
         (logp * torch.zeros(B, R)).sum().backward()
-    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    real = peak["Total"] - sum(v for k, v in peak.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
+
+    real = _real_transient(tiny_model_dir, "causal_lm", update)
+    shape = ModelShape.from_path(tiny_model_dir)
     spec = trace_spec(shape, phase="update", batch=B, seq_len=T, response_len=R, chunk=64)
     assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-3 * real + 3 * B * T * 8
 
@@ -45,29 +57,14 @@ def test_the_critics_update_trace_equals_memtracker_on_the_real_critic(tiny_mode
     """PPO's critic (a token-classification head, fitrl.roles.critic.response_values and a loss
     over its values): the planner's ``value_update`` trace against MemTracker on the real model,
     as the policy's update above."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from fitrl.config.schema import FSDPConfig, ModelConfig
-    from fitrl.models.loading import build_model
     from fitrl.roles.critic import response_values
 
-    shape = ModelShape.from_path(tiny_model_dir)
-    B, T, R = 4, 48, 32
-    model = build_model("value", ModelConfig(path=str(tiny_model_dir)), FSDPConfig(), torch.device("cpu"))
-    model.train()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    ids = torch.randint(0, shape.vocab, (B, T))
-    mask = torch.ones(B, T, dtype=torch.long)
-    mask[1:, :2] = 0  # left padding, as in a rollout batch: the 4-D attention mask exists (the trace's case)
-    micro = {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(T).expand(B, T),
-             "responses": ids[:, -R:]}
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
+    def update(model, ids, mask, pos):
+        micro = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, -R:]}
         (response_values(model, micro) * torch.zeros(B, R)).sum().backward()
-    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    real = peak["Total"] - sum(v for k, v in peak.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
+
+    real = _real_transient(tiny_model_dir, "value", update)
+    shape = ModelShape.from_path(tiny_model_dir)
     spec = trace_spec(shape, phase="value_update", batch=B, seq_len=T, response_len=R)
     # within 1 % (0.7 % under here; the policy's update above is within 0.1 %)
     assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-2 * real + 3 * B * T * 8

@@ -166,6 +166,12 @@ def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
     return [ph for ph in PHASES if not skip.get(ph, False)]
 
 
+def _on_node_0(p: ProcessPlan) -> int:
+    """How many processes of ``p``'s kind node 0 holds (one driver, one set of node services, one
+    rank 0's extra copies; of the others their count per node)."""
+    return 1 if p.kind in ("driver", "node", "rank0") else p.per_node
+
+
 _KIND_NAMES = {"node": "Ray's services and the reward and tool workers", "rollout": "rollout workers",
                "engine": "the rollout engine's process"}
 """How :meth:`Plan.band` names the process kinds it has no measured band for."""
@@ -223,7 +229,7 @@ class Plan:
         for p in self.processes:
             if phase in p.phases:
                 for k, v in p.phases[phase].host.items():
-                    out[k] = out.get(k, 0) + v * (1 if p.kind in ("driver", "node", "rank0") else p.per_node)
+                    out[k] = out.get(k, 0) + v * _on_node_0(p)
         return out
 
     @property
@@ -291,8 +297,7 @@ class Plan:
         total = 0.0
         for p in self.processes:
             if phase in p.phases:
-                count = 1 if p.kind in ("driver", "node", "rank0") else p.per_node
-                total += count * sum(p.phases[phase].host.values()) * (1 + edge * self.host_band(p.kind))
+                total += _on_node_0(p) * sum(p.phases[phase].host.values()) * (1 + edge * self.host_band(p.kind))
         return int(total)
 
     def over(self, gpu_limit: int, host_limit: int, edge: int = 0) -> list[Problem]:

@@ -90,7 +90,8 @@ def process_table(plan: Plan) -> Table:
     cuda = plan.hardware.device == "cuda"
     t = Table(title="per process (peak over phases)", title_justify="left")
     # each kind's host band where they differ (a CPU node under glibc: fitrl/memory/calibration.py)
-    bands = {p.kind: f"±{plan.host_band(p.kind):.0%}" for p in plan.processes}
+    bands = {p.kind: f"±{plan.host_band(p.kind):.0%}" for p in plan.processes
+             if any(sum(p.phases[ph].host.values()) for ph in p.phases)}
     banded = len(set(bands.values())) > 1
     for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", *(("band",) if banded else ()),
                 "host peak phase"):
@@ -105,7 +106,7 @@ def process_table(plan: Plan) -> Table:
         host = max(sum(p.phases[ph].host.values()) for ph in phases)
         if gpu or host:
             t.add_row(names.get(p.kind, p.kind), str(p.per_node), *((gib(gpu),) if cuda else ()), gib(host),
-                      *((bands[p.kind],) if banded else ()), peak_phase)
+                      *((bands.get(p.kind, ""),) if banded else ()), peak_phase)
     return t
 
 

@@ -267,7 +267,7 @@ class Plan:
             if hw.device == "cpu":
                 if cfg.memory.host_allocator != "glibc":
                     return C.CPU_HOST_BAND_OTHER_ALLOCATOR, f"assumed: {cfg.memory.host_allocator} not calibrated"
-                kinds = {p.kind for p in self.processes if any(p.host_peak(ph) for ph in p.phases)}
+                kinds = {p.kind for p in self.processes if p.host_peak() > 0}
                 assumed = sorted(k for k in kinds if k not in C.CPU_HOST_BANDS)
                 measured = "measured: held-out CPU corpus, Ray ranks"
                 if not assumed:

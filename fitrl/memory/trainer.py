@@ -33,7 +33,7 @@ def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
     in every phase (where the offload settings put them) and its own runtime and CUDA context; the
     traced transients of a log-prob pass or an update are the process's that runs it: the
     reference's in ``ref_logprob`` (the policy's with LoRA), the policy's in ``old_logprob`` and
-    ``update``; a Ray critic rank's its values and update passes (:func:`_critic_pass`; in one
+    ``update``; a Ray critic rank's values and update passes (:func:`_critic_pass`; in one
     process the policy's passes in those phases are the larger: the critic's are not added), and
     its gradients in ``update`` where it is the process's largest trained role (one role updates
     at a time)."""

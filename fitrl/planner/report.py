@@ -90,8 +90,7 @@ def process_table(plan: Plan) -> Table:
     cuda = plan.hardware.device == "cuda"
     t = Table(title="per process (peak over phases)", title_justify="left")
     # each kind's host band where they differ (a CPU node under glibc: fitrl/memory/calibration.py)
-    bands = {p.kind: f"±{plan.host_band(p.kind):.0%}" for p in plan.processes
-             if any(sum(p.phases[ph].host.values()) for ph in p.phases)}
+    bands = {p.kind: f"±{plan.host_band(p.kind):.0%}" for p in plan.processes if p.host_peak() > 0}
     banded = len(set(bands.values())) > 1
     for col in ("process", "per node", *(("GPU GiB",) if cuda else ()), "host GiB", *(("band",) if banded else ()),
                 "host peak phase"):

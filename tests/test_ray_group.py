@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fitrl.core.errors import WorkerFailed
 from fitrl.data.batch import Batch
-from fitrl.distributed.process_group import DistEnv
+from fitrl.distributed.process_group import DistEnv, free_port
 from fitrl.workers.group import RoleHandle, dispatch
 
 ray = pytest.importorskip("ray")
@@ -157,6 +157,22 @@ def test_with_prefix_keeps_type_and_args():
     assert isinstance(e, OSError) and "toy rank 1: " in str(e)
 
 
+def test_free_port_is_bindable_outside_the_ephemeral_range_and_not_seeded():
+    import random
+    import socket
+
+    from fitrl.distributed.process_group import RENDEZVOUS_PORTS, _ephemeral_low
+
+    ports = []
+    for _ in range(5):
+        random.seed(0)                          # ranks seeded alike must still draw apart
+        ports.append(free_port())
+    assert all(RENDEZVOUS_PORTS[0] <= p < min(RENDEZVOUS_PORTS[1], _ephemeral_low()) for p in ports)
+    assert len(set(ports)) > 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", ports[-1]))
+
+
 def test_dist_env_checks_ranks():
     with pytest.raises(ValueError, match="outside world size"):
         DistEnv(2, 2, 0, 2, "127.0.0.1", 1234)
@@ -257,6 +273,26 @@ def test_worker_init_failure_names_rank(cluster):
     free = ray.available_resources().get("CPU", 0)
     with pytest.raises(ValueError, match=r"^policy rank 1 \(node [\d.]+\) in '__init__': no weights for rank 1"):
         RayWorkerGroup(ToyWorker, world_size=2, num_cpus_per_worker=CPUS, name="policy", fail_init_rank=1)
+    assert _cpus_free_back(free)
+
+
+@pytest.mark.slow
+def test_a_rendezvous_port_taken_after_the_probe_is_retried_on_another(cluster, monkeypatch):
+    import socket
+
+    import fitrl.workers.ray_group as ray_group
+
+    free = ray.available_resources().get("CPU", 0)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:  # a stranger's server
+        squatter.bind(("", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        draws = iter([taken])
+        monkeypatch.setattr(ray_group, "free_port", lambda: next(draws, None) or free_port())
+        with RayWorkerGroup(ToyWorker, world_size=2, num_cpus_per_worker=CPUS, name="policy",
+                            failure_grace_s=2) as g:
+            assert g.master_port != taken
+            assert RoleHandle(g).whoami()["MASTER_PORT"] == str(g.master_port)
     assert _cpus_free_back(free)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 # ports with this module, without wanting torch; torch is imported inside init_distributed, which
 # runs on the ranks.
 import os
+import random
 import socket
 from dataclasses import dataclass
 from typing import Optional
@@ -54,12 +55,45 @@ class DistEnv:
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
 
 
+# Rendezvous ports are drawn between Ray's worker ports (10002-19999 by default) and the kernel's
+# ephemeral range (Linux: from 32768): a port the OS hands out for port 0 can be handed to any
+# other socket (a Ray worker's gRPC server, an outgoing connection) between the probe and rank 0's
+# bind, which CI saw as EADDRINUSE and as a peer talking to a stranger's server.
+RENDEZVOUS_PORTS = (20000, 32768)
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port() -> int:
-    """A TCP port free on this host right now (the OS picks it; it is released before use, so a
-    small window remains in which another process could take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on this host right now, outside the kernel's ephemeral range (see
+    RENDEZVOUS_PORTS). Drawn from the system's entropy, not ``random``: seeded processes started
+    together must not draw the same port. It is released before use, so another process could
+    still take it; fitrl.workers.ray_group retries a rendezvous that finds it taken."""
+    low, high = RENDEZVOUS_PORTS[0], min(RENDEZVOUS_PORTS[1], _ephemeral_low())
+    draw = random.SystemRandom()
+    for _ in range(64 if high - low > 100 else 0):
+        port = draw.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a narrow or full range: the OS's pick
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def is_port_taken(error: BaseException) -> bool:
+    """A rendezvous that failed because its port was taken (TCPStore's EADDRINUSE)."""
+    text = str(error)
+    return "EADDRINUSE" in text or "ddress already in use" in text
 
 
 def default_backend(use_gpu: bool) -> str:

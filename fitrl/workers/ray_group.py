@@ -70,7 +70,7 @@ import time
 from typing import Any, Optional
 
 from fitrl.core.errors import WorkerFailed
-from fitrl.distributed.process_group import DistEnv, default_backend, free_port
+from fitrl.distributed.process_group import DistEnv, default_backend, free_port, is_port_taken
 from fitrl.telemetry.guard import MemoryPressure
 from fitrl.telemetry.phases import current_phase
 from fitrl.workers.group import Pending, WorkerGroup
@@ -91,6 +91,10 @@ log = logging.getLogger(__name__)
 # Each actor asks for this much of its bundle's GPU: enough for Ray to hand it the bundle's GPU
 # (CUDA_VISIBLE_DEVICES), small enough for several roles to share one bundle.
 GPU_SHARE = 0.01
+
+# A rendezvous whose port another process took in the moment after it was probed is retried on
+# a fresh port (fitrl/distributed/process_group.py: free_port)
+PORT_ATTEMPTS = 3
 
 
 def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
@@ -149,8 +153,6 @@ class RayWorkerGroup(WorkerGroup):
                  failure_grace_s: float = 10.0, dist_timeout_s: Optional[float] = None,
                  env_vars: Optional[dict] = None, **kwargs):
         import ray
-        from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
-                                                    PlacementGroupSchedulingStrategy)
 
         if not ray.is_initialized():
             raise RuntimeError("Ray is not connected: call fitrl.workers.ray_group.ensure_ray() first")
@@ -181,33 +183,54 @@ class RayWorkerGroup(WorkerGroup):
             bundle = {"CPU": num_cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
             placement = Placement(world_size, nnodes, devices_per_node, bundle, placement_timeout_s, name)
         placement.users += 1
-        self._placement = placement
         self.node_ips: list[str] = list(placement.node_ips)
-
+        # self._placement is set once the ranks are up: a failed start's shutdown() (from
+        # _failure) then kills the actors but keeps the bundles for the next attempt
         try:
-            # Rendezvous at rank 0's node, on a port free there.
-            node0 = placement.slots[0].node_id
-            if node0 == ray.get_runtime_context().get_node_id():
-                port = free_port()
-            else:
-                port = ray.get(remote("port").options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node0, soft=False)).remote())
-            self.master_addr, self.master_port = self.node_ips[0], port
-            backend = backend or default_backend(use_gpu)
-            threads = max(1, int(placement.bundle.get("CPU", 1)))
-            for rank, slot in enumerate(placement.slots):
-                env = DistEnv(rank, world_size, slot.local_rank, slot.local_world_size, self.master_addr, port)
-                strategy = PlacementGroupSchedulingStrategy(placement.pgs[slot.pg],
-                                                            placement_group_bundle_index=slot.bundle)
-                actor = remote("actor").options(num_cpus=0, num_gpus=GPU_SHARE if use_gpu else 0,
-                                                 scheduling_strategy=strategy,
-                                                 **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}))
-                self._actors.append(actor.remote(name, env, backend, threads, dist_timeout_s,
-                                                 worker_cls, args, kwargs))
-            self.rank_info: list[dict] = self._collect([a.ready.remote() for a in self._actors], "__init__")
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                try:
+                    self._start_ranks(placement, use_gpu, backend, dist_timeout_s, env_vars, args, kwargs)
+                    break
+                except Exception as e:
+                    if attempt == PORT_ATTEMPTS or not is_port_taken(e):
+                        raise
+                    log.warning("%s: rendezvous port %d was taken before rank 0 bound it; retrying on another "
+                                "(attempt %d of %d)", name, self.master_port, attempt + 1, PORT_ATTEMPTS)
+                    self.shutdown()
+                    self._failed = None
+            self._placement = placement
         except BaseException:
+            self._placement = placement
             self.shutdown()
             raise
+
+    def _start_ranks(self, placement: Placement, use_gpu: bool, backend: Optional[str],
+                     dist_timeout_s: Optional[float], env_vars: Optional[dict], args: tuple, kwargs: dict) -> None:
+        """Rendezvous at rank 0's node, on a port free there; one actor per rank, each joining the
+        process group before building its worker. Raises what a rank raised."""
+        import ray
+        from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
+                                                    PlacementGroupSchedulingStrategy)
+
+        node0 = placement.slots[0].node_id
+        if node0 == ray.get_runtime_context().get_node_id():
+            port = free_port()
+        else:
+            port = ray.get(remote("port").options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node0, soft=False)).remote())
+        self.master_addr, self.master_port = self.node_ips[0], port
+        backend = backend or default_backend(use_gpu)
+        threads = max(1, int(placement.bundle.get("CPU", 1)))
+        for rank, slot in enumerate(placement.slots):
+            env = DistEnv(rank, self.world_size, slot.local_rank, slot.local_world_size, self.master_addr, port)
+            strategy = PlacementGroupSchedulingStrategy(placement.pgs[slot.pg],
+                                                        placement_group_bundle_index=slot.bundle)
+            actor = remote("actor").options(num_cpus=0, num_gpus=GPU_SHARE if use_gpu else 0,
+                                             scheduling_strategy=strategy,
+                                             **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}))
+            self._actors.append(actor.remote(self.name, env, backend, threads, dist_timeout_s,
+                                             self.worker_cls, args, kwargs))
+        self.rank_info: list[dict] = self._collect([a.ready.remote() for a in self._actors], "__init__")
 
     # -- calls --------------------------------------------------------------------------------
 

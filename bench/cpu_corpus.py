@@ -18,6 +18,7 @@ an under-prediction there is what would let a plan say "fits" for a run that doe
     .venv/bin/python bench/cpu_corpus.py                         # the corpus, default allocator
     .venv/bin/python bench/cpu_corpus.py --only 0 5 --json rows.json
     .venv/bin/python bench/cpu_corpus.py --set memory.trim_heap=false   # the runs without trimming
+    .venv/bin/python bench/cpu_corpus.py --allocator jemalloc    # ranks preloaded (`make allocators`)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -68,7 +70,18 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more config overrides for every run and its plan")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--allocator", default="glibc", choices=["glibc", "jemalloc", "tcmalloc"],
+                        help="the ranks' host allocator, preloaded as memory.host_allocator does; the plan "
+                             "is made with that setting")
     args = parser.parse_args()
+    if args.allocator != "glibc":
+        from fitrl.core.allocator import find_library
+
+        library = find_library(args.allocator)
+        if library is None:
+            sys.exit(f"no {args.allocator} library found: run `make allocators`")
+        os.environ["LD_PRELOAD"] = str(library)  # the spawned ranks inherit it; this process has glibc's
+        args.set = [*args.set, f"memory.host_allocator={args.allocator}"]
     cases = [(i, dataclasses.replace(CORPUS[i], extra=tuple(args.set)))
              for i in (args.only if args.only else range(len(CORPUS)))]
     rows, fits = [], []
@@ -104,7 +117,8 @@ def main() -> None:
           f"({', '.join('#%d %+.1f%%' % (f['case'], 100 * f['error']) for f in under) or 'none'}); "
           f"{time.perf_counter() - began:.0f} s", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": args.set, "phases": rows, "fit": fits}, indent=2))
+        Path(args.json).write_text(json.dumps({"settings": args.set, "allocator": args.allocator, "phases": rows,
+                                               "fit": fits}, indent=2))
     sys.exit(0 if not under and sum(errs) / len(errs) <= 0.07 else 1)
 
 

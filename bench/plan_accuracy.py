@@ -138,6 +138,10 @@ CASES = [
 def rank_main(rank: int, world: int, port: int, case: dict, model_dir: str, queue) -> None:
     import torch
 
+    preload = os.environ.get("LD_PRELOAD")  # bench/cpu_corpus.py --allocator: measured only if it took
+    if preload and preload not in Path("/proc/self/maps").read_text():
+        raise RuntimeError(f"LD_PRELOAD={preload} is not mapped in the rank's process")
+
     if world > 1:
         import torch.distributed as dist
 

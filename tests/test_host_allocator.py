@@ -74,7 +74,8 @@ def test_expandable_segments_where_the_run_allows_them():
 def test_the_cpu_plan_widens_its_host_band_for_another_allocator(tiny_model_dir):
     """Under glibc each process kind has its band (measured for the trainer rank, assumed for the
     node's services); the node's peak at the top of its band is the processes' at theirs. Under
-    another allocator every process has the assumed band."""
+    another allocator the trainer has that allocator's measured band, and its update is planned
+    at its traced live bytes, below glibc's heap."""
     hw = Hardware(nodes=1, gpus_per_node=1, gpu_memory=0, host_memory=16 * C.GIB, device="cpu")
     plans = {}
     for name in ("glibc", "jemalloc"):
@@ -89,8 +90,12 @@ def test_the_cpu_plan_widens_its_host_band_for_another_allocator(tiny_model_dir)
     assert host["trainer"] > 0 and host["node"] > 0  # (the reward workers)
     top = host["trainer"] * 1.10 + host["node"] * 1.15 + sum(glibc.process("driver").phases["update"].host.values()) * 1.10
     assert glibc.node_host_at("update", +1) == pytest.approx(top, abs=4)
-    assert jemalloc.host_band("trainer") == jemalloc.host_band("node") == C.CPU_HOST_BAND_OTHER_ALLOCATOR
-    assert jemalloc.band("host") == (C.CPU_HOST_BAND_OTHER_ALLOCATOR, "assumed: jemalloc not calibrated")
+    assert jemalloc.host_band("trainer") == C.CPU_HOST_BANDS_BY_ALLOCATOR["jemalloc"]["trainer"]
+    assert jemalloc.host_band("node") == C.CPU_HOST_BAND_ASSUMED
+    assert jemalloc.band("host")[1].startswith("per process: ±10% measured: held-out CPU corpus under jemalloc")
+    update = {name: plans[name].process("trainer").phases["update"].host for name in plans}
+    assert not any(k.startswith("allocator") for k in update["jemalloc"]), update["jemalloc"]
+    assert sum(update["jemalloc"].values()) < sum(update["glibc"].values())
 
 
 @pytest.mark.cli

@@ -35,11 +35,15 @@ CPU_HOST_BAND_ASSUMED = 0.15
 """Assumed: a CPU process kind with no measurement of its own against the plan: the node's
 services (Ray's processes, the object store, reward function and tool workers: constants per
 process), the rollout workers and the vLLM CPU engine's process."""
-CPU_HOST_BAND_OTHER_ALLOCATOR = 0.15
-"""Assumed: a CPU run's host peak under jemalloc or tcmalloc (``memory.host_allocator``), planned
-with glibc's factors. One configuration measured (bench/RESULTS.md, "Host allocators": the 32M
-model, 50 steps): phase peaks 9 % (jemalloc) and 7 % (tcmalloc) under glibc's, steady RSS 15 % and
-33 % over it; no corpus behind it."""
+CPU_HOST_BANDS_BY_ALLOCATOR = {"jemalloc": {"trainer": 0.10}, "tcmalloc": {"trainer": 0.13}}
+"""Measured: a CPU trainer rank's host peak under jemalloc or tcmalloc (``memory.host_allocator``),
+planned at its traced live bytes (no glibc factors: :attr:`fitrl.memory.run.Run.glibc_heap`).
+The held-out corpus run under each (``bench/cpu_corpus.py --allocator jemalloc|tcmalloc``,
+bench/RESULTS.md "Host allocators"): fit-deciding peaks jemalloc -8.2 to +2.5 % (mean |error|
+2.9 %), tcmalloc -12.9 to +2.3 % (mean 4.3 %), the lowest both with gradient checkpointing.
+Phases other than the update hold part of the previous update's freed memory (jemalloc up to
+-15 %, tcmalloc up to -37 % against their plan) but stayed below the update in every
+configuration. Other kinds have :data:`CPU_HOST_BAND_ASSUMED`."""
 GPU_HOST_BAND = 0.15
 """Assumed: a GPU node's host memory (pinned buffers, the object store, engines' swap and sleep
 copies, offloaded states) has no calibration run behind it; the field corpus's host figures are

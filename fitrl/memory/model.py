@@ -172,6 +172,13 @@ def _on_node_0(p: ProcessPlan) -> int:
     return 1 if p.kind in ("driver", "node", "rank0") else p.per_node
 
 
+def _cpu_host_bands(allocator: str) -> tuple[dict, str]:
+    """A CPU process kind's measured host bands under ``allocator`` and what measured them."""
+    if allocator == "glibc":
+        return C.CPU_HOST_BANDS, "measured: held-out CPU corpus, Ray ranks"
+    return C.CPU_HOST_BANDS_BY_ALLOCATOR.get(allocator, {}), f"measured: held-out CPU corpus under {allocator}"
+
+
 _KIND_NAMES = {"node": "Ray's services and the reward and tool workers", "rollout": "rollout workers",
                "engine": "the rollout engine's process"}
 """How :meth:`Plan.band` names the process kinds it has no measured band for."""
@@ -265,14 +272,13 @@ class Plan:
         hw, cfg = self.hardware, self.cfg
         if resource == "host":
             if hw.device == "cpu":
-                if cfg.memory.host_allocator != "glibc":
-                    return C.CPU_HOST_BAND_OTHER_ALLOCATOR, f"assumed: {cfg.memory.host_allocator} not calibrated"
+                bands, measured = _cpu_host_bands(cfg.memory.host_allocator)
                 kinds = {p.kind for p in self.processes if p.host_peak() > 0}
-                assumed = sorted(k for k in kinds if k not in C.CPU_HOST_BANDS)
-                measured = "measured: held-out CPU corpus, Ray ranks"
+                assumed = sorted(k for k in kinds if k not in bands)
+                band = max((bands[k] for k in kinds if k in bands), default=C.CPU_HOST_BAND)
                 if not assumed:
-                    return C.CPU_HOST_BAND, measured
-                return (C.CPU_HOST_BAND_ASSUMED, f"per process: ±{C.CPU_HOST_BAND:.0%} {measured}; "
+                    return band, measured
+                return (C.CPU_HOST_BAND_ASSUMED, f"per process: ±{band:.0%} {measured}; "
                         f"±{C.CPU_HOST_BAND_ASSUMED:.0%} assumed for "
                         f"{', '.join(_KIND_NAMES.get(k, k) for k in assumed)}")
             return C.GPU_HOST_BAND, "assumed: no calibration of a GPU node's host memory"
@@ -285,10 +291,10 @@ class Plan:
         return C.GPU_PLAN_BAND, "measured: one H100, HF engine"
 
     def host_band(self, kind: str) -> float:
-        """The band of one process kind's host peak: on a CPU node under glibc measured per kind
+        """The band of one process kind's host peak: on a CPU node measured per kind and allocator
         (:data:`~fitrl.memory.calibration.CPU_HOST_BANDS`, else assumed), otherwise the node's."""
-        if self.hardware.device == "cpu" and self.cfg.memory.host_allocator == "glibc":
-            return C.CPU_HOST_BANDS.get(kind, C.CPU_HOST_BAND_ASSUMED)
+        if self.hardware.device == "cpu":
+            return _cpu_host_bands(self.cfg.memory.host_allocator)[0].get(kind, C.CPU_HOST_BAND_ASSUMED)
         return self.band("host")[0]
 
     def node_host_at(self, phase: str, edge: int) -> int:

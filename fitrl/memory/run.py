@@ -41,6 +41,15 @@ class Run:
         return self.hw.device == "cuda"
 
     @property
+    def glibc_heap(self) -> bool:
+        """Are this CPU run's host transients glibc's heap (its measured factors and retention)?
+        Not with ``plan.host_malloc=mmap``, nor under jemalloc or tcmalloc
+        (``memory.host_allocator``): their update's RSS follows the traced live bytes (held-out
+        corpus under each, bench/RESULTS.md "Host allocators"), so the plan counts those."""
+        return (not self.cuda and self.cfg.plan.host_malloc == "glibc"
+                and self.cfg.memory.host_allocator == "glibc")
+
+    @property
     def phases(self) -> list[str]:
         return active_phases(self.cfg, self.spec)
 

@@ -117,7 +117,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
                                   entropy_grad=grad and cfg.actor.entropy_coeff != 0)
             ckpt = cfg.actor.model.gradient_checkpointing
             vit = vision_activations(run, b, grad, ckpt)
-            heap = not cuda and run.cfg.plan.host_malloc == "glibc"
+            heap = run.glibc_heap
             live = tr
             if heap:
                 tr = _cpu_transient(run, tr, grad, ckpt, lora=run.lora is not None)
@@ -160,7 +160,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
         if cuda:
             allocator_reserve(ph, u)
         phases[ph] = u
-    if not cuda and run.cfg.plan.host_malloc == "glibc":  # every role's process has glibc's heap
+    if run.glibc_heap:  # every role's process has glibc's heap
         _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
     own = ROLE_PLANNERS.get(kind).per_node(run) if kind in ROLE_PLANNERS else None  # (rollout workers: their count)
     return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.fsdp else 1, phases)
@@ -181,7 +181,7 @@ def _critic_pass(run: Run, phase: str, u: Usage, dev: str) -> None:
     live = traced_transient(run, "value_update" if grad else "values", b, run.seq_len, dtype=dtype,
                             adapters=False, checkpointing=ckpt)
     tr = live
-    heap = not run.cuda and run.cfg.plan.host_malloc == "glibc"
+    heap = run.glibc_heap
     if heap and grad:
         tr = _cpu_transient(run, live, grad, ckpt, dtype=dtype)
         if run.cfg.memory.trim_heap:

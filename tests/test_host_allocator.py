@@ -96,6 +96,15 @@ def test_the_cpu_plan_widens_its_host_band_for_another_allocator(tiny_model_dir)
     update = {name: plans[name].process("trainer").phases["update"].host for name in plans}
     assert not any(k.startswith("allocator") for k in update["jemalloc"]), update["jemalloc"]
     assert sum(update["jemalloc"].values()) < sum(update["glibc"].values())
+    # the phases after it start with a share of the update's freed memory in jemalloc's caches
+    from fitrl.memory.trainer import TRANSIENT
+
+    cached = C.CPU_CACHED_AFTER_UPDATE["jemalloc"] * sum(update["jemalloc"].get(k, 0) for k in TRANSIENT)
+    for phase in ("rollout", "old_logprob", "checkpoint_save"):
+        host = jemalloc.process("trainer").phases[phase].host
+        own = sum(host.get(k, 0) for k in TRANSIENT)
+        assert own + host.get("allocator (cached)", 0) == pytest.approx(max(own, cached), abs=2), phase
+    assert jemalloc.process("trainer").phases["checkpoint_save"].host["allocator (cached)"] > 0
 
 
 @pytest.mark.cli

@@ -162,6 +162,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
         phases[ph] = u
     if run.glibc_heap:  # every role's process has glibc's heap
         _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
+    elif not cuda and run.cfg.memory.host_allocator in C.CPU_CACHED_AFTER_UPDATE:
+        _cached_after_update(phases, C.CPU_CACHED_AFTER_UPDATE[run.cfg.memory.host_allocator])
     own = ROLE_PLANNERS.get(kind).per_node(run) if kind in ROLE_PLANNERS else None  # (rollout workers: their count)
     return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.fsdp else 1, phases)
 
@@ -248,6 +250,18 @@ def _cpu_retention(phases: dict[str, Usage], unretained: int = 0, trimmed: bool 
             u.add("host", "allocator (regrown heap)", (factor - 1) * own)
         else:
             u.add("host", "allocator (retained)", retained - own)
+
+
+def _cached_after_update(phases: dict[str, Usage], share: float) -> None:
+    """jemalloc and tcmalloc keep freed memory in their own caches (``malloc_trim`` is glibc's):
+    the phases after an update start with ``share`` of its transients still resident, and reuse
+    it before asking for more, so each holds the larger of its own transients and that share
+    (:data:`~fitrl.memory.calibration.CPU_CACHED_AFTER_UPDATE`). Never above the update's."""
+    update = phases.get("update")
+    cached = int(share * sum(update.host.get(k, 0) for k in TRANSIENT)) if update else 0
+    for ph, u in phases.items():
+        if ph not in ("update", "load"):
+            u.add("host", "allocator (cached)", max(0, cached - sum(u.host.get(k, 0) for k in TRANSIENT)))
 
 
 def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora: bool = False,

@@ -46,9 +46,9 @@ Phases other than the update hold part of the previous update's freed memory
 :data:`CPU_HOST_BAND_ASSUMED`."""
 CPU_CACHED_AFTER_UPDATE = {"jemalloc": 0.45, "tcmalloc": 0.80}
 """Measured: under jemalloc or tcmalloc, what a phase after the update (the next step's
-generation, log-prob, reference and value passes) holds above what it holds, as a share of the
+generation, log-prob, reference and value passes) holds beyond its states, as a share of the
 update's planned transients: the allocator's caches keep the update's freed memory and the phase
-reuses it. Held-out corpus under each (``bench/cpu_corpus.py --allocator``, 20 phases): jemalloc
+reuses it before asking for more. Held-out corpus under each (``bench/cpu_corpus.py --allocator``, 20 phases): jemalloc
 0.18-0.64 (median 0.41), tcmalloc 0.44-1.16 (median 0.78), and 1.2-2.0 with gradient
 checkpointing, whose update is itself above its plan (fitrl/memory/trainer.py,
 ``_cached_after_update``)."""

@@ -239,12 +239,12 @@ def _cpu_retention(phases: dict[str, Usage], unretained: int = 0, trimmed: bool 
     (:data:`~fitrl.memory.calibration.CPU_RETAINED_AFTER_UPDATE`). ``unretained``: the update's
     transient bytes in tensors glibc maps (the vision tower's of at least
     :data:`~fitrl.memory.calibration.GLIBC_MMAP_THRESHOLD_MAX`), which it cannot keep."""
-    update = sum(phases["update"].host.get(k, 0) for k in TRANSIENT)
+    update = _host_transients(phases["update"])
     retained = int(C.CPU_RETAINED_AFTER_UPDATE * max(0, update - unretained))
     for ph, u in phases.items():
         if ph in ("update", "load"):
             continue
-        own = sum(u.host.get(k, 0) for k in TRANSIENT)
+        own = _host_transients(u)
         if trimmed:
             factor = C.CPU_TRIMMED_ROLLOUT_RSS_FACTOR if ph in ("rollout", "validation") else C.CPU_TRIMMED_PHASE_RSS_FACTOR
             u.add("host", "allocator (regrown heap)", (factor - 1) * own)
@@ -257,11 +257,15 @@ def _cached_after_update(phases: dict[str, Usage], share: float) -> None:
     the phases after an update start with ``share`` of its transients still resident, and reuse
     it before asking for more, so each holds the larger of its own transients and that share
     (:data:`~fitrl.memory.calibration.CPU_CACHED_AFTER_UPDATE`). Never above the update's."""
-    update = phases.get("update")
-    cached = int(share * sum(update.host.get(k, 0) for k in TRANSIENT)) if update else 0
+    cached = int(share * _host_transients(phases["update"])) if "update" in phases else 0
     for ph, u in phases.items():
         if ph not in ("update", "load"):
-            u.add("host", "allocator (cached)", max(0, cached - sum(u.host.get(k, 0) for k in TRANSIENT)))
+            u.add("host", "allocator (cached)", max(0, cached - _host_transients(u)))
+
+
+def _host_transients(u: Usage) -> int:
+    """A phase's host bytes that last only while it runs (:data:`TRANSIENT`)."""
+    return sum(u.host.get(k, 0) for k in TRANSIENT)
 
 
 def _cpu_transient(run: Run, traced: int, grad: bool, checkpointing: bool, lora: bool = False,

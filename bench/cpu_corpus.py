@@ -19,6 +19,7 @@ an under-prediction there is what would let a plan say "fits" for a run that doe
     .venv/bin/python bench/cpu_corpus.py --only 0 5 --json rows.json
     .venv/bin/python bench/cpu_corpus.py --set memory.trim_heap=false   # the runs without trimming
     .venv/bin/python bench/cpu_corpus.py --allocator jemalloc    # ranks preloaded (`make allocators`)
+    .venv/bin/python bench/cpu_corpus.py --replan rows.json      # those measurements, today's plan
 """
 
 from __future__ import annotations
@@ -73,7 +74,14 @@ def main() -> None:
     parser.add_argument("--allocator", default="glibc", choices=["glibc", "jemalloc", "tcmalloc"],
                         help="the ranks' host allocator, preloaded as memory.host_allocator does; the plan "
                              "is made with that setting")
+    parser.add_argument("--replan", metavar="JSON",
+                        help="no runs: the measurements of an earlier --json, planned again with today's planner "
+                             "(its configurations, settings and allocator)")
     args = parser.parse_args()
+    earlier = json.loads(Path(args.replan).read_text()) if args.replan else None
+    if earlier is not None:
+        args.only = sorted({r["case"] for r in earlier["phases"]})
+        args.set, args.allocator = earlier["settings"], "glibc"  # (its settings name the allocator already)
     if args.allocator != "glibc":
         from fitrl.core.allocator import find_library
 
@@ -91,12 +99,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = model_dirs([c for _, c in cases], tmp)
         for i, case in cases:
-            meas = measure(case, dirs[case.arch, case.size], port=29800 + i, malloc="glibc")
             pred = predict(case, dirs[case.arch, case.size], "glibc")
-            seconds = {PLAN_PHASES[p]: 0.0 for p in case.phases}
-            for p in case.phases:
-                seconds[PLAN_PHASES[p]] += meas["seconds"][p]
-            per_phase = planned(case, meas, pred)
+            if earlier is None:
+                meas = measure(case, dirs[case.arch, case.size], port=29800 + i, malloc="glibc")
+                seconds = {PLAN_PHASES[p]: 0.0 for p in case.phases}
+                for p in case.phases:
+                    seconds[PLAN_PHASES[p]] += meas["seconds"][p]
+                per_phase = planned(case, meas, pred)
+            else:
+                rows_before = [r for r in earlier["phases"] if r["case"] == i]
+                seconds = {r["phase"]: r["seconds"] for r in rows_before}
+                by_name = {PLAN_PHASES[p]: pred[p] for p in case.phases}
+                per_phase = {r["phase"]: (by_name[r["phase"]], round(r["measured_gib"] * GIB)) for r in rows_before}
             for phase, (p, m) in per_phase.items():
                 rows.append({"case": i, "label": case.label, "phase": phase, "predicted_gib": p / GIB,
                              "measured_gib": m / GIB, "error": (p - m) / m, "seconds": seconds[phase]})

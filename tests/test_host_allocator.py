@@ -107,6 +107,73 @@ def test_the_cpu_plan_widens_its_host_band_for_another_allocator(tiny_model_dir)
     assert jemalloc.process("trainer").phases["checkpoint_save"].host["allocator (cached)"] > 0
 
 
+def test_a_groups_shared_prompt_is_planned_once_where_memory_follows_live_bytes(tiny_model_dir):
+    """examples/arith.yaml samples n=8 per prompt, and a micro-batch of 32 consecutive samples
+    holds 4 prompts: under jemalloc the update and log-prob passes are traced with the
+    shared-prompt forward (fitrl/ops/shared_prompt.py), below the same plan with
+    ``actor.share_prompts=false``. Under glibc's heap, and wherever the rows' grouping is not known
+    or the forward cannot share, the plan stays the plain forward's."""
+    from fitrl.config.choices import algorithm_needs
+    from fitrl.memory.run import Run
+    from fitrl.models.shape import ModelShape
+
+    hw = Hardware(nodes=1, gpus_per_node=1, gpu_memory=0, host_memory=16 * C.GIB, device="cpu")
+    shape = ModelShape.from_path(tiny_model_dir)
+
+    def run(*overrides: str) -> Run:
+        cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tiny_model_dir}",
+                                                                  "trainer.device=cpu", *overrides])
+        return Run(cfg, hw, shape, None, algorithm_needs(cfg))
+
+    jemalloc = run("memory.host_allocator=jemalloc")
+    assert jemalloc.prompt_groups(32, update=True) == 4 and jemalloc.prompt_groups(64) == 8
+    assert jemalloc.prompt_groups(4, update=True) == 1
+    # windows that cross a group's end: 3 samples per prompt, micro-batches of 4 (rows 4-7 hold
+    # prompts 1 and 2) and log-prob micro-batches of 10 (rows 10-19: prompts 3 to 6)
+    threes = run("memory.host_allocator=jemalloc", "rollout.n=3", "actor.micro_batch_size=4",
+                 "actor.logprob_micro_batch_size=10")
+    assert (threes.prompt_groups(4, update=True), threes.prompt_groups(10)) == (2, 4)
+    for plain in (["memory.host_allocator=glibc"], ["memory.host_allocator=glibc", "plan.host_malloc=mmap"],
+                  ["actor.share_prompts=false"], ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"],
+                  ["actor.micro_batch_token_budget=512"], ["trainer.backend=ray"],
+                  ["actor.model.gradient_checkpointing=true"], ["actor.shuffle_mini_batches=true"]):
+        r = run("memory.host_allocator=jemalloc", *plain)
+        assert r.prompt_groups(32, update=True) == 0, plain
+    # the log-prob passes share under checkpointing and shuffled mini-batches (their split is consecutive)
+    assert run("memory.host_allocator=jemalloc", "actor.model.gradient_checkpointing=true").prompt_groups(64) == 8
+
+    def update_host(*overrides: str) -> float:
+        cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tiny_model_dir}",
+                                                                  "trainer.device=cpu", *overrides])
+        return sum(plan_config(cfg, hw).process("trainer").phases["update"].host.values())
+
+    assert update_host("memory.host_allocator=jemalloc") < update_host("memory.host_allocator=jemalloc",
+                                                                        "actor.share_prompts=false")
+    assert update_host("memory.host_allocator=glibc") == update_host("memory.host_allocator=glibc",
+                                                                      "actor.share_prompts=false")
+
+
+def test_an_update_with_checkpointing_holds_the_allocators_multiple_of_its_transients(tiny_model_dir):
+    """jemalloc's and tcmalloc's caches keep the recomputed activations freed in backward: the
+    update's activations and logits are the traced live bytes (``plan.host_malloc=mmap``) times
+    the allocator's measured multiple, and only with gradient checkpointing (prompts not shared
+    here: the mmap plan traces every copy)."""
+    hw = Hardware(nodes=1, gpus_per_node=1, gpu_memory=0, host_memory=16 * C.GIB, device="cpu")
+
+    def transients(*overrides: str) -> int:
+        cfg = load_config(str(ROOT / "examples" / "arith.yaml"), [f"actor.model.path={tiny_model_dir}",
+                                                                  "trainer.device=cpu", "actor.share_prompts=false",
+                                                                  *overrides])
+        host = plan_config(cfg, hw).process("trainer").phases["update"].host
+        return host["activations"] + host["logits"]
+
+    for ckpt in ("true", "false"):
+        live = transients("plan.host_malloc=mmap", f"actor.model.gradient_checkpointing={ckpt}")
+        for name, multiple in C.CPU_RECOMPUTE_RSS_BY_ALLOCATOR.items():
+            held = transients(f"memory.host_allocator={name}", f"actor.model.gradient_checkpointing={ckpt}")
+            assert held == pytest.approx(live * (multiple if ckpt == "true" else 1.0), abs=4), (name, ckpt)
+
+
 @pytest.mark.cli
 @needs_jemalloc
 def test_the_command_restarts_under_the_allocator_and_its_workers_inherit_it(tmp_path, tiny_model_dir):

@@ -6,16 +6,20 @@ import torch
 from fitrl.config.roles import LoRAConfig
 from fitrl.models.shape import ModelShape
 from fitrl.memory import trace
+from fitrl.memory.live_bytes import StorageBytes
 from fitrl.memory.trace import PLAIN_KV_DECODERS, _traced, kv_layer_bytes, trace_spec, transient_bytes
 
 
 B, T, R = 4, 48, 32  # the real batch of the MemTracker checks
 
 
-def _real_transient(tiny_model_dir, kind: str, step) -> int:
+def _real_transient(tiny_model_dir, kind: str, step, pairs: bool = False) -> int:
     """MemTracker's peak beyond parameters, buffers and gradients while ``step(model, ids, mask,
     pos)`` runs on the real ``kind`` model (every gradient already there) and a left-padded batch,
-    as in a rollout: the 4-D attention mask exists, as the trace assumes."""
+    as in a rollout: the 4-D attention mask exists, as the trace assumes. ``pairs``: rows 0-1 and
+    2-3 share their prompt (ids and padding), as a GRPO group's samples do, counted by the trace's
+    own counter (:class:`~fitrl.memory.live_bytes.StorageBytes`, which agrees with MemTracker on
+    the plain forward: the test below) on the real tensors."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from fitrl.config.schema import FSDPConfig, ModelConfig
@@ -28,10 +32,20 @@ def _real_transient(tiny_model_dir, kind: str, step) -> int:
     ids = torch.randint(0, ModelShape.from_path(tiny_model_dir).vocab, (B, T))
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1:, :2] = 0
+    if pairs:
+        mask[1, :2] = 1
+        ids[1, :T - R], ids[3, :T - R] = ids[0, :T - R], ids[2, :T - R]
+    pos = torch.arange(T).expand(B, T)
+    if pairs:  # MemTracker cannot follow a module called twice (the shared forward's two passes)
+        tracker = StorageBytes()
+        tracker.exclude([*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()), ids, mask, pos])
+        with tracker:
+            step(model, ids, mask, pos)
+        return tracker.peak
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
-        step(model, ids, mask, torch.arange(T).expand(B, T))
+        step(model, ids, mask, pos)
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     return peak["Total"] - sum(v for k, v in peak.items() if getattr(k, "value", k) in ("Parameter", "Buffer", "Gradient"))
 
@@ -51,6 +65,31 @@ def test_fake_trace_equals_memtracker_on_the_real_run(tiny_model_dir):
     shape = ModelShape.from_path(tiny_model_dir)
     spec = trace_spec(shape, phase="update", batch=B, seq_len=T, response_len=R, chunk=64)
     assert abs(transient_bytes(spec, shape.layers) - real) <= 1e-3 * real + 3 * B * T * 8
+
+
+@pytest.mark.parametrize("phase", ["update", "logprob"])
+def test_a_shared_prompt_trace_equals_memtracker_on_the_real_shared_forward(tiny_model_dir, phase):
+    """``prompts`` groups: the trace runs the shared-prompt forward (fitrl/ops/shared_prompt.py)
+    and counts what the real one holds when the batch's rows share two prompts, within the same
+    tolerance as the plain forward above; and that is less than the plain forward's."""
+    from fitrl.ops.logprob import response_logprobs
+
+    def update(model, ids, mask, pos):
+        if phase == "logprob":
+            with torch.no_grad():
+                response_logprobs(model, ids, mask, pos, R, chunk_size=64, with_entropy=True, share_prompts=True)
+            return
+        logp, _ = response_logprobs(model, ids, mask, pos, R, chunk_size=64, with_entropy=True, share_prompts=True)
+        (logp * torch.zeros(B, R)).sum().backward()
+
+    real = _real_transient(tiny_model_dir, "causal_lm", update, pairs=True)
+    shape = ModelShape.from_path(tiny_model_dir)
+    spec = trace_spec(shape, phase=phase, batch=B, seq_len=T, response_len=R, chunk=64, prompts=2)
+    shared = transient_bytes(spec, shape.layers)
+    assert abs(shared - real) <= 1e-3 * real + 3 * B * T * 8, (shared, real)
+    plain = transient_bytes(trace_spec(shape, phase=phase, batch=B, seq_len=T, response_len=R, chunk=64),
+                            shape.layers)
+    assert shared < plain
 
 
 def test_the_critics_update_trace_equals_memtracker_on_the_real_critic(tiny_model_dir):
@@ -123,6 +162,8 @@ _EQUAL_CASES = [  # (model type, phase, dtype, attention, options): every path t
     ("qwen2", "values", "float32", "sdpa", {}),
     ("llama", "value_update", "bfloat16", "sdpa", dict(checkpointing=True)),
     ("qwen2", "prefill", "bfloat16", "sdpa", dict(lora=LoRAConfig(rank=4))),
+    ("qwen2", "update", "float32", "sdpa", dict(prompts=2)),
+    ("llama", "logprob", "bfloat16", "sdpa", dict(prompts=3)),
 ]
 
 

@@ -18,6 +18,7 @@ from fitrl.memory.lengths import Lengths
 from fitrl.memory.model import Hardware, active_phases
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.models.shape import ModelShape, VisualInput
+from fitrl.ops.sharing import full_attention
 from fitrl.memory.states import States
 
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
@@ -147,6 +148,37 @@ class Run:
         if self.lengths is None:
             return max(1, min(seqs, -(-budget // max(1, self.seq_len))))
         return max(len(b) for b in micro_batches_by_tokens([self.seq_len] * seqs, budget))
+
+    def prompt_groups(self, rows: int, update: bool = False) -> int:
+        """Distinct prompts in the largest-planned micro-batch of ``rows`` sequences when the
+        pass runs each once (``actor.share_prompts``, fitrl/ops/shared_prompt.py), or 0: traced
+        as rows of their own. Planned only where the rows' order is known and a process's memory
+        follows the live bytes the trace counts:
+
+        - in one process, whose batch keeps a prompt's n samples consecutive (the engines'
+          ``repeat_interleave``), split into consecutive micro-batches: no token budget (it groups
+          by length) and, in the update, no ``actor.shuffle_mini_batches``; under Ray each rank's
+          shard is ordered by length (``equal_count_shards``), which scatters the samples;
+        - on a CPU host under jemalloc or tcmalloc (``memory.host_allocator``), whose RSS follows
+          it (bench/RESULTS.md, "Session 35"): glibc's peak did not fall with sharing on every
+          model (bench/RESULTS.md, "Shared prompts"), ``plan.host_malloc=mmap`` is glibc's plan
+          without its factors (what bench/plan_accuracy.py fits them against), and on GPUs
+          sharing is unmeasured;
+        - where the forward can share (:func:`fitrl.ops.shared_prompt.can_share`): no images, no
+          sliding window, no gradient checkpointing in the update.
+
+        A window of ``rows`` consecutive rows starting at a multiple of ``rows`` (in the update:
+        within a mini-batch, which starts at a group's first sample) touches
+        ``(end - 1) // n - start // n + 1`` groups; the plan takes the most any window touches."""
+        a, n = self.cfg.actor, self.cfg.rollout.n
+        if (self.cuda or self.cfg.memory.host_allocator == "glibc" or self.fsdp or not a.share_prompts or n < 2 or a.micro_batch_token_budget
+                or self.shape.vision is not None or not full_attention(self.shape.raw)
+                or (update and (a.model.gradient_checkpointing or a.shuffle_mini_batches))):
+            return 0
+        span = self.mini_seqs_per_rank if update else self.seqs_per_rank
+        rows = min(rows, span)
+        groups = max((min(start + rows, span) - 1) // n - start // n + 1 for start in range(0, span, rows))
+        return groups if groups < rows else 0
 
     def batch_bytes(self, seqs: int) -> int:
         """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are

@@ -18,10 +18,15 @@ equal a trace under ``FakeTensorMode`` on a fake CPU, the reference the tests co
 and the fallback when a model's code reads a tensor's value; the meta trace is 2-3x faster (a
 first launch's start-up: bench/RESULTS.md, "The plan's traces on the meta device").
 
-The traced rows have distinct prompts: the forward that runs a shared prompt once
-(``actor.share_prompts``, :mod:`fitrl.ops.shared_prompt`) holds fewer live bytes, but the
-heap's peak on CPU did not fall with it (bench/RESULTS.md, "Shared prompts"), and on GPUs it
-is unmeasured, so the plan stays the plain forward's, an upper bound.
+The traced rows have distinct prompts unless ``prompts`` says how many the micro-batch's rows
+share: then the log-prob or update pass runs the shared-prompt forward
+(``actor.share_prompts``, :mod:`fitrl.ops.shared_prompt`) on that many groups. An update holds
+less (no activations of the prompt copies); a pass without gradients holds more, the prompts'
+keys and values of every layer through the responses' pass, where the plain one keeps one
+layer's working set. The planner asks for it only under jemalloc or tcmalloc in one process
+(:meth:`fitrl.memory.run.Run.prompt_groups`): glibc's heap peak did not fall with it on every
+model (bench/RESULTS.md, "Shared prompts") and on GPUs it is unmeasured, so there the plan stays
+the plain forward's.
 
 What the trace leaves out, on purpose: the policy loss and the per-token statistics (B, R)
 tensors (the update traces ``(logp * advantages).sum()``; those tensors are 1/V of the logits),
@@ -67,6 +72,8 @@ class TraceSpec:
     lora_rank: int = 0          # LoRA adapters on (actor.lora.rank > 0)
     lora_targets: tuple = ()    # actor.lora.target_modules
     lora_dropout: float = 0.0   # actor.lora.dropout
+    prompts: int = 0            # distinct prompts of the micro-batch when its rows share them (actor.share_prompts:
+                                # each runs once, fitrl/ops/shared_prompt.py); 0: every row its own prompt
 
 
 VALUE_PHASES = ("values", "value_update")
@@ -143,7 +150,8 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
     dtype = getattr(torch, spec.dtype)
     attn = "sdpa" if spec.attn == "flash_attention_2" else spec.attn  # no flash kernels on CPU
     identity = lambda ids, mask, pos, r: (ids, mask, pos, r)  # noqa: E731  (no padding columns to trim)
-    with _tensors_on(on) as made_on, mock.patch.object(logprob_ops, "trim_padding", identity):
+    with _tensors_on(on) as made_on, mock.patch.object(logprob_ops, "trim_padding", identity), \
+            _shared_prompts(spec, logprob_ops):
         with made_on():
             if spec.phase == "score":  # a reward model: the decoder and a one-label score head
                 config.num_labels, config.pad_token_id = 1, 0
@@ -200,6 +208,32 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
                 loss.backward()
                 del logp, entropy, loss
     return tracker.peak
+
+
+@contextmanager
+def _shared_prompts(spec: TraceSpec, logprob_ops):
+    """With ``spec.prompts`` groups (fewer than the rows) the pass takes the shared-prompt layout
+    over consecutive, as even as possible groups (what the forward holds depends on their count
+    only); the traced ids are all one value, so the real :func:`~fitrl.ops.logprob.choose_layout`
+    could not tell them apart."""
+    if not 0 < spec.prompts < spec.batch or spec.phase not in ("logprob", "update"):
+        yield
+        return
+    import torch
+
+    from fitrl.ops.shared_prompt import PromptGroups
+
+    class Groups(PromptGroups):
+        def record_skipped(self, attention_mask, prompt_len):  # a count for perf/*, read from values
+            pass
+
+    def layout(model, input_ids, *args, **kwargs):
+        inverse = torch.arange(spec.batch) * spec.prompts // spec.batch  # (B,) each row's group
+        rows = torch.searchsorted(inverse, torch.arange(spec.prompts))  # (G,) each group's first row
+        return Groups(rows.to(input_ids.device), inverse.to(input_ids.device))
+
+    with mock.patch.object(logprob_ops, "choose_layout", layout):
+        yield
 
 
 @contextmanager
@@ -293,13 +327,14 @@ def _inject_fake_adapters(model, spec: TraceSpec, dtype) -> None:
 
 def trace_spec(shape, *, phase: str, batch: int, seq_len: int, response_len: int, dtype: str = "float32",
                checkpointing: bool = False, chunk: int = 1024, entropy_grad: bool = False,
-               attn: str = "sdpa", lora=None) -> TraceSpec:
+               attn: str = "sdpa", lora=None, prompts: int = 0) -> TraceSpec:
     """A :class:`TraceSpec` for a :class:`fitrl.models.shape.ModelShape`; ``lora``: the
-    ``actor.lora`` config when the traced forward runs with adapters on."""
+    ``actor.lora`` config when the traced forward runs with adapters on; ``prompts``: the
+    micro-batch's distinct prompts when its rows share them (0: none shared)."""
     cfg = shape.text_config(layers=1)
     adapters = (lora.rank, tuple(lora.target_modules), lora.dropout) if lora is not None and lora.enabled else (0, (), 0.0)
     return TraceSpec(tuple(sorted(cfg.items())), phase, batch, seq_len, response_len, dtype, checkpointing,
-                     max(1, chunk), entropy_grad, attn, *adapters)
+                     max(1, chunk), entropy_grad, attn, *adapters, prompts if 0 < prompts < batch else 0)
 
 
 def model_transient(shape, phase: str, batch: int, seq_len: int, dtype: str, attn: str = "sdpa") -> int:

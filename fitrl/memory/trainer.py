@@ -111,14 +111,20 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             if cuda:
                 u.add("host", "image buffers", micro_images(run, b))
             dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.fsdp else None
+            prompts = run.prompt_groups(b, update=grad)
+            if prompts:
+                _note(notes, f"{ph}: planned with a micro-batch's {b} sequences sharing {prompts} "
+                             f"prompt{'s' if prompts > 1 else ''}, each run once (actor.share_prompts)")
             tr = pass_transient(run, "update" if grad else "logprob", b, run.seq_len, dtype=dtype,
                                   adapters=ph != "ref_logprob",
                                   checkpointing=grad and cfg.actor.model.gradient_checkpointing,
-                                  entropy_grad=grad and cfg.actor.entropy_coeff != 0)
+                                  entropy_grad=grad and cfg.actor.entropy_coeff != 0, prompts=prompts)
             ckpt = cfg.actor.model.gradient_checkpointing
             vit = vision_activations(run, b, grad, ckpt)
             heap = run.glibc_heap
             live = tr
+            if grad and ckpt and not cuda and not heap:  # jemalloc's, tcmalloc's caches over the recompute
+                tr = int(tr * C.CPU_RECOMPUTE_RSS_BY_ALLOCATOR.get(cfg.memory.host_allocator, 1.0))
             if heap:
                 tr = _cpu_transient(run, tr, grad, ckpt, lora=run.lora is not None)
                 # the vision tower's tensors get the same excess from glibc (measured, 2048 x 2048
@@ -197,6 +203,11 @@ def _critic_pass(run: Run, phase: str, u: Usage, dev: str) -> None:
                   max(0, _fsdp_unit_buffers(run, cb, trained=shape.num_params) - (tr - live)))
 
 
+def _note(notes: list[str], text: str) -> None:
+    if text not in notes:
+        notes.append(text)
+
+
 def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
     """Name the logits when one chunk covers a micro-batch and it costs a tenth of a device."""
     tokens = batch * run.response_len
@@ -206,8 +217,7 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
         text = (f"{phase}: {tokens:,} response tokens x {run.shape.vocab:,} vocab: the fp32 logits need "
                 f"{naive / C.GIB:.1f} GiB with actor.logprob_chunk_size={chunk:,}; chunks of 1,024 need "
                 f"{2 * 1024 * run.shape.vocab * 4 / C.GIB:.1f} GiB (prompt: {run.prompt_len:,} tokens, no logits)")
-        if text not in notes:
-            notes.append(text)
+        _note(notes, text)
 
 
 def allocator_reserve(phase: str, u: Usage) -> None:

@@ -70,7 +70,17 @@ def workspace(tmp_path, tiny_model_dir, finished_run):
     return new_workspace(tmp_path, tiny_model_dir, finished_run)
 
 
+@pytest.fixture(scope="session")
+def _session_traces(tmp_path_factory):
+    return tmp_path_factory.mktemp("fitrl-traces")
+
+
 @pytest.fixture(autouse=True)
-def _private_plan_cache(tmp_path, monkeypatch):
-    """Each test its own pre-flight plan cache (fitrl/memory/cache.py), never the user's."""
-    monkeypatch.setenv("FITRL_CACHE_DIR", str(tmp_path / "fitrl-cache"))
+def _private_plan_cache(tmp_path_factory, monkeypatch, _session_traces):
+    """Each test its own pre-flight plan cache (fitrl/memory/cache.py), never the user's. The
+    traces under it are the session's: a trace is a pure function of its key (the spec and the
+    code), and each ``fitrl`` subprocess of a test would otherwise trace its plan afresh (seconds
+    each). Tests of the trace cache itself set a directory of their own (tests/test_plan_cache.py)."""
+    root = tmp_path_factory.mktemp("fitrl-cache")  # (beside the test's tmp_path: some list theirs)
+    (root / "traces").symlink_to(_session_traces, target_is_directory=True)
+    monkeypatch.setenv("FITRL_CACHE_DIR", str(root))

@@ -171,8 +171,8 @@ class Run:
         within a mini-batch, which starts at a group's first sample) touches
         ``(end - 1) // n - start // n + 1`` groups; the plan takes the most any window touches."""
         a, n = self.cfg.actor, self.cfg.rollout.n
-        if (self.cuda or self.cfg.memory.host_allocator == "glibc" or self.fsdp or not a.share_prompts or n < 2 or a.micro_batch_token_budget
-                or self.shape.vision is not None or not full_attention(self.shape.raw)
+        if (self.cuda or self.cfg.memory.host_allocator == "glibc" or self.fsdp or not a.share_prompts or n < 2
+                or a.micro_batch_token_budget or self.shape.vision is not None or not full_attention(self.shape.raw)
                 or (update and (a.model.gradient_checkpointing or a.shuffle_mini_batches))):
             return 0
         span = self.mini_seqs_per_rank if update else self.seqs_per_rank

@@ -106,7 +106,7 @@ class PlanConfig:
     expected_response_length: Optional[int] = None
     """The response length a typical micro-batch is padded to (its longest response), for the plan at expected lengths: a number of tokens, or ``null`` (default): ``rollout.max_response_length`` (no typical length is known before the run). At most ``rollout.max_response_length``. What is allocated at the cap whatever the lengths (HF generate's KV cache for ``max_response_length`` tokens, a vLLM engine's share) stays at the cap."""
     host_malloc: Literal["glibc", "mmap"] = "glibc"
-    """The host allocator of CPU runs: ``glibc`` (default: its dynamic mmap threshold keeps freed activation-sized blocks in the heap, so RSS runs above live tensors and stays up after a phase) or ``mmap`` (processes started with ``MALLOC_MMAP_THRESHOLD_=65536``: tensors are mapped and unmapped, RSS follows live tensors). Only CPU runs' host transients depend on it; under ``memory.host_allocator`` jemalloc or tcmalloc the plan counts live tensors as with ``mmap``."""
+    """The host allocator of CPU runs: ``glibc`` (default: its dynamic mmap threshold keeps freed activation-sized blocks in the heap, so RSS runs above live tensors and stays up after a phase) or ``mmap`` (processes started with ``MALLOC_MMAP_THRESHOLD_=65536``: tensors are mapped and unmapped, RSS follows live tensors). Only CPU runs' host transients depend on it; under ``memory.host_allocator`` jemalloc or tcmalloc the plan counts live tensors, with that allocator's measured caches (fitrl/memory/calibration.py) and a group's shared prompt run once."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:

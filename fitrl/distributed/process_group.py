@@ -7,8 +7,11 @@ so the worker (FSDP2, collectives) finds the usual environment::
     LOCAL_RANK, LOCAL_WORLD_SIZE   rank and size on this node (ranks are numbered node by node)
     MASTER_ADDR, MASTER_PORT  rank 0's node and a port free there (TCPStore rendezvous)
 
-Backend: gloo on CPU, NCCL on GPU (the device is set from the local rank before the group
-exists, so NCCL binds the right GPU).
+Backend: gloo on CPU; on GPU ``cpu:gloo,cuda:nccl`` (as torchtitan and veRL), NCCL for device
+tensors and gloo for host ones, which CPU offload puts into collectives (FSDP2's host shards in
+the rank-0 broadcast, in gradient clipping and in a weight push's ``full_tensor()``); NCCL alone
+fails there with "No backend type associated with device type cpu". The device is set from the
+local rank before the group exists, so NCCL binds the right GPU.
 
 A dead worker raises :class:`fitrl.core.errors.WorkerFailed` (defined on the ground floor).
 """
@@ -96,15 +99,37 @@ def is_port_taken(error: BaseException) -> bool:
     return "EADDRINUSE" in text or "ddress already in use" in text
 
 
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+"""A GPU group's backend: NCCL for CUDA tensors, gloo for host tensors (CPU offload)."""
+
+
 def default_backend(use_gpu: bool) -> str:
-    return "nccl" if use_gpu else "gloo"
+    return GPU_BACKEND if use_gpu else "gloo"
+
+
+def backend_for_device(backend: str) -> dict[str, str]:
+    """Which backend serves each device type, as ``init_process_group`` reads ``backend``:
+    ``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``; a plain name serves the
+    device types it supports (``"gloo"``: cpu and cuda, ``"nccl"``: cuda only).
+
+    >>> backend_for_device("cpu:gloo,cuda:nccl")
+    {'cpu': 'gloo', 'cuda': 'nccl'}
+    >>> backend_for_device("nccl")
+    {'cuda': 'nccl'}
+    """
+    if ":" not in backend:
+        return {device: backend for device in _PLAIN_BACKEND_DEVICES.get(backend, ("cpu", "cuda"))}
+    return dict(pair.strip().split(":", 1) for pair in backend.split(","))
+
+
+_PLAIN_BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda")}
 
 
 def init_distributed(env: DistEnv, backend: str, *, device_index: Optional[int] = None,
                      timeout_s: Optional[float] = None) -> None:
     """Export ``env`` to ``os.environ`` and join the default process group (blocks until every
-    rank has joined). With NCCL, ``device_index`` (default: the local rank modulo the visible
-    devices) becomes the current CUDA device first, and is bound to the group."""
+    rank has joined). With NCCL for CUDA tensors, ``device_index`` (default: the local rank
+    modulo the visible devices) becomes the current CUDA device first, and is bound to the group."""
     import datetime
 
     import torch
@@ -116,7 +141,7 @@ def init_distributed(env: DistEnv, backend: str, *, device_index: Optional[int] 
     kwargs = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    if "nccl" in backend:
+    if backend_for_device(backend).get("cuda") == "nccl":  # "nccl" or "cpu:gloo,cuda:nccl"
         if not torch.cuda.is_available():
             raise RuntimeError(f"backend {backend!r} needs a CUDA device but none is visible in this process "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")

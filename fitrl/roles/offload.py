@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
 
 from fitrl.config.schema import FSDPConfig
-from fitrl.distributed.fsdp import move_model, move_optimizer_state
+from fitrl.distributed.fsdp import check_optimizer_on_param_devices, move_model, move_optimizer_state
 from fitrl.telemetry.memory import trim_heap
+
+DEBUG_ENV = "FITRL_DEBUG"
+"""Set (not ``0``) in the ranks' environment, each update first checks that every optimizer
+state sits where the update reads it (``check_optimizer_on_param_devices``): ``FITRL_DEBUG=1
+fitrl train ...`` (the CLI's ``--debug`` flag alone only reaches the driver)."""
+
+
+def debug_checks() -> bool:
+    """Are this process's debug invariants on (``FITRL_DEBUG``, as the CLI reads it)?"""
+    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
 
 
 class OffloadBetweenPhases:
@@ -20,7 +31,10 @@ class OffloadBetweenPhases:
 
     def __init__(self, model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
                  optimizer: torch.optim.Optimizer | None = None, trim: bool = False):
+        # any device other than the host moves: a test emulates the GPU on a CPU-only machine
+        # with ``device=meta`` (tests/test_gpu_path_offload.py)
         self.model, self.fsdp, self.device, self.optimizer = model, fsdp, device, optimizer
+        self.host = torch.device("cpu")
         self.active = device.type != "cpu" and not fsdp.cpu_offload
         self.trim = trim and device.type == "cpu"
         self.release()
@@ -31,17 +45,29 @@ class OffloadBetweenPhases:
             move_model(self.model, self.device)
         if self.active and needs_optimizer and self.fsdp.offload_optimizer and self.optimizer is not None:
             move_optimizer_state(self.optimizer, self.device)
+        if needs_optimizer and self.optimizer is not None and debug_checks():
+            check_optimizer_on_param_devices(self.optimizer)
         try:
             yield
         finally:
             self.release()
 
+    def restored(self) -> None:
+        """After a checkpoint was loaded outside a phase: the optimizer's restored states were
+        created next to the parameters as they were then (on the host when ``offload_params``
+        keeps them there), so they go where they wait between phases: on the host with
+        ``offload_optimizer``, else on the device, where the next update reads them. Without
+        this, a resumed or restarted run's first update meets moments (and a fused AdamW's
+        ``step``) on the host and parameters on the GPU."""
+        if self.active and self.optimizer is not None:
+            move_optimizer_state(self.optimizer, self.host if self.fsdp.offload_optimizer else self.device)
+
     def release(self) -> None:
         if self.active and self.fsdp.offload_params:
-            move_model(self.model, "cpu")
+            move_model(self.model, self.host)
         if self.active and self.fsdp.offload_optimizer and self.optimizer is not None:
-            move_optimizer_state(self.optimizer, "cpu")
-        if self.active:
+            move_optimizer_state(self.optimizer, self.host)
+        if self.active and self.device.type == "cuda":
             torch.cuda.empty_cache()  # give the freed blocks back for the next role's phase
         if self.trim:
             trim_heap()

@@ -82,7 +82,7 @@ class PolicyWorker:
             # the ranks of one engine (rollout.tensor_parallel_size of them, consecutive) build it alike
             seed=cfg.trainer.seed + self.rank // cfg.rollout.tensor_parallel_size,
             limit_images=cfg.data.limit_images if getattr(self.model.config, "vision_config", None) else 0,
-            weights=lambda: self.params.inference_weights(self.model))
+            weights=lambda: self.params.inference_weights(self.model), pushes=not cfg.trainer.val_only)
 
     @dispatch("dp", gather=gather_rollouts)  # ranks generate to different widths
     def generate(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
@@ -178,6 +178,7 @@ class PolicyWorker:
                 "not LoRA adapters")
         extra = load_role(path, self.model, None if weights_only else self.actor.optimizer, rank=self.rank,
                           what=what, keep=self.params.trained_names(self.model), hint=hint)
+        self.offload.restored()  # the restored AdamW states where the next update reads them
         if extra is not None and not weights_only:
             self.actor.load_state_dict(extra)
 
@@ -252,6 +253,7 @@ class CriticWorker:
         model = self.cfg.critic.model or self.cfg.actor.model
         extra = load_role(path, self.model, None if weights_only else self.critic.optimizer, rank=self.rank,
                           what=f"critic.model.path={model.path}")
+        self.offload.restored()  # the restored AdamW states where the next update reads them
         if extra is not None and not weights_only:
             self.critic.load_state_dict(extra)
 

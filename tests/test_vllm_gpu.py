@@ -79,3 +79,18 @@ def test_push_time_and_host_memory_per_gb(model_dir, tmp_path):
     print(f"push: {gb:.3f} GB of weights in {seconds:.3f} s ({seconds / gb:.3f} s/GB), host +{host:.3f} GB "
           f"({host / gb:.3f} GB per GB)")
     assert host / gb < 0.25  # device to device: the host never holds the weights
+
+
+def test_engine_is_asleep_once_built_and_auto_discards_the_weights(model_dir, tmp_path):
+    """rollout.sleep_level=auto in a training run: the engine sleeps at level 2 as soon as it is
+    built (the roles loading after it find the memory free), and its first wake pushes the
+    trainer's weights exactly."""
+    before = free_bytes()
+    w = PolicyWorker(vllm_config(model_dir, tmp_path, "trainer.device=cuda", "rollout.kv_cache_memory=1GiB"),
+                     rank=0, world_size=1)
+    assert not w.rollout.awake and w.rollout.sleep_level == 2
+    held = before - free_bytes() - weight_bytes(w)  # what the engine keeps asleep, beside the trainer's model
+    print(f"asleep once built: {held / 2**20:.0f} MiB held beside the trainer's weights")
+    assert held < (1 << 30) // 2  # neither the KV cache nor the engine's weights
+    seq = prompts_from(w, 1)["prompt_ids"][0] + [7, 8, 9]
+    assert (w.rollout.sequence_logprobs([seq])[0] - trainer_logprobs(w.model, seq)).abs().max() <= 1e-4

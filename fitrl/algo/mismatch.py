@@ -8,12 +8,15 @@ loss by that ratio, truncated at ``cap`` (Yao et al. 2025, "Your efficient RL fr
 brings you off-policy RL training"; veRL's ``rollout_is``).
 
 All inputs (B, R): log-probs of the sampled tokens and the response mask. Pure tensor math.
+:func:`mismatch_jump` reads the result across steps: an engine whose weights a push or a wake
+corrupted (fitrl/trainer/stops.py stops the run on it).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+import statistics
+from typing import Optional, Sequence
 
 import torch
 
@@ -95,3 +98,21 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
         values["rollout/is_weight_mean"] = w.double().sum() / count
         values["rollout/is_clipped_frac"] = ((log_w > math.log(cap)) & valid).double().sum() / count
     return dict(zip(values, torch.stack(list(values.values())).tolist()))  # one host sync
+
+
+def mismatch_jump(kl: float, recent: Sequence[float], *, floor: float, factor: float) -> Optional[float]:
+    """The bound a step's ``rollout/kl`` crossed, or None: above ``floor`` and above ``factor``
+    times the median of ``recent`` (the run's last steps; none yet: the floor alone). A sound
+    engine's distance from the trainer is steady (precision, kernels); weights that a push or a
+    wake corrupted make it jump by orders of magnitude. Non-finite counts as crossed; ``floor``
+    0 disables.
+
+    >>> mismatch_jump(2.0, [1e-6, 2e-6, 1e-6], floor=0.1, factor=10.0)  # 10 x 1e-6 < 0.1: the floor
+    0.1
+    >>> mismatch_jump(0.3, [0.05, 0.04, 0.06], floor=0.1, factor=10.0) is None  # within 10 x 0.05
+    True
+    """
+    if not floor:
+        return None
+    bound = max(floor, factor * statistics.median(recent)) if recent else floor
+    return bound if not math.isfinite(kl) or kl > bound else None

@@ -3,6 +3,7 @@ validation) and the engine that generates. Field docstrings are what ``fitrl con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
@@ -78,8 +79,12 @@ class RolloutConfig(Sampling):
     """vLLM: the KV cache's size as a byte count (e.g. ``2GiB``) instead of a share of the device; on CPU the default is 256MiB (vLLM's own CPU default takes several GiB)."""
     tensor_parallel_size: int = 1
     """vLLM: TP shards per engine. With several policy ranks, that many consecutive ranks share one engine, a shard (and a GPU) each, so the ranks must be a multiple of it; with one policy rank, the engine's TP workers are processes of its own (docs/vllm.md)."""
-    sleep_level: Literal[0, 1, 2] = 1
-    """vLLM between rollouts (GPU only): 0 stays awake, 1 frees the KV cache and keeps the weights in pinned host memory (2 bytes/param/GPU in bf16), 2 frees both (the weights come back by the next push)."""
+    sleep_level: Literal["auto", 0, 1, 2] = "auto"
+    """vLLM between rollouts (GPU only): 0 stays awake, 1 frees the KV cache and keeps the weights in pinned host memory (2 bytes/param/GPU in bf16), 2 frees both (the weights come back by the next push). ``auto``: 2 in a training run, whose every update pushes the weights (they would overwrite level 1's host copy before the next rollout; a wake with no push since, another sampling round or validation, pushes again: a gather over the devices' links instead of a copy over PCIe), 1 with ``trainer.val_only`` (nothing is pushed after the first wake). The engine's first line says which level and why. An engine that sleeps does so right after it is built, so that the roles loading after it (reference, critic, reward models) find its memory free."""
+    mismatch_stop_kl: float = 0.1
+    """Stop the run when, right after a weight push and a wake, the engine computes other log-probs than the trainer for the step's sampled tokens: ``rollout/kl`` (the k3 KL(pi_rollout || pi_trainer) per token, fitrl/algo/mismatch.py) above this floor and above ``mismatch_stop_factor`` times its median over the run's last steps (fitrl/trainer/stops.py). A sound engine sits near 1e-6 (fp32) to 1e-3 (a bf16 vLLM engine against an fp32 trainer); corrupted weights (a push or a wake that went wrong) near 1 and above. The run stops with one line naming the step, the engine and the push; the step is not checkpointed, so the last checkpoint is the one before it (``trainer.max_restarts`` rebuilds the engine and resumes from there). Needs the trainer's log-probs of the samples (not ``algorithm.recompute_old_logprob=false``); 0 disables."""
+    mismatch_stop_factor: float = 10.0
+    """The jump ``mismatch_stop_kl`` looks for: ``rollout/kl`` at least this many times its median over the run's last steps (the engine's usual distance from the trainer: precision, kernels, and in overlapped modes the weights' age)."""
     enforce_eager: bool = False
     """vLLM: no CUDA graphs (less memory and a faster start, slower decoding); always eager on CPU."""
     enable_prefix_caching: bool = True
@@ -126,9 +131,32 @@ class RolloutConfig(Sampling):
                               f"{self.max_staleness}")
         if self.workers < 0:
             raise ConfigError(f"rollout.workers must be >= 0 (0: the policy's ranks generate), got {self.workers}")
+        if not (math.isfinite(self.mismatch_stop_kl) and self.mismatch_stop_kl >= 0):
+            raise ConfigError(f"rollout.mismatch_stop_kl must be a finite number >= 0 (0 disables), got "
+                              f"{self.mismatch_stop_kl}")
+        if not self.mismatch_stop_factor >= 1:
+            raise ConfigError(f"rollout.mismatch_stop_factor must be >= 1 (times the recent median), got "
+                              f"{self.mismatch_stop_factor}")
         if self.kv_cache_memory is not None:
             if parse_bytes(self.kv_cache_memory, "rollout.kv_cache_memory") <= 0:
                 raise ConfigError("rollout.kv_cache_memory must be a positive size, e.g. 2GiB")
+
+    def sleep_level_for(self, *, pushes: bool) -> tuple[int, str]:
+        """The vLLM engine's sleep level (GPU) and why, as its log line says it: ``sleep_level``
+        when set, else from what the engine does next. ``pushes``: the trainer pushes its weights
+        after every update (a training run). The engine and the memory plan both ask here.
+
+        >>> RolloutConfig().sleep_level_for(pushes=True)[0], RolloutConfig().sleep_level_for(pushes=False)[0]
+        (2, 1)
+        >>> RolloutConfig(sleep_level=1).sleep_level_for(pushes=True)
+        (1, 'rollout.sleep_level=1')
+        """
+        if self.sleep_level != "auto":
+            return self.sleep_level, f"rollout.sleep_level={self.sleep_level}"
+        if pushes:
+            return 2, ("rollout.sleep_level=auto: every update pushes the weights, which would overwrite a host "
+                       "copy of them before the next rollout")
+        return 1, "rollout.sleep_level=auto: no update pushes weights (trainer.val_only), so the host keeps them"
 
     @property
     def lead(self) -> int:

@@ -64,6 +64,11 @@ class EngineContext:
     device: Optional[torch.device] = None
     """Where the engine runs, when the module it is given holds no weights (a rollout worker's
     ``meta`` module: fitrl/roles/rollout_worker.py); None: the module's own device."""
+    pushes: bool = True
+    """The trainer pushes its weights after every update (a training run), so that whatever the
+    engine keeps of them while asleep is overwritten before it generates again; False: nothing
+    is pushed after the first wake (``trainer.val_only``). ``rollout.sleep_level=auto`` reads it
+    (:meth:`fitrl.config.rollout.RolloutConfig.sleep_level_for`)."""
 
 
 class RolloutEngine(ABC):

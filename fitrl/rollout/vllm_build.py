@@ -102,31 +102,11 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
         raise ConfigError(f"rollout.engine=vllm on CPU: {context.model_path} has attention heads of size {head}, which "
                           f"vLLM's CPU backend does not run (sizes {', '.join(map(str, CPU_HEAD_SIZES))}); use "
                           "rollout.engine=hf, or a model with such heads (fitrl make-tiny-model --head-dim 32)")
-    tp = layout.tp
-    if tp > 1:
+    if layout.tp > 1:
         check_tensor_parallel(layout, text_cfg, context.model_path, cuda=cuda)
-    kwargs: dict[str, Any] = dict(
-        model=context.model_path, tokenizer=context.tokenizer_path or context.model_path,
-        dtype=context.dtype, seed=context.seed, max_model_len=context.max_model_len,
-        enforce_eager=cfg.enforce_eager or not cuda, enable_prefix_caching=cfg.enable_prefix_caching,
-        logprobs_mode="processed_logprobs",  # sampler output the worker extension replaces (untruncated)
-        load_format="dummy",  # never read the checkpoint: the first wake pushes the trainer's weights
-        worker_extension_cls="fitrl.rollout.vllm_worker.FitrlWorkerExtension",
-        enable_sleep_mode=sleep, disable_log_stats=True, tensor_parallel_size=tp,
-    )
-    if layout.mode == "workers":  # the engine core stays here; its TP workers are processes (spawned, on CPU)
-        kwargs["distributed_executor_backend"] = "mp"
-        if not cuda:
-            bind_cpu_workers(tp)
-    elif layout.mode == "shared":  # this process is one TP shard; vLLM builds its groups over the policy's
-        kwargs["distributed_executor_backend"] = "external_launcher"
-    if cfg.kv_cache_memory or not cuda:
-        kwargs["kv_cache_memory_bytes"] = parse_bytes(cfg.kv_cache_memory or CPU_KV_CACHE, "rollout.kv_cache_memory")
-    else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    if context.limit_images:
-        videos = context.limit_images if vision is not None and vision.supports_video else 0
-        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": videos}
+    kwargs = llm_kwargs(cfg, context, layout, cuda=cuda, sleep=sleep, vision=vision)
+    if layout.mode == "workers" and not cuda:  # its TP workers are processes, spawned
+        bind_cpu_workers(layout.tp)
     # each push warns that rotary embeddings (which have no weights) "failed to load"
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: "Failed to load weights" not in record.getMessage())
@@ -141,6 +121,36 @@ def build_llm(cfg: RolloutConfig, context: EngineContext, model: torch.nn.Module
     except Exception as e:  # vLLM's own errors are long; the first line names the cause
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise EngineError(f"vLLM could not build its engine for {context.model_path}: {first}") from e
+
+
+def llm_kwargs(cfg: RolloutConfig, context: EngineContext, layout: EngineLayout, *, cuda: bool, sleep: bool,
+               vision: Optional[MediaSpec] = None) -> dict[str, Any]:
+    """The arguments of this rank's ``vllm.LLM`` (pure: no vLLM import, nothing set)."""
+    kwargs: dict[str, Any] = dict(
+        model=context.model_path, tokenizer=context.tokenizer_path or context.model_path,
+        dtype=context.dtype, seed=context.seed, max_model_len=context.max_model_len,
+        enforce_eager=cfg.enforce_eager or not cuda, enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",  # sampler output the worker extension replaces (untruncated)
+        load_format="dummy",  # never read the checkpoint: the first wake pushes the trainer's weights
+        worker_extension_cls="fitrl.rollout.vllm_worker.FitrlWorkerExtension",
+        enable_sleep_mode=sleep, disable_log_stats=True, tensor_parallel_size=layout.tp,
+    )
+    if layout.mode == "workers":  # the engine core stays here; its TP workers are processes
+        kwargs["distributed_executor_backend"] = "mp"
+    elif layout.mode == "shared":  # this process is one TP shard; vLLM builds its groups over the policy's
+        kwargs["distributed_executor_backend"] = "external_launcher"
+        # each shard is a Ray actor that sees its own GPU alone (as device 0): custom all-reduce's
+        # peer-to-peer buffers between the shards' GPUs cannot be set up across them (veRL and
+        # EasyR1 turn it off here too); NCCL's all-reduce serves instead
+        kwargs["disable_custom_all_reduce"] = True
+    if cfg.kv_cache_memory or not cuda:
+        kwargs["kv_cache_memory_bytes"] = parse_bytes(cfg.kv_cache_memory or CPU_KV_CACHE, "rollout.kv_cache_memory")
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if context.limit_images:
+        videos = context.limit_images if vision is not None and vision.supports_video else 0
+        kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": videos}
+    return kwargs
 
 
 def check_tensor_parallel(layout: EngineLayout, text_cfg, model_path: str, *, cuda: bool) -> None:

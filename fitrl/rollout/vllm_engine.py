@@ -9,7 +9,10 @@ TP workers are processes of vLLM's multiprocess executor, which the kernel kills
 trainer (fitrl/rollout/vllm_worker.py, ``die_with_parent``), and weights reach them in bounded
 buckets (fitrl/rollout/vllm_build.py says which layout is used when).
 
-The engine's lifecycle per RL step (driven by :class:`fitrl.roles.workers.PolicyWorker`):
+The engine's lifecycle per RL step (driven by :class:`fitrl.roles.workers.PolicyWorker`). On a
+GPU it sleeps once built, before the roles that share its devices load, at the level
+``rollout.sleep_level`` gives (``auto``: 2 in a training run, whose pushes overwrite the weights
+anyway; 1 with ``trainer.val_only``), and says so in one line:
 
   update  -> push_weights()  streams the trainer's weights now if the engine is awake (CPU, sleep
                              level 0), else marks them stale
@@ -73,7 +76,8 @@ class VllmRollout(RolloutEngine):
         self.cuda = self.device.type == "cuda"
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.sleeps = self.cuda and cfg.sleep_level > 0  # vLLM's sleep mode needs CUDA's allocator
+        self.sleep_level, why = cfg.sleep_level_for(pushes=context.pushes)
+        self.sleeps = self.cuda and self.sleep_level > 0  # vLLM's sleep mode needs CUDA's allocator
         self.vision = media_spec_of(context.model_path)  # the family's media handling; None for a text model
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.vision.image_token) if self.vision else None
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.vision.video_token) if self.vision else None
@@ -95,6 +99,14 @@ class VllmRollout(RolloutEngine):
         self.stale = True  # dummy weights until the first push
         self.broken: Optional[str] = None
         self.last_push = {}  # seconds and tensors of the last push (perf metrics, benchmarks)
+        if self.sleeps:
+            # asleep from the start: the roles that load after the policy on its devices (reference,
+            # critic, reward models; the policy's optimizer states) find the engine's memory free,
+            # where an awake engine would hold it until the first rollout. The weights are still
+            # vLLM's dummy ones (stale): the first wake pushes the trainer's whatever the level.
+            self.sleep()
+        if self.layout.rank == 0:
+            print(sleep_line(self.cuda, self.sleep_level, why), flush=True)
 
     @classmethod
     def from_config(cls, model, tokenizer, cfg, *, inputs=TEXT_INPUTS, context=EngineContext()) -> "VllmRollout":
@@ -128,9 +140,9 @@ class VllmRollout(RolloutEngine):
 
     def sleep(self) -> None:
         if self.sleeps and self.awake and not self.broken:
-            self.llm.sleep(level=self.cfg.sleep_level)
+            self.llm.sleep(level=self.sleep_level)
             self.awake = False
-            if self.cfg.sleep_level == 2:
+            if self.sleep_level == 2:
                 self.stale = True  # weights discarded: the next wake pushes them again
 
     def release(self) -> None:
@@ -324,6 +336,17 @@ class VllmRollout(RolloutEngine):
             entries = out.prompt_logprobs[1:]  # the first token has none
             result.append(torch.tensor([e[t].logprob for t, e in zip(ids[1:], entries)], dtype=torch.float32))
         return result
+
+
+def sleep_line(cuda: bool, level: int, why: str) -> str:
+    """The engine's one line on how it sleeps between rollouts, and why."""
+    if not cuda:
+        return "vLLM engine: awake between rollouts (vLLM's sleep mode needs CUDA)"
+    if level == 0:
+        return f"vLLM engine: awake between rollouts, holding its weights and KV cache ({why})"
+    kept = "weights kept in pinned host memory" if level == 1 else "weights discarded, pushed again at wake"
+    return (f"vLLM engine: sleep level {level} from the start and between rollouts (KV cache freed, {kept}): "
+            f"{why}")
 
 
 def shared_groups(layout) -> Any:

@@ -1,12 +1,15 @@
 """Why a run stops between its phases, asked as one question (docs/architecture.md, "Stopping").
 
-Three things end a run early, and the loop treats them alike:
+Four things end a run early, and the loop treats them alike:
 
 - the **memory guard** (:class:`~fitrl.trainer.memory_watch.MemoryWatch`): a process crossed its
   memory limit;
 - **SIGINT/SIGTERM** (:data:`~fitrl.trainer.signals.SIGNALS`): a user or a scheduler asked to stop;
 - **divergence** (:class:`~fitrl.trainer.divergence.DivergenceJudge`): a complete step's metrics
-  show the policy coming apart.
+  show the policy coming apart;
+- **an engine gone wrong** (:meth:`RunStops.stop_if_engine_strays`): right after a weight push
+  and a wake, the rollout engine's log-probs of its own samples jump away from the trainer's
+  (``rollout.mismatch_stop_kl``): its weights are no longer the trainer's.
 
 The loop marks a block whose phases may be abandoned with :meth:`RunStops.stoppable` (a crossing
 or a signal inside it is noted, not raised) and asks :meth:`RunStops.safe_point` after it: the
@@ -18,22 +21,29 @@ and one line naming where the run continues from.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from rich.console import Console
 
+from fitrl.algo.mismatch import mismatch_jump
 from fitrl.checkpoint import layout
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config.schema import FitrlConfig
-from fitrl.core.errors import Diverged, Interrupted
+from fitrl.core.errors import Diverged, EngineBroken, Interrupted
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.divergence import DivergenceJudge, vocab_size
 from fitrl.trainer.memory_watch import MemoryWatch
 from fitrl.trainer.run_log import RunLog
 from fitrl.trainer.signals import SIGNALS, signal_name, why_not_save
 from fitrl.workers.group import RoleHandle
+
+MISMATCH_WINDOW = 5
+"""Steps whose ``rollout/kl`` make the baseline an engine's jump is measured against: a few, so
+that a slow drift (the policy's, in overlapped modes) moves the baseline along."""
 
 
 class RunStops:
@@ -45,6 +55,7 @@ class RunStops:
         self.divergence = DivergenceJudge(cfg.trainer.divergence, vocab_size(cfg.actor.model.path))
         self.memory = MemoryWatch(cfg, watched, console, write=writer.write, save=self.emergency_save)
         self.start_step = 0  # the step a resumed run continues after
+        self.recent_kl: deque[float] = deque(maxlen=MISMATCH_WINDOW)  # the sound steps' rollout/kl
 
     @contextmanager
     def stoppable(self) -> Iterator[None]:
@@ -57,9 +68,10 @@ class RunStops:
                    judge: bool = False) -> None:
         """Does the run stop here? ``step_done``: ``step`` is complete (else abandoned, and
         ``state`` is the driver's state before it); ``state`` None: nothing to save; ``judge``:
-        ``metrics`` are a complete step's, for the divergence judge (judged first: a diverged
-        step is never checkpointed). Raises the stop's exception, or returns."""
+        ``metrics`` are a complete step's, for the engine check and the divergence judge (judged
+        first: such a step is never checkpointed). Raises the stop's exception, or returns."""
         if judge:
+            self.stop_if_engine_strays(step, metrics or {})
             self.stop_if_diverged(step, metrics or {})
         self.memory.stop_if_crossed(step, step_done=step_done, state=state, metrics=metrics)
         self.stop_if_signalled(step, step_done=step_done, state=state, metrics=metrics)
@@ -89,6 +101,45 @@ class RunStops:
         how = ("run the same command to continue" if self.cfg.trainer.run_dir and self.cfg.checkpoint.resume == "auto"
                else f"continue with checkpoint.resume={point.path}")
         return f"resume point: {point.path} (step {point.step}); {how}"
+
+    def stop_if_engine_strays(self, step: int, metrics: dict[str, float]) -> None:
+        """Ends the run with :class:`EngineBroken` when the step's ``rollout/kl`` (the engine's and
+        the trainer's log-probs of the step's sampled tokens, fitrl/algo/mismatch.py) jumps past
+        ``rollout.mismatch_stop_kl`` and ``mismatch_stop_factor`` times its recent median. Every
+        rollout follows a push and a wake, where a wrong weight load or a reused freed buffer
+        shows (SkyRL#1680, vllm-omni#4473): stopping here, before the step's checkpoint, keeps
+        the last checkpoint the one before the engine went wrong. No ``rollout/kl`` (the engine's
+        own log-probs are the behaviour's): nothing to compare."""
+        kl = metrics.get("rollout/kl")
+        if kl is None:
+            return
+        r = self.cfg.rollout
+        recent = list(self.recent_kl)
+        bound = mismatch_jump(kl, recent, floor=r.mismatch_stop_kl, factor=r.mismatch_stop_factor)
+        if bound is None:
+            self.recent_kl.append(kl)
+            return
+        engine, push = self.engine_and_push(step)
+        self.writer.write({"step": step, "event": "engine_mismatch", "rollout/kl": kl, "bound": bound,
+                           "engine": engine, "push": push})
+        base = (f"{r.mismatch_stop_factor:g} x its median {statistics.median(recent):.2g} over the last "
+                f"{len(recent)} step(s)" if recent else "no earlier step to compare with")
+        raise EngineBroken(f"step {step}: the {engine}'s log-probs of its samples are {kl:.3g} nats/token "
+                           f"(rollout/kl) from the trainer's right after {push}, above {bound:.3g} "
+                           f"(rollout.mismatch_stop_kl={r.mismatch_stop_kl:g}; {base}): its weights are not the "
+                           f"trainer's. Step {step} is not checkpointed; {self.resume_text()} (trainer.max_restarts "
+                           "rebuilds the engine and resumes by itself)")
+
+    def engine_and_push(self, step: int) -> tuple[str, str]:
+        """The engine that generated step ``step``'s samples, and the weight push they followed."""
+        r = self.cfg.rollout
+        if r.workers:
+            return (f"rollout workers' {r.engine} engine",
+                    f"a weight sync to the rollout workers (rollout.mode={r.mode})")
+        push = f"the weight push and wake before step {step}'s rollout"
+        if step == self.start_step + 1:  # the push that replaced the engine's initial (dummy) weights
+            push += f" (its first: the weights of step {self.start_step})"
+        return f"policy's {r.trainer_engine} engine", push
 
     def stop_if_diverged(self, step: int, metrics: dict[str, float]) -> None:
         """Ends the run with :class:`Diverged` when the judge says so (fitrl/trainer/divergence.py):

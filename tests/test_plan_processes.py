@@ -13,6 +13,7 @@ import pytest
 from fitrl.config import ConfigError, load_config
 from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
+from fitrl.memory.gpu_terms import DRIVER_CONTEXT, NCCL
 from fitrl.memory.states import frozen_states, full_weights, trained_states
 from fitrl.report.load import PlanPredictions
 
@@ -51,7 +52,8 @@ def test_ray_reference_is_a_process_with_its_own_runtime_and_context():
     assert ref.per_node == 8 and "ref" not in [p.kind for p in off.processes]
     shard = frozen_states(kl.shape, 8, kl.cfg.actor.model.dtype, pinned=True).params
     for ph in ("rollout", "update", "checkpoint_save"):
-        assert sum(kl.device(ph).values()) - sum(off.device(ph).values()) == C.CUDA_CONTEXT
+        # one more process on the device: its context and its default group's NCCL buffers
+        assert sum(kl.device(ph).values()) - sum(off.device(ph).values()) == C.CUDA_CONTEXT + C.NCCL_COMMUNICATOR_BYTES
         assert kl.device(ph)["cuda context"] == 2 * C.CUDA_CONTEXT
         assert sum(kl.node_host(ph).values()) - sum(off.node_host(ph).values()) == 8 * (C.CUDA_PROCESS_RUNTIME + shard)
         assert ref.phases[ph].host == {"runtime": C.CUDA_PROCESS_RUNTIME, "offloaded ref params": shard}
@@ -67,11 +69,12 @@ def test_reference_log_probs_are_the_reference_process_s():
     for part in ("batch", "activations", "logits", "gathered weights"):
         assert part in ref["ref_logprob"].gpu and part not in trainer["ref_logprob"].gpu
         assert part not in ref["rollout"].gpu
-    assert set(trainer["ref_logprob"].gpu) == {"cuda context", "params", "optimizer"}
+    assert set(trainer["ref_logprob"].gpu) == {"cuda context", "params", "optimizer", NCCL}
     states = frozen_states(plan.shape, 8, plan.cfg.actor.model.dtype).params  # on the device in every phase (no offload)
-    assert ref["rollout"].gpu == {"cuda context": C.CUDA_CONTEXT, "ref params": states}
+    assert ref["rollout"].gpu == {"cuda context": C.CUDA_CONTEXT, "ref params": states, NCCL: C.NCCL_COMMUNICATOR_BYTES}
     # a device in ref_logprob: the policy's resident states, the reference's everything, once each
-    assert plan.device("ref_logprob") == {k: trainer["ref_logprob"].gpu.get(k, 0) + ref["ref_logprob"].gpu.get(k, 0)
+    assert plan.device("ref_logprob")[DRIVER_CONTEXT] == 0  # the Ray driver touches no GPU
+    assert {k: v for k, v in plan.device("ref_logprob").items() if k != DRIVER_CONTEXT} == {k: trainer["ref_logprob"].gpu.get(k, 0) + ref["ref_logprob"].gpu.get(k, 0)
                                           for k in set(trainer["ref_logprob"].gpu) | set(ref["ref_logprob"].gpu)}
 
 
@@ -105,7 +108,7 @@ def test_ray_critic_is_a_process_with_its_states_and_update():
     assert critic.phases["update"].gpu["critic grads"] == st.grads
     assert "critic grads" not in critic.phases["rollout"].gpu
     assert critic.phases["rollout"].gpu == {"cuda context": C.CUDA_CONTEXT, "critic params": st.params,
-                                            "critic optimizer": st.optimizer}
+                                            "critic optimizer": st.optimizer, NCCL: C.NCCL_COMMUNICATOR_BYTES}
     assert not any("critic" in k for ph in ppo.phases for k in ppo.process("trainer").phases[ph].gpu)
     for ph in ("rollout", "update"):
         assert sum(ppo.device(ph).values()) - sum(grpo.device(ph).values()) == sum(critic.phases[ph].gpu.values())

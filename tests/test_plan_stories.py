@@ -290,11 +290,14 @@ def test_images_1024_prompts_max_pixels_4mp_vs_1mp(images_plan):
     update = [p.peaks()["update"][0] for p in (big, small)]
     assert update[0] - update[1] == pytest.approx(gpu, abs=2)
     assert gpu / 2**30 == pytest.approx(15.24, abs=0.01)
-    # the device's peak: the update at 4 MP; at 1 MP the rollout, where the vLLM engine takes
-    # rollout.gpu_memory_utilization=0.6 of each of its tensor_parallel_size=2 devices
+    # the device's peak: the update at both budgets. At 1 MP the rollout, where the vLLM engine
+    # takes rollout.gpu_memory_utilization=0.6 of each of its tensor_parallel_size=2 devices, comes
+    # close but the update holds more: the sleeping engine's residue and its TP group's NCCL
+    # buffers beside the trainer's own (assumed terms, fitrl/memory/gpu_terms.py)
     (phase_big, gpu_big), (phase_small, gpu_small) = peak(big, 0), peak(small, 0)
     assert (phase_big, gpu_big) == ("update", update[0])
-    assert phase_small == "rollout" and small.device("rollout")["engine (weights, kv cache)"] == int(0.6 * 80 * 2**30)
+    assert small.device("rollout")["engine (weights, kv cache)"] == int(0.6 * 80 * 2**30)
+    assert phase_small == "update" and gpu_small == update[1]
     # a frozen tower saves nothing for backward: one block's working set (4e + 2I) instead
     frozen = images_plan("1", "actor.model.freeze_vision_tower=true").process("trainer").phases["update"].gpu
     saved = micro * images * PATCHES[4_194_304] * (VIT_PER_PATCH - (4 * 1280 + 2 * 3420) * 2)

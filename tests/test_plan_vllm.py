@@ -51,7 +51,7 @@ def test_kv_cache_memory_sizes_the_engine_instead_of_the_utilization():
 
 
 def test_recommendations_name_the_keys_users_set():
-    changes = {c.text: c.overrides for c in candidates(_plan("rollout.gpu_memory_utilization=0.5"))}
+    changes = {c.text: c.overrides for c in candidates(_plan("rollout.gpu_memory_utilization=0.5", "rollout.sleep_level=1"))}
     assert changes["rollout.sleep_level 1 -> 2"] == [("rollout.sleep_level", 2)]
     assert changes["rollout.gpu_memory_utilization 0.5 -> 0.4"] == [("rollout.gpu_memory_utilization", 0.4)]
     # with a KV cache of a set size, the utilization is not read: the size is what to lower

@@ -174,6 +174,55 @@ VLLM_ACTIVATION_RESERVE = int(2.0 * GIB)
 """Assumed: what vLLM keeps for activations and CUDA graphs inside its budget
 (``gpu_memory_utilization``) besides weights and KV cache, for a 7B-72B model."""
 
+# --------------------------------------------------------------------------- device (GPU): assumed, to be measured
+# What a GPU run holds that no GPU has measured yet. Each is a named entry of the plan's table,
+# marked "(assumed)" there (fitrl/memory/gpu_terms.py), and applies only to ``device=cuda``
+# plans; ``make gpu-check`` measures them on the next GPU, which then replaces these figures.
+NCCL_CHANNELS = 16
+"""Documented by NCCL's own logs: "16 coll channels, ... 16 p2p channels" on 8 x H100/H800
+over NVLink (NVIDIA/nccl#892, #1453). NCCL's buffer memory "is linearly tied to the number of
+channels" (its maintainer, NVIDIA/nccl#864 and #986)."""
+NCCL_CONNECTIONS_PER_CHANNEL = 3
+"""Assumed: a rank's peers per channel that it holds buffers for: the ring's one (the previous
+rank) and the tree's two (parent and child of the intra-node chain). NCCL 2.22 and later connect
+an algorithm's peers at its first use (``NCCL_RUNTIME_CONNECT``): FSDP2's all-gathers and
+reduce-scatters use the ring, the gradient-norm all-reduce may use the tree. NVLink SHARP
+(NVLS, on NVSwitch systems) allocates more and is not counted: ``NCCL_NVLS_ENABLE=0`` frees it
+(NVIDIA/NeMo-Framework-Launcher#127)."""
+NCCL_CONNECTION_BYTES = 10 * MIB
+"""Documented: one connection's buffers per channel: the Simple protocol's ``NCCL_BUFFSIZE``
+(4 MiB default, NCCL's environment docs), LL128's 4.69 MiB (120 x 640 threads x 8 steps x 8 B)
+and LL's 0.5 MiB (8 x 512 x 8 x 16 B): 9.19 MiB, the figure measured per network proxy connection
+(in pinned host memory there: tonyd2wild/DeepSeek-V4.1-Flash-vLLM-DGX-Spark#8); on the device
+allocated as 10,485,760-byte buffers (cuMem's 2 MiB granularity: ``NCCL_DEBUG_SUBSYS=ALLOC`` on
+8 x H100, NVIDIA/nccl#1685)."""
+NCCL_COMMUNICATOR_BYTES = NCCL_CHANNELS * NCCL_CONNECTIONS_PER_CHANNEL * NCCL_CONNECTION_BYTES
+"""Assumed: the device memory one NCCL communicator holds on a rank, outside PyTorch's caching
+allocator: 16 channels x 3 peers x 10 MiB = 480 MiB. Reports run from 0.1 GiB (NVIDIA/nccl#34, old
+GPUs) to 1.6 GiB after an all-reduce (NVIDIA/nccl#864, hardware not given); an all-to-all on 8 x
+H100 connects 32 channels to every peer, 3.3 GiB (NVIDIA/nccl#1685; fitrl's Ulysses all-to-all
+is not planned at that). Per communicator a rank holds: fitrl/memory/gpu_terms.py."""
+VLLM_TP_COMMUNICATORS = 2
+"""Assumed: NCCL communicators a vLLM TP worker holds for its tensor-parallel group (tp > 1):
+PyNccl's and the group's torch device group (vLLM ``GroupCoordinator``). Inside the engine's
+budget while awake (vLLM's profiling counts them as non-torch memory); kept while it sleeps
+(vllm-project/vllm#45623: CUDA graphs and PyNccl communicators stay resident while an engine
+sleeps)."""
+VLLM_SLEEP_RESIDUE = int(1.0 * GIB)
+"""Assumed: what a sleeping vLLM engine keeps per device besides its NCCL buffers and the CUDA
+context of the process it runs in: its CUDA-graph pools and persistent buffers. Level-1 sleep
+"releases weights and KV cache, but leaves graph executables and native CUDA graph pools
+resident" (vllm-project/vllm#56373); vLLM V0 warned that "CUDA graphs can take additional 1~3
+GiB memory per GPU" (its model_runner.py, quoted in mlcommons/inference#2267); V1 estimates
+0.36 GiB of graphs for a small model (gpustack/runner#251) and 1.5 GB for Kimi-K2 at TP8
+(vllm-project/vllm#47654); a sleeping Llama-3.2-1B engine at TP1 held 774 MiB with its own CUDA
+context (NVIDIA-NeMo/RL#223). 1 GiB: a 7B's graphs and buffers."""
+DRIVER_CUDA_CONTEXT = 0
+"""Assumed: the Ray driver's device memory. It never touches ``torch.cuda`` (the trainer ranks
+measure and synchronise their own devices), so it creates no CUDA context; one would be
+:data:`CUDA_CONTEXT` more on GPU 0 of node 0. In one process the driver is the trainer rank,
+whose context is counted once (fitrl/memory/trainer.py). ``make gpu-check`` probes it."""
+
 # --------------------------------------------------------------------------- host allocators
 CPU_ALLOCATOR_SLACK = 1.0
 """Measured: with ``MALLOC_MMAP_THRESHOLD_=65536`` (``plan.host_malloc: mmap``) a CPU process's RSS

@@ -41,6 +41,9 @@ class RolePlanner(ABC):
     own_device: bool = False
     """Under Ray its ranks sit on bundles (devices) of their own, not the policy's: a device's peak
     is theirs alone (:meth:`fitrl.memory.model.Plan.peaks`)."""
+    process_group: bool = True
+    """Under Ray its ranks join a ``torch.distributed`` world of their own (FSDP2's collectives;
+    NCCL on CUDA: :func:`fitrl.memory.gpu_terms.communicators`)."""
 
     @abstractmethod
     def built(self, run: Run) -> bool:
@@ -75,6 +78,12 @@ class RolePlanner(ABC):
         """Its processes on the busiest node when not one per trainer device (None)."""
         return None
 
+    def communicators(self, run: Run, fsdp) -> int:
+        """NCCL communicators its rank holds beyond its process's default group: a hybrid FSDP2
+        mesh across nodes splits the default group into its two dimensions (replicate, shard:
+        fitrl/distributed/fsdp.py, ``shard``), each a communicator of its own."""
+        return 2 if fsdp.strategy == "hybrid" and run.hw.nodes > 1 else 0
+
 
 ROLE_PLANNERS: Registry[RolePlanner] = Registry("role memory planner", "")
 """The plan lists the roles' states (and processes) in registration order: policy, reference, critic."""
@@ -103,6 +112,15 @@ class PolicyPlanner(RolePlanner):
     def passes(self, run: Run) -> set[str]:
         return {"old_logprob", "update"} | ({"ref_logprob"} if run.lora else set())
 
+    def communicators(self, run: Run, fsdp) -> int:
+        return _with_sequence_group(run, super().communicators(run, fsdp))
+
+
+def _with_sequence_group(run: Run, n: int) -> int:
+    """``n`` communicators and the sequence-parallel group the policy's and the reference's ranks
+    split their passes over (``actor.ulysses_size`` > 1: fitrl/distributed/ulysses.py)."""
+    return n + (run.ulysses > 1)
+
 
 class ReferencePlanner(RolePlanner):
     """The frozen reference model for the KL term; with LoRA the policy with its adapters off
@@ -123,6 +141,9 @@ class ReferencePlanner(RolePlanner):
 
     def passes(self, run: Run) -> set[str]:
         return {"ref_logprob"}
+
+    def communicators(self, run: Run, fsdp) -> int:
+        return _with_sequence_group(run, super().communicators(run, fsdp))
 
 
 class CriticPlanner(RolePlanner):
@@ -273,6 +294,7 @@ class RolloutPlanner(RolePlanner):
     one process, a thread of the trainer's process, generating in every phase of the step when
     ``rollout.mode`` overlaps it (its memory adds to the update's)."""
     name, title, own_device = "rollout", "rollout worker (Ray actor)", True
+    process_group = False  # a whole copy of the weights each: no collective ever connects NCCL's buffers
 
     def built(self, run: Run) -> bool:
         return run.cfg.rollout.workers > 0

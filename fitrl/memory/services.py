@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fitrl.memory import calibration as C
 from fitrl.memory.engines import engine_planner
+from fitrl.memory.gpu_terms import DRIVER_CONTEXT
 from fitrl.memory.model import PHASES, ProcessPlan, Usage
 from fitrl.memory.run import Run
 from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
@@ -41,6 +42,8 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
         d, n, r0 = Usage(), Usage(), Usage()
         if run.fsdp:  # in-process, the driver is the trainer's process (runtime and batch counted there)
             d.add("host", "runtime", C.DRIVER_RUNTIME)
+            if run.cuda:  # named though 0 (Usage.add keeps no 0): the table says it was not forgotten
+                d.gpu[DRIVER_CONTEXT] = C.DRIVER_CUDA_CONTEXT
         d.add("host", "image buffers", driver_images(run, ph))
         if ph not in ("load", "validation") and run.fsdp:
             d.add("host", "batch", run.batch_bytes(seqs_step))

@@ -52,6 +52,9 @@ class States:
     params: int
     grads: int = 0
     optimizer: int = 0
+    optimizer_pinned: int = 0
+    """``optimizer`` with each moment's shard in a pinned host block (a power of two: offloaded by
+    ``offload_optimizer`` on CUDA, fitrl/memory/gpu_terms.py); not part of :attr:`total`."""
 
     @property
     def total(self) -> int:
@@ -72,7 +75,8 @@ def trained_states(shape: ModelShape, world: int = 1, dtype: str = "float32", pi
     trained = [s for _, s in shape.tensors(with_vision and not frozen_vision)]
     b = DTYPE_BYTES[dtype]
     return States(params=tensors_bytes(shapes, b, world, pinned), grads=tensors_bytes(trained, b, world, pinned),
-                  optimizer=tensors_bytes(trained, 8, world) + ADAM_STEP_BYTES * len(trained))
+                  optimizer=tensors_bytes(trained, 8, world) + ADAM_STEP_BYTES * len(trained),
+                  optimizer_pinned=adam_pinned(trained, world))
 
 
 def lora_states(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str], world: int = 1,
@@ -85,7 +89,15 @@ def lora_states(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[st
     b = DTYPE_BYTES[dtype]
     return States(params=tensors_bytes(base, b, world, pinned) + tensors_bytes(adapters, b, world, pinned),
                   grads=tensors_bytes(adapters, b, world, pinned),
-                  optimizer=tensors_bytes(adapters, 8, world) + ADAM_STEP_BYTES * len(adapters))
+                  optimizer=tensors_bytes(adapters, 8, world) + ADAM_STEP_BYTES * len(adapters),
+                  optimizer_pinned=adam_pinned(adapters, world))
+
+
+def adam_pinned(trained: list[tuple[int, ...]], world: int = 1) -> int:
+    """AdamW's states of ``trained`` with each fp32 moment (``exp_avg``, ``exp_avg_sq``: one
+    shard each per tensor) in a pinned block of its own, rounded up to a power of two; the
+    ``step`` scalars as in ``optimizer`` (4 bytes: their rounding is nothing)."""
+    return 2 * tensors_bytes(trained, 4, world, pinned=True) + ADAM_STEP_BYTES * len(trained)
 
 
 def lora_layer_params(shape: ModelShape, rank: int, targets: tuple[str, ...] | list[str]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from fitrl.memory import calibration as C
 from fitrl.memory.engines import engine_planner
+from fitrl.memory.gpu_terms import NCCL, OUTSIDE_ALLOCATOR, nccl_buffers, pinned_optimizer
 from fitrl.memory.model import ProcessPlan, Usage
 from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, pass_transient,
                                  traced_transient, vision_activations)
@@ -59,6 +60,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
     # one role updates at a time: the critic's update (fitrl/trainer/loop.py, before the policy's)
     # frees its gradients when it ends, so a process holding both has one role's gradients at once
     updating = max((r for r in roles if roles[r][0].grads), key=lambda r: roles[r][0].grads, default=None)
+    nccl = nccl_buffers(run, [(r, fsdp) for r, (_, fsdp) in roles.items()])  # (assumed: 0 off CUDA, in one process)
     for ph in run.phases:  # only the phases this run has: an absent one's traces would be wasted start-up
         u = Usage()
         # a Ray role actor of its own (reference, critic) costs a process runtime like a trainer rank's
@@ -66,7 +68,9 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
         u.add("host", "runtime", C.PEFT_IMPORT_HOST if run.lora and trainer else 0)
         if cuda:  # every process on the device has its own context
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
+        u.add("gpu", NCCL, nccl)
         for role, (st, fsdp) in roles.items():
+            full = st  # (the update's; st becomes what this phase holds)
             on_dev, opt_dev = resident(role, fsdp, ph, run)
             label = "" if role == "actor" else f"{role} "
             pinned_grads = 0
@@ -87,6 +91,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             u.add("host", f"pinned cache ({label}grads)", pinned_grads)
             u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",
                   st.optimizer)
+            pinned_optimizer(run, fsdp, full, st, opt_dev, u, label)  # its pinned blocks (assumed)
             for part, size in ROLE_PLANNERS.get(role).own_pass(run, ph).items():  # a reward model's, a judge's
                 u.add(dev, part, size * (1.0 if cuda else C.CPU_ALLOCATOR_SLACK))
             for part, size in ROLE_PLANNERS.get(role).own_host(run, ph).items():  # a rollout worker's mailbox
@@ -223,11 +228,12 @@ def _logits_note(run: Run, phase: str, batch: int, notes: list[str]) -> None:
 def allocator_reserve(phase: str, u: Usage) -> None:
     """What PyTorch's caching allocator reserves beyond the live tensors in a phase that computes
     (one with transients): a measured multiple of everything it holds then
-    (:data:`~fitrl.memory.calibration.GPU_RESERVED_FACTORS`); the CUDA context is outside it."""
+    (:data:`~fitrl.memory.calibration.GPU_RESERVED_FACTORS`); the CUDA context and NCCL's buffers
+    are outside it (:data:`~fitrl.memory.gpu_terms.OUTSIDE_ALLOCATOR`)."""
     if not any(u.gpu.get(k, 0) for k in TRANSIENT):
         return
     factor = C.GPU_RESERVED_FACTORS.get(phase, C.GPU_RESERVED_FACTOR_OTHER)
-    u.add("gpu", "allocator reserve", (factor - 1) * sum(v for k, v in u.gpu.items() if k != "cuda context"))
+    u.add("gpu", "allocator reserve", (factor - 1) * sum(v for k, v in u.gpu.items() if k not in OUTSIDE_ALLOCATOR))
 
 
 # ("bf16 widening" is not one: its term is already RSS, CPU_BF16_WIDENING_RSS_FACTOR)

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fitrl.memory import calibration as C
+from fitrl.memory.gpu_terms import assumed_parts
 from fitrl.memory.model import Plan
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.planner.recommend import Recommendation, as_overrides
@@ -109,6 +110,27 @@ def process_table(plan: Plan) -> Table:
     return t
 
 
+def assumed_table(plan: Plan) -> Optional[Table]:
+    """The plan's assumed terms (fitrl/memory/gpu_terms.py: NCCL's buffers, a sleeping engine's
+    residue, pinned host blocks, the driver's context), each at its largest over the phases on a
+    device and on node 0; None on a plan without them (every CPU plan)."""
+    gpu: dict[str, int] = {}
+    host: dict[str, int] = {}
+    for ph in plan.phases:
+        for out, parts in ((gpu, plan.device(ph)), (host, plan.node_host(ph))):
+            for k, v in assumed_parts(parts).items():
+                out[k] = max(out.get(k, 0), v)
+    if not gpu and not host:
+        return None
+    t = Table(title="assumed (constants no GPU has measured yet: `make gpu-check` measures them)",
+              title_justify="left")
+    for col in ("term", "GPU GiB per device", "host GiB per node"):
+        t.add_column(col, justify="left" if col == "term" else "right")
+    for k in sorted(set(gpu) | set(host)):
+        t.add_row(k, gib(gpu[k]) if k in gpu else "", gib(host[k]) if k in host else "")
+    return t
+
+
 def limits_text(plan: Plan) -> str:
     """``usable: a device 76.7 of 79.1 GiB (band ±12 %, assumed: ...); a node ...``: the limits
     the verdict holds the peaks against (the guard's thresholds) and the plan's bands."""
@@ -187,6 +209,9 @@ def print_plan(plan: Plan, recs: list[Recommendation], combo: Optional[Recommend
     for table in phase_tables(plan):
         console.print(table)
     console.print(process_table(plan))
+    assumed = assumed_table(plan)
+    if assumed is not None:
+        console.print(assumed)
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False, soft_wrap=False)
     console.print(verdict(plan), soft_wrap=False)

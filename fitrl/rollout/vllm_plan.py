@@ -15,6 +15,7 @@ from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
 from fitrl.memory.change import Change
 from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner, unused_engine_emulation
+from fitrl.memory.gpu_terms import ENGINE_ASLEEP, NCCL
 from fitrl.memory.model import PHASES, Hardware, ProcessPlan, Usage
 from fitrl.memory.run import Run
 from fitrl.models.shape import numel
@@ -72,7 +73,7 @@ class VLLMPlanner(EnginePlanner):
             out.append(Change([("plan.emulate.free_cache_engine", False)],
                               "faster: the engine sleeps instead of rebuilding",
                               "plan.emulate.free_cache_engine true -> false (fitrl's engine sleeps and wakes)"))
-        if tier == "slower" and e.sleep_level == 1 and cuda:  # on CPU the engine never sleeps
+        if tier == "slower" and sleep_level(cfg) == 1 and cuda:  # on CPU the engine never sleeps
             out.append(Change([("rollout.sleep_level", 2)], "slightly slower: weights re-synced at each wake",
                               "rollout.sleep_level 1 -> 2"))
         if tier == "cache":
@@ -123,8 +124,10 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
         notes.append(f"vLLM: a rollout needs {demand:,} KV tokens per engine, the cache holds {capacity:,}: "
                      "sequences are preempted and recomputed (slower, not an OOM)")
     # sleep level 1: every TP worker backs its own shard up to pinned host memory (rounded per tensor)
-    backup = workers * full_weights(shape, "bfloat16", tp, pinned=True) if e.sleep_level == 1 else 0
+    level = sleep_level(run.cfg)
+    backup = workers * full_weights(shape, "bfloat16", tp, pinned=True) if level == 1 else 0
     swap = int(workers * em.swap_space_gib * C.GIB)  # vLLM's swap_space is per GPU: every TP worker's
+    asleep_nccl = C.VLLM_TP_COMMUNICATORS * C.NCCL_COMMUNICATOR_BYTES if tp > 1 else 0  # its TP group's
     phases = {}
     for ph in PHASES:
         u = Usage()
@@ -132,7 +135,7 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
             u.add("host", "runtime", workers * C.VLLM_PROCESS_RUNTIME)
         else:  # in the trainer rank's process: vLLM and the engine's structures
             u.add("host", "vLLM runtime", workers * C.VLLM_IN_PROCESS_RUNTIME)
-        awake = ph in ("rollout", "validation") or e.sleep_level == 0
+        awake = ph in ("rollout", "validation") or level == 0
         # loading streams the checkpoint through the node's page cache (its RSS shows those shared
         # pages: ~runtime + weights per engine, failure story 2); they are counted once per node
         if awake:
@@ -141,6 +144,8 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
             u.add("gpu", "engine weights", weights)
         elif ph != "load":
             u.add("host", "engine weights (asleep)", backup)
+        if not awake:
+            _asleep(u, asleep_nccl)
         if ph != "load":
             u.add("host", "engine swap space", swap)
         if em.separate_processes and run.cuda:
@@ -148,13 +153,31 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
         phases[ph] = u
     # an engine awake through training (sleep_level 0: veRL's free_cache_engine=False) never frees its
     # cache, so it never rebuilds it: the emulated rebuild's growth needs an engine that sleeps
-    growth = (swap + backup) * engines if em.free_cache_engine and e.sleep_level != 0 else 0
+    growth = (swap + backup) * engines if em.free_cache_engine and level != 0 else 0
     if growth:
         where = "per engine" if workers == tp else f"per engine's {workers} workers on a node"
         notes.append(f"plan.emulate.free_cache_engine rebuilds the engine every step; its pinned host blocks "
                      f"({(swap + backup) / C.GIB:.1f} GiB {where}) stay cached: host grows "
                      f"{growth / C.GIB:.0f} GiB per step")
     return ProcessPlan("engine", engines, phases), growth
+
+
+def sleep_level(cfg) -> int:
+    """The level the engine sleeps at, as it picks it (``rollout.sleep_level``; ``auto``: 2 in a
+    training run, whose every update pushes the weights, 1 with ``trainer.val_only``:
+    :meth:`fitrl.config.rollout.RolloutConfig.sleep_level_for`)."""
+    return cfg.rollout.sleep_level_for(pushes=not cfg.trainer.val_only)[0]
+
+
+def _asleep(u: Usage, nccl: int) -> None:
+    """What a sleeping engine keeps on each of its devices (assumed, fitrl/memory/gpu_terms.py):
+    its CUDA-graph pools and buffers, and its TP group's NCCL buffers; awake, both are inside its
+    budget. Loading included: the engine sleeps right after it is built when the trainer's roles
+    share its devices (fitrl/rollout/vllm_engine.py), before the reference, critic and reward
+    models load; its awake moment at build holds no more than the rollout, which has the same
+    policy states beside the awake engine."""
+    u.add("gpu", ENGINE_ASLEEP, C.VLLM_SLEEP_RESIDUE)
+    u.add("gpu", NCCL, nccl)
 
 
 def engine_budget(run: Run, tp: int) -> tuple[int, int, int]:

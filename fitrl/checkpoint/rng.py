@@ -13,6 +13,8 @@ import random
 import numpy as np
 import torch
 
+from fitrl.core.device import cuda_here, cuda_in_use
+
 
 def python_numpy_state() -> dict:
     version, internal, gauss = random.getstate()
@@ -30,12 +32,12 @@ def set_python_numpy_state(state: dict) -> None:
 
 def torch_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda_in_use():  # (a Ray driver has none: its ranks save theirs)
         state["cuda"] = torch.cuda.get_rng_state()  # this process's current device (one per rank)
     return state
 
 
 def set_torch_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and cuda_here():  # (a Ray driver resuming an in-process run's state: the ranks' to set)
         torch.cuda.set_rng_state(state["cuda"])

@@ -70,8 +70,8 @@ class FSDPConfig:
     """``full``: shard over all ranks; ``hybrid``: shard within a node, replicate across nodes."""
     init: Literal["rank0", "every_rank"] = "rank0"
     """``rank0``: rank 0 reads the checkpoint and broadcasts into the shards (host memory ~ one copy per node); ``every_rank``: each rank reads it."""
-    mixed_precision: bool = False
-    """bf16 compute on fp32 master weights. Under FSDP2 (``trainer.backend=ray``): bf16 parameters for compute and all-gather, fp32 gradient reduction (MixedPrecisionPolicy). In one process (``inprocess``, actor and reference): every forward (generation, log-probs, the update's) under ``torch.autocast`` to bf16, which holds a bf16 copy of the weights while a forward runs. On a CPU without bf16 GEMM kernels (no AVX-512 or AMX: PyTorch's bf16 ``mm`` there runs at 1-3 GFLOP/s) the bf16 products run in the fp32 kernel on the same bf16 operands and are rounded once to bf16 (fitrl/core/bf16_matmul.py)."""
+    mixed_precision: Optional[bool] = None
+    """bf16 compute on fp32 master weights; unset: on where the run computes on CUDA, off on CPU (``default_mixed_precision`` in fitrl/config/schema.py; a critic in one process: off).  Under FSDP2 (``trainer.backend=ray``): bf16 parameters for compute and all-gather, fp32 gradient reduction (MixedPrecisionPolicy). In one process (``inprocess``, actor and reference): every forward (generation, log-probs, the update's) under ``torch.autocast`` to bf16, which holds a bf16 copy of the weights while a forward runs. On a CPU without bf16 GEMM kernels (no AVX-512 or AMX: PyTorch's bf16 ``mm`` there runs at 1-3 GFLOP/s) the bf16 products run in the fp32 kernel on the same bf16 operands and are rounded once to bf16 (fitrl/core/bf16_matmul.py)."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: shards, gradients and optimizer step live in host memory, copied to the device per layer."""
     offload_params: bool = False

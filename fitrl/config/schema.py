@@ -15,6 +15,8 @@ Batch sizes have one definition (docs/architecture.md, "Batch sizes"):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from fitrl.config.batch_sizes import BatchSizes
@@ -32,6 +34,18 @@ __all__ = ["ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", 
            "OptimConfig", "OverlongConfig", "PlanConfig", "RefConfig", "RewardConfig", "RolloutConfig",
            "RolloutCorrectionConfig", "SamplingConfig", "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes",
            "derived_batch_numbers"]
+
+
+def default_mixed_precision(role: str, device_type: str, backend: str) -> bool:
+    """Whether ``role`` computes in bf16 (``<role>.fsdp.mixed_precision``) when the config leaves
+    it unset. On CUDA yes: bf16 tensor cores run about twice fp32's (TF32) rate and the activations
+    take half the memory, while the master weights, gradients' reduction and AdamW stay fp32; the
+    engine then computes in bf16 too (``PolicyWorker.engine_context``). On CPU no: most CPUs lack
+    bf16 GEMM kernels, and CPU runs stay as they were. A critic in one process: no (its bf16 needs
+    FSDP2, ``trainer.backend=ray``)."""
+    if device_type != "cuda":
+        return False
+    return not (role == "critic" and backend == "inprocess")
 
 
 @dataclass
@@ -82,6 +96,24 @@ class FitrlConfig:
         """Ranks that train on different sequences: the world over ``actor.ulysses_size`` (the
         ranks of a sequence-parallel group hold the same ones)."""
         return self.world_size // self.actor.ulysses_size
+
+    def with_device_defaults(self, device_type: str) -> "FitrlConfig":
+        """This config with the defaults that depend on the device the run computes on filled in
+        (``device_type``: ``cuda`` or ``cpu``; the trainer's resolved ``trainer.device``, the
+        planner's ``plan.hardware.device``): each role's unset ``fsdp.mixed_precision``
+        (:func:`default_mixed_precision`). A shallow copy; what the user set is kept."""
+        roles = {}
+        for role in ("actor", "ref", "critic"):
+            section = getattr(self, role)
+            if section.fsdp.mixed_precision is None:
+                on = default_mixed_precision(role, device_type, self.trainer.backend)
+                roles[role] = dataclasses.replace(section, fsdp=dataclasses.replace(section.fsdp, mixed_precision=on))
+        if not roles:
+            return self
+        out = copy.copy(self)  # (not replace(): __post_init__'s checks have run on these values)
+        for role, section in roles.items():
+            setattr(out, role, section)
+        return out
 
     def autocast_dtype(self, role: str) -> str | None:
         """``bfloat16`` where ``<role>.fsdp.mixed_precision`` runs without FSDP2 (one process):

@@ -38,6 +38,7 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     import fitrl.rollout  # noqa: F401
     from fitrl.config.choices import algorithm_needs
 
+    cfg = cfg.with_device_defaults(hardware.device)  # what the run there computes in (bf16 on CUDA)
     shape = shape or ModelShape.from_path(cfg.actor.model.path)
     ref_shape = ModelShape.from_path(cfg.ref.model.path) if cfg.ref.model and cfg.ref.model.path else None
     spec = algorithm_needs(cfg)

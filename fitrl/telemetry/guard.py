@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from fitrl.core.device import cuda_in_use
 from fitrl.distributed.collectives import all_reduce_max, world_size
 from fitrl.telemetry import memory as mem
 from fitrl.telemetry.memory import GIB
@@ -100,7 +101,7 @@ class MemoryGuard:
         """This process's verdict now (None: memory is fine)."""
         if not self.settings.enabled:
             return None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if cuda_in_use():  # (not in a Ray driver: device-wide use there is the ranks', which they guard)
             used = mem.gpu_used_fraction()
             if used > self.settings.gpu_max_fraction:
                 free, total = torch.cuda.mem_get_info()

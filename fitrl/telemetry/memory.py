@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from fitrl.core.device import cuda_in_use
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -165,7 +167,7 @@ def read_memory(uss: bool = False) -> MemoryReading:
     """A snapshot; ``uss=True`` adds the page-table walk (:func:`uss_bytes`), else ``host_uss`` is 0."""
     reading = MemoryReading(host_rss=rss_bytes(), host_uss=uss_bytes() if uss else 0,
                             node_available=node_available_bytes(), node_total=node_total_bytes())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda_in_use():  # (a Ray driver: mem_get_info would make a context on GPU 0 to read the ranks' use)
         reading.gpu_allocated = torch.cuda.memory_allocated()
         reading.gpu_reserved = torch.cuda.memory_reserved()
         free, reading.gpu_total = torch.cuda.mem_get_info()
@@ -175,7 +177,7 @@ def read_memory(uss: bool = False) -> MemoryReading:
 
 def gpu_used_fraction() -> float:
     """Fraction of the current device in use by every process on it (0 without CUDA)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not cuda_in_use():
         return 0.0
     free, total = torch.cuda.mem_get_info()
     return 1.0 - free / total

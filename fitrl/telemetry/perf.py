@@ -31,6 +31,7 @@ import torch
 
 from fitrl.core.bf16_matmul import bf16_matmuls, cpu_has_bf16_matmul
 from fitrl.core.cache import cache_root
+from fitrl.core.device import gpu_name
 
 log = logging.getLogger("fitrl.telemetry")
 
@@ -162,7 +163,7 @@ def cpu_peak_flops(threads: int, dtype: str, *, path: Optional[Path] = None,
 def device_peak_flops(device: torch.device, dtype: str, threads: Optional[int] = None) -> tuple[Optional[float], str]:
     """(peak FLOP/s of one device, where it came from); (None, why) when it is not known."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+        name = gpu_name(device)  # (a Ray driver: a cluster GPU's, read in another process)
         tf32 = dtype not in HALF_DTYPES and tf32_enabled()
         peak = gpu_peak_flops(name, dtype, tf32=tf32)
         kind = "bf16/fp16" if dtype in HALF_DTYPES else ("tf32" if tf32 else "fp32")

@@ -27,6 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from fitrl.core.device import cuda_in_use
 from fitrl.telemetry.memory import GIB, peak_rss_bytes, read_memory, reset_peak_rss, uss_bytes
 from fitrl.telemetry.peak_sampler import SAMPLER
 
@@ -155,7 +156,7 @@ class PhaseRecorder:
             finally:
                 self._depth -= 1
             return
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = cuda_in_use()  # (never in a Ray driver: its ranks' GPU work is theirs to record)
         start = read_memory(uss=False)
         rewind = self.phase_peaks == "rewind"
         if rewind:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from fitrl.core.device import cuda_in_use
 from fitrl.ops.sharing import SKIPPED_PROMPTS
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.phases import RECORDER, in_phase
@@ -50,8 +51,10 @@ class PhaseTimer:
         try:
             with in_phase(name), RECORDER.phase(name), SKIPPED_PROMPTS.during(name):
                 yield
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()  # otherwise GPU work is billed to whichever phase syncs next
+                # otherwise GPU work is billed to whichever phase syncs next; none in a Ray driver
+                # (the work is in the ranks, whose results it has already waited for)
+                if cuda_in_use():
+                    torch.cuda.synchronize()
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             GUARD.phase = previous

@@ -26,6 +26,7 @@ import torch
 from rich.console import Console
 
 from fitrl.config.schema import FitrlConfig
+from fitrl.core.device import cuda_in_use
 from fitrl.core.errors import RunStopped
 from fitrl.telemetry.guard import GUARD, MemoryPressure
 from fitrl.telemetry.leaks import LeakDetector
@@ -147,7 +148,7 @@ class MemoryWatch:
             return
         gc.collect()  # the abandoned step's batch and activations
         trim_heap()
-        if torch.cuda.is_available():
+        if cuda_in_use():  # (a Ray driver holds no CUDA cache: the ranks free their own)
             torch.cuda.empty_cache()
         done = step if step_done else step - 1
         path = None

@@ -1,6 +1,6 @@
 """``fitrl train``'s memory plan before any model loads.
 
-:func:`preflight` plans the run for the hardware this process sees (as ``fitrl plan`` would with
+:func:`preflight` plans the run for the hardware this process sees, or a Ray run's cluster (as ``fitrl plan`` would with
 that hardware) and, per ``memory.plan``: ``enforce`` stops a run predicted not to fit, printing
 the plan and the cheapest change that fits; ``warn`` prints the same and goes on; ``off`` skips
 it. A run that fits gets one line. The planner is a prediction, not a gate on its own bugs: any
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 from rich.console import Console
 
 from fitrl.config import ConfigError, FitrlConfig
-from fitrl.core.device import resolve_device
+from fitrl.core.device import cluster, resolve_device
+from fitrl.core.device import gpu_memory as device_memory
 from fitrl.core.errors import RunStopped
 from fitrl.memory import cache as plan_cache
 from fitrl.memory import calibration as C
@@ -47,21 +47,26 @@ log = logging.getLogger(__name__)
 
 
 def detect_hardware(cfg: FitrlConfig) -> Hardware:
-    """The hardware this run will use, read from this process.
+    """The hardware this run will use, read from this process, or in a Ray run's driver from the
+    cluster (it never touches CUDA: fitrl/core/device.py).
 
-    Device: ``trainer.device`` (``auto``: CUDA when this process sees it, as the run resolves it;
-    ``cuda`` without CUDA is a ConfigError, as in the run); nodes and devices per node:
-    ``trainer.nnodes`` x ``trainer.devices_per_node`` under ``trainer.backend=ray``, one under
-    ``inprocess``; device memory: CUDA device 0's; host memory: this machine's RAM. Under Ray every
-    node is taken to be like the driver's (a running cluster's other nodes are not asked): plan
-    other machines with ``fitrl plan --host-memory ...``.
+    Device: ``trainer.device`` (``auto``: CUDA when this process, or the Ray cluster, has it, as the
+    run resolves it; ``cuda`` without CUDA is a ConfigError, as in the run); nodes and devices per
+    node: ``trainer.nnodes`` x ``trainer.devices_per_node`` under ``trainer.backend=ray``, one under
+    ``inprocess``; device memory: CUDA device 0's, or one cluster GPU's (read by a Ray task holding
+    it); host memory: this machine's RAM, or that GPU's node's. Under Ray every node is taken to be
+    like that one (a running cluster's other nodes are not asked): plan other machines with
+    ``fitrl plan --host-memory ...``.
     """
     t = cfg.trainer
     device = resolve_device(t.device).type
     per_node = t.devices_per_node if t.backend == "ray" else 1
-    gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
+    gpu_memory, host_memory = (device_memory() if device == "cuda" else 0), node_total_bytes()
+    remote = cluster()
+    if remote is not None and device == "cuda":  # the ranks' nodes, not a head node that may have no GPU
+        host_memory = remote.facts().host_memory
     return Hardware(nodes=t.nnodes if t.backend == "ray" else 1, gpus_per_node=per_node, gpu_memory=gpu_memory,
-                    host_memory=node_total_bytes(), device=device)
+                    host_memory=host_memory, device=device)
 
 
 def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[Plan]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import random
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_b
 from fitrl.agents.tools import tool_schemas
 from fitrl.core.allocator import CUDA_ALLOC_CONF, cuda_alloc_env, preload_env, runtime_env_vars
 from fitrl.core.allocator import loaded as allocator_loaded
-from fitrl.core.device import resolve_device
+from fitrl.core.device import ClusterDevices, GPUFacts, cuda_in_use, driving, pick_device, resolve_device
 from fitrl.core.errors import DataError, EngineBroken, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.check import check_model_configs, check_run_models
@@ -33,6 +33,7 @@ from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
 from fitrl.trainer.rundir import open_run_dir
 from fitrl.trainer.sft import SFTTrainer, supervised_config
 from fitrl.trainer.signals import SIGNALS
+from fitrl.trainer.watchdog import collective_timeout_s
 from fitrl.workers.group import InProcessWorkerGroup, RoleHandle
 
 
@@ -98,13 +99,13 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
 
     ensure_ray(address=t.ray_address)
     SIGNALS.reinstall()  # ray.init replaces the SIGTERM handler with its own sys.exit
-    # collectives time out with the hang watchdog (a dead peer is an error naming the rank, not a
-    # wait for torch's default 30 min); never below a minute, which rendezvous and loading may take
+    # collectives time out just above the hang watchdog's largest limit (it fires and reports first;
+    # a dead peer is still an error naming the rank), and after an hour where a phase has none
     world, nnodes, per_node = (cfg.rollout.workers, 1, None) if own else (cfg.world_size, t.nnodes, t.devices_per_node)
     group = RayWorkerGroup(worker_cls, cfg, world_size=world, nnodes=nnodes,
                            devices_per_node=per_node, use_gpu=resolve_device(t.device).type == "cuda",
                            name=name, colocate_with=colocate_with.group if colocate_with else None,
-                           dist_timeout_s=max(60.0, t.hang_timeout_s) if t.hang_timeout_s else None,
+                           dist_timeout_s=collective_timeout_s(t.hang_timeout_s, t.hang_timeouts),
                            env_vars=_worker_env(cfg))
     stack.callback(group.shutdown)
     return RoleHandle(group, sequence_parallel=sequence_parallel)
@@ -123,6 +124,13 @@ def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = F
     fitrl/trainer/sft.py). ``where``: receives ``run_dir``, the run's directory."""
     console = console or Console(soft_wrap=True)
     _host_allocator(cfg.memory.host_allocator, console)
+    with _run_devices(cfg, console):
+        return _train_restarting(cfg, console, where, supervised)
+
+
+def _train_restarting(cfg: FitrlConfig, console: Console, where: dict | None, supervised: bool) -> list[dict[str, float]]:
+    """:func:`train` once its devices are known."""
+    cfg = cfg.with_device_defaults(resolve_device(cfg.trainer.device).type)  # (bf16 on CUDA)
     _device_allocator(cfg, console)
     restarts, event = 0, None
     where = {} if where is None else where
@@ -144,6 +152,30 @@ def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = F
             event = {"event": "restart", "restart": restarts, "cause": cause}
 
 
+def _run_devices(cfg: FitrlConfig, console: Console):
+    """Under Ray: connect to the cluster, and drive it for the run (fitrl/core/device.py): devices
+    resolved from its GPUs, which the head node need not have, and no ``torch.cuda`` call in this
+    process, whose ranks' work is elsewhere. In-process: nothing (this process's CUDA)."""
+    t = cfg.trainer
+    if t.backend != "ray":
+        return nullcontext()
+    if t.device == "cpu":  # nothing to ask the cluster: Ray starts with the first worker group, after the checks
+        return driving(ClusterDevices(gpus=0, probe=_no_gpu_probe))
+    from fitrl.workers.ray_group import cluster_devices, ensure_ray
+
+    ensure_ray(address=t.ray_address)
+    devices = cluster_devices()
+    kind = pick_device(t.device, devices.gpus, "the Ray cluster").type  # cuda without GPUs: one line, exit 2
+    if t.device == "auto":  # the head node's own CUDA is not asked: say where the ranks go
+        has = f"has {devices.gpus} GPU(s)" if devices.gpus else "has no GPU"
+        console.print(f"trainer.device=auto: {kind}, the Ray cluster {has}", highlight=False)
+    return driving(devices)
+
+
+def _no_gpu_probe() -> GPUFacts:
+    raise RuntimeError("trainer.device=cpu: no GPU is asked for")
+
+
 def _host_allocator(allocator: str, console: Console) -> None:
     """``memory.host_allocator`` for the processes this one starts (``LD_PRELOAD`` in the
     environment they inherit), and a line saying which processes run it."""
@@ -161,10 +193,11 @@ def _device_allocator(cfg: FitrlConfig, console: Console) -> None:
     CUDA initialises, which has not happened yet) and so of every process it starts."""
     if resolve_device(cfg.trainer.device).type != "cuda":
         return
-    vllm_sleeps = cfg.rollout.engine == "vllm" and cfg.rollout.sleep_level > 0
+    vllm_sleeps = cfg.rollout.engine == "vllm" and cfg.rollout.sleep_level != 0  # (auto: 1 or 2)
     env, why = cuda_alloc_env(cfg.memory.expandable_segments, vllm_sleeps)
     os.environ.update(env)
-    late = " (CUDA was initialised before: this process keeps its settings)" if env and torch.cuda.is_initialized() else ""
+    # (a Ray driver never initialises CUDA: its ranks start with the settings, fitrl/core/device.py)
+    late = " (CUDA was initialised before: this process keeps its settings)" if env and cuda_in_use() else ""
     console.print(f"GPU allocator: expandable segments {why}{late}", highlight=False)
 
 

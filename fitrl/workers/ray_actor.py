@@ -108,7 +108,8 @@ class RankActor:
     def health(self) -> dict:
         """This rank's phase, seconds since its last heartbeat and its main thread's stack. Called
         in the ``health`` concurrency group (a thread of its own: it answers while ``call`` is stuck)."""
-        return {**PROGRESS.report(), "role": self.role, "rank": self.rank, "pid": os.getpid(), "node_ip": self.node_ip}
+        return {**PROGRESS.report(), "role": self.role, "rank": self.rank, "pid": os.getpid(), "node_ip": self.node_ip,
+                "collectives": collectives_issued()}
 
     def skipped_prompts(self) -> dict[str, list[int]]:
         """The prompt copies this rank's passes did not run since the last call (fitrl/ops/sharing.py)."""
@@ -121,6 +122,25 @@ class RankActor:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def collectives_issued() -> Optional[int]:
+    """Collectives this process has issued on all its process groups (the sum of c10d's per-group,
+    per-backend sequence numbers; None before the group exists). The watchdog compares the ranks'
+    counts: an NCCL collective returns at enqueue, so the count, not the stack, shows a rank
+    that has entered a collective its peers have not (fitrl/trainer/watchdog.py)."""
+    if not dist.is_initialized():
+        return None
+    total = 0
+    try:
+        for group in list(dist.distributed_c10d._world.pg_map):
+            # a backend per device type ("cpu:gloo,cuda:nccl"), each with its own count; plain
+            # "gloo" serves both device types with one backend, counted once
+            backends = {id(b): b for b in (group._get_backend(d) for d in group._device_types)}
+            total += sum(b._get_sequence_number_for_group() for b in backends.values())
+    except (AttributeError, RuntimeError):  # a torch without them, or a group being torn down
+        return None
+    return total
 
 
 _REMOTE: dict[str, Any] = {}

@@ -19,9 +19,10 @@ What happens when a group is built:
    node (probed there by a zero-CPU task when it is not the driver's node).
 3. **Actors.** Each rank's actor exports ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
    ``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, sets the torch thread count to its CPU
-   share, calls ``torch.distributed.init_process_group`` (gloo on CPU, NCCL on GPU with the
-   actor's GPU made current) and only then constructs ``worker_cls(*args, rank=, world_size=,
-   **kwargs)``, so a worker's ``__init__`` may already use collectives (FSDP2, rank-0 loading).
+   share, calls ``torch.distributed.init_process_group`` (gloo on CPU; on GPU
+   ``cpu:gloo,cuda:nccl``, gloo serving offloaded host tensors, with the actor's GPU made
+   current) and only then constructs ``worker_cls(*args, rank=, world_size=, **kwargs)``, so a
+   worker's ``__init__`` may already use collectives (FSDP2, rank-0 loading).
 
 Actors request no CPU and a token GPU share themselves: the bundles hold the reservation.
 That is what lets another role share the same bundles: ``RayWorkerGroup(ReferenceWorker, cfg,
@@ -69,6 +70,7 @@ import os
 import time
 from typing import Any, Optional
 
+from fitrl.core.device import ClusterDevices, GPUFacts
 from fitrl.core.errors import WorkerFailed
 from fitrl.distributed.process_group import DistEnv, default_backend, free_port, is_port_taken
 from fitrl.telemetry.guard import MemoryPressure
@@ -122,6 +124,42 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
 
 
+PROBE_TIMEOUT_S = 120.0
+"""How long the driver waits for a GPU of the cluster to read its memory (a busy shared cluster)."""
+
+
+def cluster_devices(timeout_s: float = PROBE_TIMEOUT_S) -> ClusterDevices:
+    """The connected cluster's devices as the driver sees them, without touching CUDA in this
+    process: the ``GPU`` count of its nodes, and one GPU's facts probed on demand."""
+    import ray
+
+    return ClusterDevices(gpus=int(ray.cluster_resources().get("GPU", 0)), probe=lambda: probe_gpu(timeout_s))
+
+
+def read_gpu() -> GPUFacts:
+    """In a process holding one GPU (``CUDA_VISIBLE_DEVICES`` set by Ray): its name and memory,
+    and its node's RAM."""
+    import psutil
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return GPUFacts(name=props.name, memory=props.total_memory, host_memory=psutil.virtual_memory().total)
+
+
+def probe_gpu(timeout_s: float = PROBE_TIMEOUT_S) -> GPUFacts:
+    """:func:`read_gpu` in a Ray task holding one of the cluster's GPUs. ``max_calls=1``: the
+    worker process exits after it, taking whatever CUDA made there with it, so nothing stays on
+    the GPU a rank will use."""
+    import ray
+
+    task = ray.remote(num_cpus=0, num_gpus=1, max_calls=1, max_retries=0)(read_gpu)
+    ref = task.remote()
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise TimeoutError(f"no GPU of the Ray cluster came free in {timeout_s:.0f} s to read its memory") from None
+
 
 class RayWorkerGroup(WorkerGroup):
     """``world_size`` Ray actors, each holding one rank of ``worker_cls`` in one process group.
@@ -132,7 +170,7 @@ class RayWorkerGroup(WorkerGroup):
         nnodes: nodes to spread over (one STRICT_PACK placement group per node when > 1).
         devices_per_node: ranks per node; default ``world_size // nnodes``.
         num_cpus_per_worker: CPUs reserved per rank; also the rank's torch thread count.
-        use_gpu: one GPU per rank and NCCL; otherwise gloo on CPU.
+        use_gpu: one GPU per rank and ``cpu:gloo,cuda:nccl``; otherwise gloo on CPU.
         name: the role, used in messages, actor reprs (Ray logs) and placement-group names.
         colocate_with: another ``RayWorkerGroup`` whose bundles this group shares, rank by rank.
         backend: override the process-group backend (e.g. ``"cpu:gloo,cuda:nccl"``).

@@ -23,10 +23,12 @@ import torch
 from fitrl.core.packing import PackedLayout, packed_positions
 from fitrl.distributed.ulysses import ATTENTION as ULYSSES_ATTENTION, SequenceGroup, gather_sequence, sequence_parallel
 from fitrl.ops.sharing import full_attention
+from fitrl.ops.varlen import VARLEN
 
 # attention implementations that read packed positions as sequence boundaries (and Ulysses's, set
-# for the length of a sequence-parallel pass: its rows hold one sequence each)
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", ULYSSES_ATTENTION)
+# for the length of a sequence-parallel pass: its rows hold one sequence each; and the varlen
+# kernel's, set for a pass on CUDA: fitrl/ops/varlen.py)
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", ULYSSES_ATTENTION, VARLEN)
 
 
 def can_pack(model: torch.nn.Module, position_ids: torch.Tensor, model_kwargs: Optional[dict]) -> bool:

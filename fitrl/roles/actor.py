@@ -23,6 +23,7 @@ from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
 from fitrl.distributed.fsdp import fsdp_modules
 from fitrl.distributed.ulysses import SequenceGroup, over_pass, sum_gradients
+from fitrl.ops.varlen import packed_attention
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.packed import can_pack
@@ -99,8 +100,11 @@ class Actor:
     def __init__(self, model: torch.nn.Module, actor_cfg: ActorConfig, algo_cfg: AlgorithmConfig, total_steps: int,
                  seed: int = 0, max_response_length: int = 1, inputs: ModelInputs = TEXT_INPUTS,
                  autocast_dtype: torch.dtype | None = None, after_micro_batch: Callable[[], object] | None = None,
-                 sequence_group: SequenceGroup | None = None):
+                 sequence_group: SequenceGroup | None = None, device: torch.device | None = None):
         self.model = model
+        # where the forwards compute (parameters offloaded by FSDP2 live on the host): None, the
+        # parameters' device
+        self.device = device if device is not None else next(model.parameters()).device
         # Ulysses: this rank and the others of its group hold the same micro-batches, each running
         # its chunk of every sequence (fitrl/distributed/ulysses.py)
         self.sequence_group = sequence_group
@@ -264,8 +268,12 @@ class Actor:
                 self.after_micro_batch()
 
     def sequence_parallel(self):
-        """Ulysses over a pass of this actor (fitrl/distributed/ulysses.py), or nothing."""
-        return over_pass(self.model, self.sequence_group)
+        """What attention runs as over a pass of this actor (forwards and backwards): Ulysses's
+        (fitrl/distributed/ulysses.py) with a sequence group, else with packing the varlen kernel
+        where it is chosen (fitrl/ops/varlen.py), else the model's own."""
+        if self.sequence_group is not None or not self.cfg.packing:
+            return over_pass(self.model, self.sequence_group)
+        return packed_attention(self.model, self.device)
 
     def folded_mismatch(self, batch: Batch, old: torch.Tensor) -> dict[str, float]:
         """The rollout engine's log-probs against the update's own (what the separate pass would

@@ -24,6 +24,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.supervised import supervised_batch, target_ids
 from fitrl.distributed.fsdp import full_state_dict
 from fitrl.distributed.ulysses import over_pass, sequence_groups
+from fitrl.ops.varlen import packed_attention
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.models.params import parameter_set
@@ -61,7 +62,7 @@ class PolicyWorker:
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length,
                            inputs=inputs, autocast_dtype=self.autocast_dtype,
                            after_micro_batch=lambda: self.offload.micro_batch_done(),
-                           sequence_group=sequence_groups(cfg.actor.ulysses_size))
+                           sequence_group=sequence_groups(cfg.actor.ulysses_size), device=self.device)
         self.rollout = build_engine(dataclasses.replace(cfg.rollout, engine=cfg.rollout.trainer_engine), self.model,
                                     self.tokenizer, inputs=inputs,
                                     context=self.engine_context())
@@ -196,13 +197,19 @@ class ReferenceWorker:
         self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device, trim=cfg.memory.trim_heap)
         self.sequence_group = sequence_groups(cfg.actor.ulysses_size)  # as the policy's ranks
 
+    def _attention(self):
+        """As the policy's passes (fitrl/roles/actor.py, ``Actor.sequence_parallel``)."""
+        if self.sequence_group is not None or not self.cfg.actor.packing:
+            return over_pass(self.model, self.sequence_group)
+        return packed_attention(self.model, self.device)
+
     @dispatch("dp", sequence_parallel=True)
     @torch.no_grad()
     def compute_ref_logprob(self, batch: Batch) -> Batch:
         batch = batch.to(self.device)
         out = []
         with self.offload.phase(), autocast(self.device, low_precision(self.cfg.autocast_dtype("ref"))), \
-                over_pass(self.model, self.sequence_group):
+                self._attention():
             for micro in batch.split(self.cfg.ref.logprob_micro_batch_size):
                 GUARD.check(self.device)  # safe point (read-only phase)
                 lp, _ = response_logprobs(

@@ -5,8 +5,9 @@
 #   make test   -- build the venv, run the test suite (what CI runs)
 #   make test-fast -- the fast tier: unit and single-process tests, two to three minutes
 #   make test-vllm -- the vLLM engine's tier alone, in its own environment (.venv-vllm)
-#   make gpu-check -- on a lent GPU: the gpu test tier and plan-vs-measured memory per phase
-#                     (bench/gpu_check.py); without CUDA, its planning half
+#   make gpu-check -- on a lent GPU: fitrl doctor, the CUDA-context and pinned-cache probes, the gpu
+#                     test tier and plan-vs-measured memory per phase, bf16 vs fp32 and expandable
+#                     segments on/off (bench/gpu_check.py); without CUDA, its planning half and dry steps
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

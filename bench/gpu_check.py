@@ -1,7 +1,14 @@
 """``make gpu-check``: what a lent GPU should measure, prepared so one short call does it all.
 
-1. the ``gpu`` test tier (``tests/test_gpu.py``, ``tests/test_vllm_gpu.py``: the latter skips without vLLM);
-2. for each case below, the memory plan of the run (``fitrl.planner.plan_config``, the trainer
+0. ``fitrl doctor --device cuda`` (docs/doctor.md; world size 1 on one GPU): its report is
+   ``doctor.json``, its lines ``doctor.log``;
+1. two probes, each in a fresh process: the memory a bare CUDA context takes (the device's use
+   before and after ``torch.cuda`` initialises, the allocator's own blocks subtracted, then after
+   the first cuBLAS matmul), and the pinned host cache (pinned tensors of odd sizes: the process's
+   RSS growth and the host allocator's reserve against the tensors' bytes, the rounding per
+   tensor, and what stays cached after they are freed);
+2. the ``gpu`` test tier (``tests/test_gpu.py``, ``tests/test_vllm_gpu.py``: the latter skips without vLLM);
+3. for each case below, the memory plan of the run (``fitrl.planner.plan_config``, the trainer
    rank on this device) against what the run measured per phase at its second step (the first
    has no AdamW states before its update): peak allocated, peak reserved (the caching
    allocator's high-water mark: allocated plus fragmentation), the device's use at the phase's
@@ -15,13 +22,22 @@ every response is exactly the length cap and the plan at the caps is the run's s
 autocast over fp32 master weights (``actor.fsdp.mixed_precision``, one process). Each runs in a
 process of its own (a clean CUDA context and allocator), two steps, nothing saved.
 
-On a machine without CUDA (CI), or with ``--dry``, only the planning half runs: the same table
-with the measured columns empty. Results: ``gpu_check.json`` and ``gpu_check.md`` in ``--out``
-(default ``$OUT`` where set, else ``runs/gpu-check``); each case's JSON is written as soon as it
-ends, so a call cut short still returns what finished.
+Two cases are variants of ``q05`` for what a single case cannot show: ``q05-fp32`` (no mixed
+precision: bf16 against fp32 step cost) and ``q05-expandable`` (``PYTORCH_CUDA_ALLOC_CONF=
+expandable_segments:True``: the allocator's reserve factor, peak reserved over peak allocated per
+phase, with expandable segments on and off).
 
-    make gpu-check                                # on a GPU: the tier, then every case
-    python3 bench/gpu_check.py --dry              # plans only (what CI runs)
+On a machine without CUDA (CI), or with ``--dry``, only the planning half runs (the same table
+with the measured columns empty), the doctor runs its quick CPU rungs (``devices``,
+``attention``) and the probes run their CPU plumbing (no context to measure; unpinned tensors).
+Results: ``gpu_check.json`` and ``gpu_check.md`` in ``--out``
+(default ``$OUT`` where set, else ``runs/gpu-check``); each case's JSON is written as soon as it
+ends, so a call cut short still returns what finished. Six files in all (a lent machine returns
+eight at most): those two, ``doctor.json`` and ``doctor.log``, ``gpu_tests.log``, ``cases.log``.
+``--budget-s`` counts from the start, the doctor's minutes included.
+
+    make gpu-check                                # on a GPU: the doctor, the probes, the tier, every case
+    python3 bench/gpu_check.py --dry              # plans, the doctor's CPU rungs, the probes' plumbing (CI)
     python3 bench/gpu_check.py --only q05 --skip-tests --budget-s 120
     python3 bench/gpu_check.py --replan bench/gpu_calibration/h100-2026-11-27.json   # recorded vs today's plan
 """
@@ -69,6 +85,7 @@ class Case:
     chunk: int = 1024     # actor.logprob_chunk_size
     extra: tuple[str, ...] = ()
     task: str = "arith"   # arith (examples/arith.yaml) | shapes (examples/shapes_vl.yaml: pictures)
+    env: tuple[tuple[str, str], ...] = ()  # the case process's environment beyond this one's
 
     def overrides(self) -> list[str]:
         return [f"data.rollout_batch_size={self.prompts}", f"actor.mini_batch_size={self.prompts}",
@@ -81,15 +98,21 @@ class Case:
     def label(self) -> str:
         lora = next((e.split("=")[1] for e in self.extra if e.startswith("actor.lora.rank=")), None)
         kl = " + KL" if "algorithm.use_kl_loss=true" in self.extra else ""
+        fp32 = " | fp32" if "actor.fsdp.mixed_precision=false" in self.extra else ""
+        env = "".join(f" | {k}={v}" for k, v in self.env)
         return (f"{self.model} | {self.prompts * self.n} seq R{self.response} | micro {self.micro} | "
                 f"ckpt {'on' if self.ckpt else 'off'} | chunk {self.chunk}" + (f" | LoRA r{lora}{kl}" if lora else "")
-                + (" | images" if self.task == "shapes" else ""))
+                + (" | images" if self.task == "shapes" else "") + fp32 + env)
 
 
 # In priority order: a call that runs out of time keeps the first ones. About a minute each on an H100.
 # q3-vl has not run on a GPU yet (added after the first calibration).
+EXPANDABLE = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
 CASES = [
     Case("q05", "qwen2.5-0.5b", 4, 8, 512, 8, 16, ckpt=False),
+    # q05 again: fp32 compute (bf16 against fp32 step cost), and under expandable segments (reserve factors)
+    Case("q05-fp32", "qwen2.5-0.5b", 4, 8, 512, 8, 16, ckpt=False, extra=("actor.fsdp.mixed_precision=false",)),
+    Case("q05-expandable", "qwen2.5-0.5b", 4, 8, 512, 8, 16, ckpt=False, env=EXPANDABLE),
     Case("q05-ckpt", "qwen2.5-0.5b", 4, 8, 512, 16, 16, ckpt=True),
     Case("q15-long", "qwen2.5-1.5b", 2, 8, 1024, 4, 8, ckpt=True, chunk=512),
     Case("q15-lora-kl", "qwen2.5-1.5b", 4, 8, 512, 8, 16, ckpt=False,
@@ -284,8 +307,11 @@ def run_case(case: Case, out: Path, timeout: int) -> dict:
     machine returns a few files only: one log for every case)."""
     with tempfile.TemporaryDirectory() as work:
         cmd = [sys.executable, __file__, "--run-case", case.name, "--work", work, "--out", str(out)]
+        env = {**os.environ, **dict(case.env)}
+        if "PYTORCH_CUDA_ALLOC_CONF" not in dict(case.env):  # the other cases: the allocator's defaults
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
             log, rc = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
             log, rc = f"{_text(e.stdout)}{_text(e.stderr)}\ntimed out after {timeout} s", 124
@@ -299,22 +325,207 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def main() -> int:
+# ----------------------------------------------------------------------------- the doctor and the probes
+def doctor_step(out: Path, dry: bool, timeout: int) -> dict:
+    """``fitrl doctor`` first (docs/doctor.md): on the GPU every rung one GPU runs (world size 1);
+    dry, the quick CPU rungs only (the plumbing CI checks)."""
+    report = out / "doctor.json"
+    report.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "fitrl.cli", "doctor", "--device", "cpu" if dry else "cuda", "--json", str(report),
+           *(["--only", "devices", "attention"] if dry else [])]
+    # the checkout first on the path: a lent machine has no fitrl installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{_text(e.stdout)}{_text(e.stderr)}\ntimed out after {timeout} s", 124
+    (out / "doctor.log").write_text(text)
+    rungs = json.loads(report.read_text())["rungs"] if report.exists() else []
+    return {"rc": rc, "seconds": time.perf_counter() - t0, "rungs": {r["rung"]: r["status"] for r in rungs},
+            "lines": [x for x in text.splitlines() if x[:5] in ("PASS ", "FAIL ", "SKIP ")]}
+
+
+def context_figures(used_before: int | None, free: int, total: int, reserved: int, used_after_matmul: int) -> dict:
+    """A bare CUDA context's bytes from the device's use before and after initialisation (the
+    allocator's own reserved blocks subtracted), and what the first cuBLAS matmul adds (its
+    workspace and kernels' modules). ``used_before`` None: no reading before (no nvidia-smi)."""
+    used = total - free
+    context = used - reserved - used_before if used_before is not None else None
+    return {"context_gib": context / GIB if context is not None else None, "used_before_gib":
+            used_before / GIB if used_before is not None else None, "used_after_init_gib": used / GIB,
+            "first_matmul_gib": (used_after_matmul - used) / GIB, "device_total_gib": total / GIB}
+
+
+def device_used_smi(index: int = 0) -> int | None:
+    """The device's used memory as the driver reports it, read without a CUDA context here."""
+    try:
+        p = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        return int(p.stdout.strip().splitlines()[0]) * 1024**2 if p.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def context_probe() -> dict:
+    """In a fresh process: the memory a bare CUDA context takes (see :func:`context_figures`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: no context to measure"}
+    before = device_used_smi(0)
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # the context exists once something ran
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    (torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")).sum().item()
+    free2, _ = torch.cuda.mem_get_info()
+    return {**context_figures(before, free, total, reserved, total - free2 + reserved - torch.cuda.memory_reserved()),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+# sizes just above a power of two (plus odd bytes): a cache rounding up per tensor shows as ~2x
+PINNED_SIZES = tuple(2**k + 4097 * (k - 15) for k in range(16, 27))
+PINNED_REPEAT = 2
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def pinned_figures(sizes: list[int], rss_before: int, rss_after: int, rss_freed: int,
+                   reserved: int | None = None) -> dict:
+    """The rounding per tensor of a host cache: RSS growth (and the allocator's own reserve,
+    where it reports one) over the tensors' bytes; what stays resident after they are freed."""
+    nbytes = sum(sizes)
+    growth = rss_after - rss_before
+    return {"tensors": len(sizes), "bytes_gib": nbytes / GIB, "rss_growth_gib": growth / GIB,
+            "rss_factor": growth / nbytes, "rounding_per_tensor_mib": (growth - nbytes) / len(sizes) / 1024**2,
+            "reserved_factor": reserved / nbytes if reserved else None,
+            "kept_after_free_gib": (rss_freed - rss_before) / GIB}
+
+
+def pinned_probe() -> dict:
+    """In a fresh process: pin tensors of odd sizes (each touched, so its pages are resident),
+    read the RSS growth, free them and read it again (the caching host allocator keeps its
+    blocks for the process's life). Without CUDA: the same with ordinary tensors (plumbing)."""
+    import torch
+
+    pin = torch.cuda.is_available()
+    sizes = [n for n in PINNED_SIZES for _ in range(PINNED_REPEAT)]
+    before = rss_bytes()
+    held = [torch.empty(n, dtype=torch.uint8, pin_memory=pin).fill_(1) for n in sizes]
+    after = rss_bytes()
+    stats = torch.cuda.host_memory_stats() if pin and hasattr(torch.cuda, "host_memory_stats") else {}
+    reserved = stats.get("reserved_bytes.current") or stats.get("allocated_bytes.current")
+    del held
+    return {**pinned_figures(sizes, before, after, rss_bytes(), reserved), "pinned": pin,
+            "host_memory_stats": {k: v for k, v in stats.items() if k.endswith(".current") or k.endswith(".peak")}}
+
+
+PROBES = {"context": context_probe, "pinned": pinned_probe}
+
+
+def run_probe(name: str, out: Path, timeout: int) -> dict:
+    """One probe in a process of its own (a context or a host cache from before would hide its figure)."""
+    with tempfile.TemporaryDirectory() as work:
+        cmd = [sys.executable, __file__, "--probe", name, "--work", work, "--out", str(out)]
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+            log, rc = p.stdout + p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            log, rc = f"{_text(e.stdout)}{_text(e.stderr)}\ntimed out after {timeout} s", 124
+        got = Path(work) / "probe.json"
+        return json.loads(got.read_text()) if rc == 0 and got.exists() else {"error": f"exit {rc}: {log[-800:]}"}
+
+
+def reserve_factors(measured: dict) -> dict:
+    """Per phase: peak reserved over peak allocated (the caching allocator's reserve)."""
+    return {ph: m["gpu_peak_reserved"] / m["gpu_peak"] for ph, m in (measured.get("phases") or {}).items()
+            if m.get("gpu_peak") and m.get("gpu_peak_reserved") is not None}
+
+
+def comparisons(cases: list[dict]) -> dict:
+    """q05 against its variants: reserve factors with expandable segments off and on; bf16
+    against fp32 step and update time."""
+    got = {r["case"]: r.get("measured") or {} for r in cases}
+    out = {}
+    if "phases" in got.get("q05", {}) and "phases" in got.get("q05-expandable", {}):
+        out["reserve_factor"] = {"expandable_off": reserve_factors(got["q05"]),
+                                 "expandable_on": reserve_factors(got["q05-expandable"])}
+    if "perf" in got.get("q05", {}) and "perf" in got.get("q05-fp32", {}):
+        bf16, fp32 = got["q05"]["perf"], got["q05-fp32"]["perf"]
+        out["precision"] = {k: {"bf16": bf16.get(k), "fp32": fp32.get(k),
+                                "fp32_over_bf16": fp32[k] / bf16[k] if bf16.get(k) and fp32.get(k) else None}
+                            for k in ("time/step", "time/update", "time/rollout", "perf/update_tokens_per_s")}
+    return out
+
+
+def extra_tables(report: dict) -> str:
+    rows = []
+    doctor = report.get("doctor")
+    if doctor:
+        rows += ["", f"fitrl doctor (exit {doctor['rc']}, {doctor['seconds']:.0f} s):", "",
+                 *[f"    {x}" for x in doctor["lines"]]]
+    probes = report.get("probes") or {}
+    c = probes.get("context") or {}
+    if c.get("context_gib") is not None:
+        rows += ["", f"CUDA context: {c['context_gib']:.3f} GiB bare, +{c['first_matmul_gib']:.3f} GiB at the first "
+                     f"matmul ({c.get('device', '')})"]
+    pin = probes.get("pinned") or {}
+    if "rss_factor" in pin:
+        rows += ["", f"{'pinned' if pin['pinned'] else 'unpinned (no CUDA)'} host tensors: {pin['tensors']} of "
+                     f"{pin['bytes_gib']:.3f} GiB in all: RSS x{pin['rss_factor']:.2f} "
+                     f"(+{pin['rounding_per_tensor_mib']:.2f} MiB per tensor), allocator reserve "
+                     + (f"x{pin['reserved_factor']:.2f}" if pin["reserved_factor"] else "not reported") + ", "
+                     f"{pin['kept_after_free_gib']:.3f} GiB kept after free"]
+    comp = report.get("comparisons") or {}
+    if "reserve_factor" in comp:
+        rf = comp["reserve_factor"]
+        rows += ["", "| phase | reserve factor, expandable segments off | on |", "|---|---|---|",
+                 *[f"| {ph} | {v:.3f} | {rf['expandable_on'].get(ph, float('nan')):.3f} |"
+                   for ph, v in rf["expandable_off"].items()]]
+    if "precision" in comp:
+        rows += ["", "| q05 | bf16 | fp32 | fp32 / bf16 |", "|---|---|---|---|",
+                 *[f"| {k} | {v['bf16'] or 0:.3g} | {v['fp32'] or 0:.3g} | {v['fp32_over_bf16'] or 0:.2f} |"
+                   for k, v in comp["precision"].items()]]
+    return "\n" + "\n".join(rows) if rows else ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry", action="store_true", help="plans only (also where no CUDA device is found)")
     ap.add_argument("--only", nargs="*", help="case names (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-check"))
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-doctor", action="store_true", help="leave out `fitrl doctor` (step 0)")
+    ap.add_argument("--skip-probes", action="store_true", help="leave out the context and pinned-cache probes")
     ap.add_argument("--budget-s", type=float, default=360, help="no case starts after this many seconds")
     ap.add_argument("--case-timeout-s", type=int, default=150)
     ap.add_argument("--tests-timeout-s", type=int, default=150)
+    ap.add_argument("--doctor-timeout-s", type=int, default=240)
     ap.add_argument("--replan", metavar="JSON", help="a recorded gpu_check.json: its measurements against "
                     "today's plan (no GPU needed), e.g. bench/gpu_calibration/h100-2026-11-27.json")
     ap.add_argument("--run-case", help=argparse.SUPPRESS)  # the child: measure one case, write its JSON
+    ap.add_argument("--probe", choices=sorted(PROBES), help=argparse.SUPPRESS)  # the child: one probe
     ap.add_argument("--work", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    names = {c.name for c in CASES}
+    unknown = sorted(set(args.only or ()) - names)
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)}: no such case; the cases are {', '.join(c.name for c in CASES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.probe:
+        (Path(args.work) / "probe.json").write_text(json.dumps(PROBES[args.probe]()))
+        return 0
     if args.run_case:
         case = next(c for c in CASES if c.name == args.run_case)
         (Path(args.work) / "measured.json").write_text(json.dumps(measure_case(case, Path(args.work))))
@@ -331,6 +542,14 @@ def main() -> int:
     started = time.perf_counter()
     report: dict = {"dry": dry, "cases": []}
     (out / "cases.log").unlink(missing_ok=True)
+    if not args.skip_doctor:  # first: what a user runs on a new node, here at world size 1
+        report["doctor"] = doctor_step(out, dry, args.doctor_timeout_s)
+        print(f"fitrl doctor: exit {report['doctor']['rc']}", *report["doctor"]["lines"], sep="\n", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    if not args.skip_probes:
+        report["probes"] = {name: run_probe(name, out, timeout=120) for name in PROBES}
+        print("probes:", json.dumps(report["probes"]), flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     if not dry and not args.skip_tests:
         report["tests"] = run_tests(out, timeout=args.tests_timeout_s)
         print("gpu tier:", report["tests"]["summary"], flush=True)
@@ -346,7 +565,9 @@ def main() -> int:
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
         print(f"{case.name}: {case.label}: {'planned' if dry else 'measured' if 'phases' in result.get('measured', {}) else result['measured']}",
               flush=True)
-    text = table(report["cases"])
+    report["comparisons"] = comparisons(report["cases"])
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    text = table(report["cases"]) + extra_tables(report)
     (out / "gpu_check.md").write_text(text + "\n")
     print(text)
     return 0

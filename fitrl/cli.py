@@ -329,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fitrl.checkpoint.export import add_export_command
     from fitrl.checkpoint.verify import add_checkpoint_command
+    from fitrl.doctor.command import add_doctor_command
     from fitrl.planner.cli import add_plan_command
     from fitrl.report.command import add_report_command
 
@@ -336,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_command(sub)
     add_plan_command(sub)
     add_report_command(sub)
+    add_doctor_command(sub)
 
     p = sub.add_parser("import-config", help="translate a veRL or EasyR1 config, launch script or command line "
                                              "into a fitrl config, one line per key (docs/switching.md)")

@@ -3,37 +3,21 @@
 
 Each map takes a source key (dotted, as the source's own command line writes it) to a
 :class:`Rule`: the fitrl key it sets and how the value converts, how faithful the translation is,
-and why when it is not exact. A key with no rule is reported as not translated.
+and why when it is not exact. A key with no rule is reported as not translated. The rules that
+encode a source's meaning (KL, losses, reward, batching) are built in :mod:`fitrl.config.import_rules`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
-TRANSLATED, APPROXIMATED, NOT_TRANSLATED = "translated", "approximated", "not translated"
-
-Convert = Callable[[Any, dict], list[tuple[str, Any]]]
-"""(the value, every source key) -> the fitrl keys and values it sets."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    set: Optional[Convert]   # None: nothing is set
-    status: str = TRANSLATED
-    why: str = ""
-    choose: Optional[Callable[[Any], "Rule"]] = None
-    """A rule that depends on the value (a key whose translation depends on what it is set to)."""
-
-
-def to(key: str, convert: Callable[[Any], Any] = lambda v: v, status: str = TRANSLATED, why: str = "") -> Rule:
-    """The value (converted) goes to one fitrl key."""
-    return Rule(lambda v, src: [(key, convert(v))], status, why)
-
-
-def drop(why: str) -> Rule:
-    """Nothing in fitrl corresponds, or nothing needs to (``why`` says which)."""
-    return Rule(None, NOT_TRANSLATED, why)
+from fitrl.config.import_rules import (AGENTS, APPROXIMATED, EASYR1_LOSSES, NOT_TRANSLATED,  # noqa: F401
+                                       REWARD_FILES, ROLLOUT_MODE_ASYNC, TRANSLATED, VERL_LOSSES, Rule, drop,
+                                       easyr1_disable_kl, easyr1_dynamic_batching, easyr1_filter_key, easyr1_kl,
+                                       easyr1_kl_penalty, easyr1_use_kl_loss, expand_dict_values, kl_name,
+                                       multi_turn_enable, policy_loss, reward_file, reward_kwargs, reward_name, to,
+                                       verl_dynamic_bsz, verl_filter_metric, warmup_ratio, warmup_steps,
+                                       when_multi_turn)
 
 
 def _files(v: Any) -> list:
@@ -83,14 +67,7 @@ ENGINE_APPROX = Rule(lambda v, src: [("rollout.engine", _engine(v))], APPROXIMAT
                      "fitrl's engines are hf and vllm: SGLang runs as vllm")
 
 
-def _warmup_ratio(v: Any, src: dict) -> list[tuple[str, Any]]:
-    return [("actor.optim.warmup_steps", 0)] if not v else []
-
-
-WARMUP_RATIO = Rule(_warmup_ratio, APPROXIMATED, "a ratio of the total steps: set actor.optim.warmup_steps")
 NO_EFFECT = "no effect in fitrl"
-ASYNC = "fitrl's rollout is synchronous: asynchronous RL is not built yet"
-AGENTS = "multi-turn agents with tools are not built yet"
 CRITIC_BY_COUNT = "fitrl's critic micro-batches are counted in sequences (critic.micro_batch_size): no token budget"
 ALL_PROMPTS_FIT = "fitrl drops prompts longer than data.max_prompt_length and counts them at start-up"
 EPOCHS = "fitrl counts steps: set trainer.max_steps (epochs x training rows / data.rollout_batch_size)"
@@ -168,9 +145,9 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.actor.optim.lr": to("actor.optim.lr"),
     "actor_rollout_ref.actor.optim.weight_decay": to("actor.optim.weight_decay"),
     "actor_rollout_ref.actor.optim.betas": to("actor.optim.betas", list),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps": Rule(
-        lambda v, src: [("actor.optim.warmup_steps", int(v))] if int(v) >= 0 else [], TRANSLATED),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": WARMUP_RATIO,
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": Rule(warmup_steps, TRANSLATED),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": warmup_ratio(
+        "actor_rollout_ref.actor.optim.lr_warmup_steps", "trainer.total_training_steps"),
     "actor_rollout_ref.actor.optim.warmup_style": to("actor.optim.lr_schedule"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": to("actor.optim.lr_schedule"),
     "actor_rollout_ref.actor.optim.min_lr_ratio": to("actor.optim.min_lr_ratio", lambda v: v or 0.0),
@@ -178,7 +155,7 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": to("actor.micro_batch_size"),
     "actor_rollout_ref.actor.ppo_micro_batch_size": _per_device("actor.micro_batch_size", "trainer.n_gpus_per_node",
                                                                 "trainer.nnodes"),
-    "actor_rollout_ref.actor.use_dynamic_bsz": drop("see ppo_max_token_len_per_gpu"),
+    "actor_rollout_ref.actor.use_dynamic_bsz": Rule(None, choose=verl_dynamic_bsz),
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": Rule(
         lambda v, src: [("actor.micro_batch_token_budget", int(v))]
         if str(src.get("actor_rollout_ref.actor.use_dynamic_bsz", "")).lower() == "true" else [],
@@ -190,12 +167,12 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.actor.clip_ratio_high": to("actor.clip_ratio_high"),
     "actor_rollout_ref.actor.clip_ratio_c": to("actor.clip_ratio_c"),
     "actor_rollout_ref.actor.loss_agg_mode": to("algorithm.loss_agg_mode"),
-    "actor_rollout_ref.actor.policy_loss.loss_mode": to("algorithm.policy_loss",
-                                                        lambda v: "ppo_clip" if v == "vanilla" else v),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": policy_loss(VERL_LOSSES, "loss_mode"),
     "actor_rollout_ref.actor.entropy_coeff": to("actor.entropy_coeff"),
     "actor_rollout_ref.actor.use_kl_loss": to("algorithm.use_kl_loss"),
     "actor_rollout_ref.actor.kl_loss_coef": to("algorithm.kl_coef"),
-    "actor_rollout_ref.actor.kl_loss_type": to("algorithm.kl_estimator"),
+    "actor_rollout_ref.actor.kl_loss_type": kl_name("algorithm.kl_estimator", True,
+                                                             "actor_rollout_ref.actor.kl_loss_type"),
     "actor_rollout_ref.actor.grad_clip": to("actor.optim.grad_clip"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": to("actor.fsdp.offload_params"),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": to("actor.fsdp.offload_optimizer"),
@@ -203,7 +180,8 @@ VERL: dict[str, Rule] = {
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": to("actor.ulysses_size", lambda v: max(1, int(v or 1))),
     "actor_rollout_ref.model.use_fused_kernels": drop(NO_EFFECT),
     "actor_rollout_ref.model.trust_remote_code": drop(NO_EFFECT),
-    "actor_rollout_ref.rollout.mode": Rule(None, choose=lambda v: drop(NO_EFFECT) if v == "sync" else drop(ASYNC)),
+    "actor_rollout_ref.rollout.mode": Rule(None, choose=lambda v: to("rollout.mode", lambda v: "sync", TRANSLATED,
+                                                                     "" if v == "sync" else ROLLOUT_MODE_ASYNC)),
     "actor_rollout_ref.rollout.enable_chunked_prefill": drop(NO_EFFECT),
     "actor_rollout_ref.rollout.load_format": drop(NO_EFFECT),
     "actor_rollout_ref.rollout.layered_summon": drop(NO_EFFECT),
@@ -215,8 +193,26 @@ VERL: dict[str, Rule] = {
     "data.return_raw_chat": drop(NO_EFFECT),
     "critic.model.use_remove_padding": to("critic.packing", bool),
     "critic.use_dynamic_bsz": drop(CRITIC_BY_COUNT),
+    "critic.forward_max_token_len_per_gpu": drop(CRITIC_BY_COUNT),
     "critic.ppo_max_token_len_per_gpu": drop(CRITIC_BY_COUNT),
     "actor_rollout_ref.rollout.name": ENGINE,
+    # multi-turn (veRL's rollout.multi_turn; fitrl's rollout.agent, docs/agents.md)
+    "actor_rollout_ref.rollout.multi_turn.enable": multi_turn_enable(),
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": when_multi_turn("rollout.agent.max_turns"),
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": when_multi_turn(
+        "rollout.agent.max_tool_output_chars", why="characters, as in veRL"),
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": drop(
+        "fitrl's environment replies after each model turn, up to rollout.agent.max_turns"),
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": drop(
+        "fitrl runs every call of a turn, on rollout.agent.tool_workers processes"),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": drop(
+        f"veRL's tool classes do not run in fitrl: {AGENTS}; write each tool as a Python function with type hints "
+        f"and a docstring and list it in rollout.agent.tools"),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": drop(
+        f"veRL's interactions: {AGENTS}; write a fitrl Environment and set rollout.agent.env=path.py:Class"),
+    "actor_rollout_ref.rollout.multi_turn.format": Rule(None, choose=lambda v: Rule(
+        None, TRANSLATED, "fitrl parses Hermes tool calls") if v == "hermes" else drop(
+        f"fitrl parses Hermes tool calls (<tool_call>{{json}}</tool_call>) only, not {v}")),
     "actor_rollout_ref.rollout.n": to("rollout.n"),
     "actor_rollout_ref.rollout.temperature": to("rollout.temperature"),
     "actor_rollout_ref.rollout.top_p": to("rollout.top_p"),
@@ -246,14 +242,13 @@ VERL: dict[str, Rule] = {
     "algorithm.gamma": to("algorithm.gamma"),
     "algorithm.lam": to("algorithm.lam"),
     "algorithm.use_kl_in_reward": to("algorithm.kl_in_reward.enable"),
-    "algorithm.kl_penalty": to("algorithm.kl_in_reward.estimator", lambda v: "k1" if v == "kl" else v),
+    "algorithm.kl_penalty": kl_name("algorithm.kl_in_reward.estimator", False, "algorithm.kl_penalty"),
     "algorithm.kl_ctrl.type": to("algorithm.kl_in_reward.controller"),
     "algorithm.kl_ctrl.kl_coef": to("algorithm.kl_in_reward.coef"),
     "algorithm.kl_ctrl.target_kl": to("algorithm.kl_in_reward.target_kl"),
     "algorithm.kl_ctrl.horizon": to("algorithm.kl_in_reward.horizon"),
     "algorithm.filter_groups.enable": to("algorithm.filter_groups.enable"),
-    "algorithm.filter_groups.metric": to("algorithm.filter_groups.metric",
-                                         lambda v: {"acc": "accuracy", "seq_reward": "score"}.get(v, v)),
+    "algorithm.filter_groups.metric": Rule(None, choose=verl_filter_metric),
     "algorithm.filter_groups.max_num_gen_batches": to("algorithm.filter_groups.max_num_gen_batches"),
     "reward_model.enable": Rule(None, choose=lambda v: Rule(
         lambda v, src: [("reward.sources.rm.kind", "model"), ("reward.sources.rm.weight", 1.0)], APPROXIMATED,
@@ -278,8 +273,15 @@ VERL: dict[str, Rule] = {
     "critic.model.fsdp_config.param_offload": to("critic.fsdp.offload_params"),
     "critic.model.fsdp_config.optimizer_offload": to("critic.fsdp.offload_optimizer"),
     "critic.optim.lr": to("critic.optim.lr"),
+    "critic.optim.weight_decay": to("critic.optim.weight_decay"),
+    "critic.grad_clip": to("critic.optim.grad_clip"),
+    "critic.loss_agg_mode": to("critic.loss_agg_mode"),
     "critic.ppo_mini_batch_size": to("critic.mini_batch_size"),
     "critic.ppo_micro_batch_size_per_gpu": to("critic.micro_batch_size"),
+    "critic.ppo_micro_batch_size": _per_device("critic.micro_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes"),
+    "critic.forward_micro_batch_size_per_gpu": to("critic.values_micro_batch_size"),
+    "critic.forward_micro_batch_size": _per_device("critic.values_micro_batch_size", "trainer.n_gpus_per_node",
+                                                   "trainer.nnodes"),
     "critic.ppo_epochs": to("critic.ppo_epochs"),
     "critic.cliprange_value": to("critic.cliprange_value"),
     "trainer.total_epochs": drop(EPOCHS),
@@ -301,8 +303,11 @@ VERL: dict[str, Rule] = {
 
 VERL_PREFIXES: dict[str, Rule] = {
     "actor_rollout_ref.rollout.engine_kwargs.": drop(NO_EFFECT),
-    "actor_rollout_ref.rollout.multi_turn.": drop(AGENTS),
-    "actor_rollout_ref.rollout.agent.": drop(AGENTS),
+    "actor_rollout_ref.actor.policy_loss.": drop("parameters of veRL's other policy losses (clip_cov, kl_cov, "
+                                                 "geo_mean): fitrl has ppo_clip, gspo, cispo"),
+    "actor_rollout_ref.rollout.multi_turn.": drop(f"no such setting in {AGENTS}"),
+    "actor_rollout_ref.rollout.agent.": drop(f"veRL's agent-loop workers and servers: {AGENTS}, run by the policy's "
+                                             f"ranks (or rollout.workers)"),
     "actor_rollout_ref.actor.checkpoint.": drop("fitrl's checkpoints always hold what a resume needs"),
     "actor_rollout_ref.actor.profiler.": drop(NO_EFFECT),
     "reward_model.model.": drop(NO_EFFECT),
@@ -347,15 +352,18 @@ EASYR1: dict[str, Rule] = {
     "data.max_pixels": to("data.max_pixels"),
     "data.filter_overlong_prompts": drop(ALL_PROMPTS_FIT),
     "algorithm.adv_estimator": to("algorithm.adv_estimator"),
-    "algorithm.disable_kl": Rule(lambda v, src: [("algorithm.use_kl_loss", False),
-                                                 ("algorithm.kl_in_reward.enable", False)] if v else [], TRANSLATED),
-    "algorithm.use_kl_loss": Rule(lambda v, src: [("algorithm.use_kl_loss", bool(v))]
-                                  if not src.get("algorithm.disable_kl") else [], TRANSLATED),
-    "algorithm.kl_penalty": to("algorithm.kl_estimator"),
-    "algorithm.kl_coef": to("algorithm.kl_coef"),
+    # KL: nowhere (disable_kl), in the loss (use_kl_loss) or else in the reward (import_rules.easyr1_kl_mode)
+    "algorithm.disable_kl": easyr1_disable_kl(),
+    "algorithm.use_kl_loss": easyr1_use_kl_loss(),
+    "algorithm.kl_penalty": easyr1_kl_penalty(),
+    "algorithm.kl_coef": easyr1_kl("algorithm.kl_coef", "algorithm.kl_in_reward.coef"),
+    "algorithm.kl_type": easyr1_kl(None, "algorithm.kl_in_reward.controller",
+                                   why="the controller of a KL in the reward (EasyR1's loss KL keeps kl_coef)"),
+    "algorithm.kl_horizon": easyr1_kl(None, "algorithm.kl_in_reward.horizon", lambda v: int(float(v))),
+    "algorithm.kl_target": easyr1_kl(None, "algorithm.kl_in_reward.target_kl"),
     "algorithm.online_filtering": to("algorithm.filter_groups.enable", bool, APPROXIMATED,
                                      "fitrl drops groups whose rewards are all equal (DAPO's dynamic sampling)"),
-    "algorithm.filter_key": to("algorithm.filter_groups.metric", lambda v: "score" if v == "overall" else v),
+    "algorithm.filter_key": easyr1_filter_key(),
     "algorithm.filter_low": drop("fitrl keeps every group whose rewards vary"),
     "algorithm.filter_high": drop("fitrl keeps every group whose rewards vary"),
     "worker.actor.global_batch_size": to("actor.mini_batch_size"),
@@ -370,7 +378,9 @@ EASYR1: dict[str, Rule] = {
                                      lambda v: {"token": "token-mean", "seq": "seq-mean-token-mean"}.get(v, v)),
     "worker.actor.ppo_epochs": to("actor.ppo_epochs"),
     "worker.actor.padding_free": to("actor.packing", bool),
-    "worker.actor.dynamic_batching": drop("fitrl forms micro-batches by tokens with actor.micro_batch_token_budget: set it"),
+    "worker.actor.dynamic_batching": Rule(None, choose=easyr1_dynamic_batching),
+    "worker.actor.loss_type": policy_loss(EASYR1_LOSSES, "loss_type"),
+    "worker.actor.entropy_coeff": to("actor.entropy_coeff"),  # (older EasyR1: removed in its #132)
     "worker.actor.ulysses_size": to("actor.ulysses_size", lambda v: max(1, int(v or 1))),
     "worker.actor.model.model_path": to("actor.model.path"),
     "worker.actor.model.enable_gradient_checkpointing": to("actor.model.gradient_checkpointing"),
@@ -385,7 +395,8 @@ EASYR1: dict[str, Rule] = {
     "worker.actor.optim.weight_decay": to("actor.optim.weight_decay"),
     "worker.actor.optim.strategy": to("actor.optim.fused", lambda v: True, APPROXIMATED,
                                       "fitrl's AdamW keeps fp32 states (no adamw_bf16)"),
-    "worker.actor.optim.lr_warmup_ratio": WARMUP_RATIO,
+    "worker.actor.optim.lr_warmup_ratio": warmup_ratio("worker.actor.optim.lr_warmup_steps", "trainer.max_steps"),
+    "worker.actor.optim.lr_warmup_steps": Rule(warmup_steps, TRANSLATED),
     "worker.actor.fsdp.enable_full_shard": to("actor.fsdp.strategy", lambda v: "full", APPROXIMATED,
                                               "fitrl shards fully (or hybrid across nodes)"),
     "worker.actor.fsdp.enable_cpu_offload": to("actor.fsdp.cpu_offload"),
@@ -405,6 +416,15 @@ EASYR1: dict[str, Rule] = {
     "worker.rollout.val_override_config.temperature": to("rollout.val.temperature"),
     "worker.rollout.val_override_config.top_p": to("rollout.val.top_p"),
     "worker.rollout.val_override_config.n": to("rollout.val.n"),
+    "worker.rollout.val_override_config.top_k": to("rollout.val.top_k", _top_k),
+    # the reward (worker.reward.reward_function: importer._special); older EasyR1's names
+    "worker.reward.compute_score": reward_name(),
+    "worker.reward.score_function": reward_file(),
+    "worker.reward.reward_type": Rule(None, choose=lambda v: Rule(None, TRANSLATED, "a rule function, as fitrl's")
+                                      if v == "function" else drop(f"EasyR1's {v} reward: set reward.sources "
+                                                                   f"(docs/reward-models.md)")),
+    "data.system_prompt": to("data.system_prompt"),
+    "trainer.total_episodes": drop(EPOCHS),
     "worker.ref.fsdp.enable_full_shard": drop("the reference shards as the actor does"),
     "worker.ref.fsdp.enable_cpu_offload": to("ref.fsdp.cpu_offload"),
     "worker.ref.fsdp.enable_rank0_init": to("ref.fsdp.init", lambda v: "rank0" if v else "every_rank"),
@@ -431,8 +451,16 @@ EASYR1: dict[str, Rule] = {
 }
 """EasyR1 (``verl.trainer.main config=...``; its ``examples/config.yaml`` keys)."""
 
+EASYR1.update(reward_kwargs("worker.reward.reward_function_kwargs."))
+EASYR1.update(reward_kwargs("worker.reward.score_function_kwargs."))
+
+EASYR1_PREFIXES: dict[str, Rule] = {
+    "worker.reward.reward_function_kwargs.": drop("an argument of EasyR1's reward function: fitrl's built-ins "
+                                                  "take theirs in reward.kwargs (fitrl config --doc)"),
+    "worker.reward.score_function_kwargs.": drop("an argument of EasyR1's reward function: fitrl's built-ins "
+                                                 "take theirs in reward.kwargs (fitrl config --doc)"),
+}
+"""Rules for every key below a section."""
+
 SPECIAL = frozenset({"worker.reward.reward_function", "data.format_prompt"})
 """Keys the importer reads together with others (fitrl/config/importer.py, ``_special``)."""
-
-REWARD_FILES = {"math.py": "math", "r1v.py": "r1v", "dapo.py": "math"}
-"""EasyR1's example reward files and the fitrl built-in that scores the same answers."""

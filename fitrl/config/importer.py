@@ -1,8 +1,9 @@
 """``fitrl import-config``: a veRL or EasyR1 job as a fitrl config, with a line per key.
 
 The source is what those projects' users already have: a YAML config, a launch script (the
-``python3 -m verl.trainer.main_ppo key=value ...`` or ``verl.trainer.main config=... key=value``
-command inside it, with its shell variables), or bare dotted overrides. Every source key is
+``python3 -m verl.trainer.main_ppo key=value ...``, ``verl.trainer.main config=... key=value`` or a
+recipe's ``main_*`` command inside it, read as bash reads it by :mod:`fitrl.config.shell`), or bare
+dotted overrides. Every source key is
 reported as translated, approximated (with why) or not translated (with why); the result is a
 fitrl YAML that ``fitrl config``, ``fitrl plan`` and ``fitrl train`` take as it is. The maps are in
 :mod:`fitrl.config.import_maps` (docs/switching.md for people).
@@ -10,9 +11,7 @@ fitrl YAML that ``fitrl config``, ``fitrl plan`` and ``fitrl train`` take as it 
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -20,12 +19,13 @@ from typing import Any, Optional
 import yaml
 
 from fitrl.config.import_maps import (APPROXIMATED, EASYR1, HUB, NOT_TRANSLATED, REWARD_FILES, SPECIAL, TRANSLATED,
-                                      VERL, VERL_DEFAULTS, VERL_PREFIXES, Rule)
+                                      VERL, VERL_DEFAULTS, VERL_PREFIXES, EASYR1_PREFIXES, Rule, expand_dict_values)
+from fitrl.config.shell import Arg, Launch, explain, read_launch
 from fitrl.core.errors import ConfigError
 from fitrl.core.nested import flatten, nest
 
 FORMATS = {"verl": VERL, "easyr1": EASYR1}
-PREFIXES = {"verl": VERL_PREFIXES, "easyr1": {}}
+PREFIXES = {"verl": VERL_PREFIXES, "easyr1": EASYR1_PREFIXES}
 
 
 @dataclass
@@ -35,13 +35,16 @@ class Imported:
     """Dotted fitrl keys and their values."""
     lines: list[tuple[str, str, str]] = field(default_factory=list)
     """(status, source key = value, what it became or why not), one per source key."""
+    notes: list[str] = field(default_factory=list)
+    """What the launch script holds that is not a key: a value left for the user, an ignored `$@`."""
 
     def count(self, status: str) -> int:
         return sum(1 for s, _, _ in self.lines if s == status)
 
     def report(self) -> list[str]:
         width = max((len(k) for _, k, _ in self.lines), default=0)
-        return [f"{status:<14} {key:<{width}}  {text}" for status, key, text in self.lines]
+        return [f"{'note':<14} {n}" for n in self.notes] + \
+            [f"{status:<14} {key:<{width}}  {text}" for status, key, text in self.lines]
 
     def yaml(self, source: str) -> str:
         """The fitrl config, headed by where it came from and the counts."""
@@ -55,6 +58,8 @@ def import_config(source: Optional[str], overrides: list[str] = (), fmt: str = "
     ``key=value``, as the source's own command line takes them)."""
     flat: dict[str, Any] = {}
     script_dir: Optional[Path] = None
+    args: list[Arg] = []
+    notes: list[str] = []
     if source is not None:
         path = Path(source)
         if not path.is_file():
@@ -62,22 +67,54 @@ def import_config(source: Optional[str], overrides: list[str] = (), fmt: str = "
         if path.suffix in (".yaml", ".yml"):
             flat.update(flatten(_read_yaml(path)))
         else:
-            base, script_overrides = read_script(path)
-            if base is not None:
-                flat.update(flatten(_read_yaml(base)))
-            overrides = [*script_overrides, *overrides]
+            base, args, notes = read_script(path)
+            flat.update(base)
             script_dir = path.parent
-    for item in overrides:
-        key, sep, value = item.partition("=")
+    unknown: dict[str, Arg] = {}  # key -> the script's argument whose value only running would tell
+    for arg in [*args, *(Arg(item, (), 0) for item in overrides)]:
+        key, sep, value = arg.text.partition("=")
+        if key.startswith("~"):  # Hydra's delete: the base config's value and the default both go
+            key = key[1:]
+            for k in [k for k in flat if k == key or k.startswith(key + ".")]:
+                del flat[k]
+            flat[key] = None  # (a null leaves the key unset, masking the source's default)
+            unknown.pop(key, None)
+            notes.append(f"~{key}: deleted: neither the base config's value nor the default is used")
+            continue
         if not sep:
-            raise ConfigError(f"override {item!r}: expected key=value")
-        flat[key.lstrip("+")] = _value(value)
+            raise ConfigError(f"override {arg.text!r}: expected key=value (or ~key to delete one)")
+        key = key.lstrip("+")
+        flat[key] = _value(value)
+        unknown.pop(key, None)
+        if arg.unknown:
+            unknown[key] = arg
     if not flat:
         raise ConfigError("nothing to import: give a config or script, or key=value overrides")
     fmt = detect(flat) if fmt == "auto" else fmt
     if fmt not in FORMATS:
         raise ConfigError(f"unknown source format {fmt!r} (verl, easyr1)")
-    return translate(fmt, flat, script_dir)
+    notes += _left_unknown(fmt, unknown, source)
+    out = translate(fmt, flat, script_dir)
+    out.notes[:0] = notes
+    return out
+
+
+NAME_OR_PATH = re.compile(r"(\w+_)?(path|dir|files?)|\w+_name|format_prompt|reward_function")
+
+
+def _left_unknown(fmt: str, unknown: dict[str, Arg], source: Optional[str]) -> list[str]:
+    """A name or path the script leaves to running (``$(date)``, an unset variable) stays as its
+    text for the user to set; any other key fitrl uses cannot be guessed: one line, exit 2."""
+    notes = []
+    for key, arg in unknown.items():
+        value, why = arg.text.partition("=")[2], explain(arg.unknown[0])
+        if NAME_OR_PATH.fullmatch(key.rsplit(".", 1)[-1]):
+            notes.append(f"{key}={value}: left for you to set: {why}")
+            continue
+        rule = FORMATS[fmt].get(key) or next((r for p, r in PREFIXES[fmt].items() if key.startswith(p)), None)
+        if rule is not None and (rule.set is not None or rule.choose is not None):
+            raise ConfigError(f"{source}:{arg.line}: {key}={value}: {why}; give {key}=VALUE after the script")
+    return notes
 
 
 def detect(flat: dict[str, Any]) -> str:
@@ -93,6 +130,7 @@ def detect(flat: dict[str, Any]) -> str:
 def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None) -> Imported:
     out = Imported(fmt)
     rules = FORMATS[fmt]
+    flat = expand_dict_values(flat)  # a dict-valued override merges into its section (import_rules)
     given = dict(flat)
     if fmt == "verl":  # keys left out keep veRL's values, not fitrl's
         flat = {**VERL_DEFAULTS, **flat}
@@ -163,52 +201,67 @@ def _special(out: Imported, fmt: str, flat: dict, script_dir: Optional[Path]) ->
                               f"data.prompt_template=<{found.name}, its `content` read as the {prompt_key!r} column>"))
 
 
-def read_script(path: Path) -> tuple[Optional[Path], list[str]]:
-    """The launch command of a shell script: its ``config=`` YAML (EasyR1) and its ``key=value``
-    arguments with the script's own variables (``NAME=value``, ``NAME=${1:-default}``) filled in."""
-    text = re.sub(r"\\\n", " ", path.read_text())
-    variables: dict[str, str] = {}
-    command: Optional[list[str]] = None
-    for line in text.splitlines():
-        line = line.strip()
-        if re.match(r"(?:export\s+)?[A-Za-z_]\w*=", line):  # NAME=value (quoted values may hold spaces)
-            try:
-                words = shlex.split(line, comments=True)
-            except ValueError:
-                continue
-            for word in words:
-                name, sep, value = word.partition("=")
-                if sep and re.fullmatch(r"[A-Za-z_]\w*", name):
-                    variables[name] = _expand(value, variables)
+def read_script(path: Path) -> tuple[dict[str, Any], list[Arg], list[str]]:
+    """The training command of a shell script: the flat base config (EasyR1's ``config=`` YAML,
+    Hydra's ``--config-path``/``--config-name``), its other arguments, and the reader's notes."""
+    launch = read_launch(path)
+    notes = list(launch.notes)
+    base = _hydra_base(launch, path, notes)
+    args = []
+    for arg in launch.args:
+        key, _, value = arg.text.partition("=")
+        if key != "config":
+            args.append(arg)
             continue
-        if re.search(r"\bverl\.trainer\.main(_ppo)?\b|\bmain_ppo\b", line):
-            command = shlex.split(line, comments=True)
-    if command is None:
-        raise ConfigError(f"{path}: no `python3 -m verl.trainer.main_ppo` (or `verl.trainer.main`) command found")
-    base, args = None, []
-    for arg in command:
-        if "=" not in arg or arg.startswith("-"):
-            continue
-        key, _, value = arg.partition("=")
-        value = _expand(value, variables)
-        if key == "config":
-            base = _find(value, path.parent)
-            if base is None:
-                raise ConfigError(f"{path}: config={value} not found (looked beside the script and in its parent "
-                                  f"folders)")
-        else:
-            args.append(f"{key}={value}")
-    return base, args
+        if arg.unknown:
+            raise ConfigError(f"{path}:{arg.line}: config={value}: {explain(arg.unknown[0])}; give the YAML as "
+                              f"the source instead")
+        found = _find(value, path.parent)
+        if found is None:
+            raise ConfigError(f"{path}: config={value} not found (looked beside the script and in its parent "
+                              f"folders)")
+        base.update(flatten(_read_yaml(found)))
+    return base, args, notes
 
 
-def _expand(value: str, variables: dict[str, str]) -> str:
-    """Shell variables: ``${NAME:-default}``, ``${NAME}``, ``$NAME`` (script variables, then the environment)."""
-    def sub(m: re.Match) -> str:
-        name, default = m.group(1) or m.group(3), m.group(2)
-        if name.isdigit():  # a script argument: its default
-            return default or ""
-        return variables.get(name, os.environ.get(name, default if default is not None else m.group(0)))
-    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)", sub, value.strip("'\""))
+def _hydra_base(launch: Launch, script: Path, notes: list[str]) -> dict[str, Any]:
+    """``--config-path X --config-name Y``: Y.yaml, the base the overrides apply to. A relative X is
+    Hydra's, beside the entry point's file, or beside the script (both from the script's folder up)."""
+    name, folder = launch.config_name, launch.config_path
+    if name is None:
+        if folder is not None:
+            notes.append(f"--config-path {folder.text} without --config-name: not read")
+        return {}
+    if name.unknown or folder is None:
+        why = explain(name.unknown[0]) if name.unknown else f"{launch.entry}'s own config, not in this script's tree"
+        notes.append(f"--config-name {name.text}: {why}: not read (keys the script leaves out keep the source "
+                     f"framework's defaults)")
+        return {}
+    text = folder.text
+    pwd = re.match(r"(\$\(pwd\)|`pwd`|\$\{PWD\}|\$PWD)/", text)
+    if folder.unknown and pwd and set(folder.unknown) <= {"$(pwd)", "`pwd`", "$PWD"}:
+        text = text[pwd.end():]
+        notes.append(f"--config-path {folder.text}: `{pwd.group(1)}` read as the repository the script runs from "
+                     f"(looked from the script's folder up)")
+    elif folder.unknown:
+        notes.append(f"--config-path {folder.text}: {explain(folder.unknown[0])}: --config-name {name.text} not read")
+        return {}
+    file = Path(text) / (name.text if name.text.endswith((".yaml", ".yml")) else name.text + ".yaml")
+    module_dir = Path(*launch.entry.split(".")[:-1])
+    tops = (script.parent, *script.parent.resolve().parents)
+    candidates = [file] if file.is_absolute() else [d / module_dir / file for d in tops] + [d / file for d in tops]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        notes.append(f"--config-path {folder.text} --config-name {name.text}: {file.name} not found beside the "
+                     f"script or the entry point: not read (keys the script leaves out keep the source "
+                     f"framework's defaults)")
+        return {}
+    data = _read_yaml(found)
+    skipped = [k for k in ("defaults", "hydra") if k in data]
+    notes.append(f"--config-name {name.text}: {found} is the base the script's arguments apply to"
+                 + (f" (its Hydra `{'`, `'.join(skipped)}` not followed: keys it leaves out keep the source "
+                    f"framework's defaults)" if skipped else ""))
+    return flatten({k: v for k, v in data.items() if k not in skipped})
 
 
 def _find(name: str, start: Optional[Path]) -> Optional[Path]:

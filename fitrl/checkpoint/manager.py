@@ -2,7 +2,8 @@
 
 A checkpoint ``RUN/checkpoints/step_N`` holds::
 
-    COMPLETE             written last (see fitrl.checkpoint.layout): step, world size, files + sizes
+    COMPLETE             written last (see fitrl.checkpoint.layout): step, world size, files + sizes;
+                         only once every rank's files are found here (fitrl.checkpoint.ranks)
     config.yaml          the resolved config of the run that saved it
     trainer_state.json   the trainer step, the data sampler's position, the KL coefficient,
                          Python's and NumPy's RNG states
@@ -23,6 +24,7 @@ import fnmatch
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -31,10 +33,10 @@ import torch
 import yaml
 from rich.console import Console
 
-from fitrl.checkpoint import layout, rng
+from fitrl.checkpoint import layout, ranks, rng
 from fitrl.checkpoint.layout import Checkpoint, CheckpointError
 from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
-from fitrl.core.errors import CheckpointUsageError
+from fitrl.core.errors import CheckpointUsageError, RunDirError
 from fitrl.core.nested import flatten
 from fitrl.config.schema import LoRAConfig, RolloutCorrectionConfig
 
@@ -130,11 +132,14 @@ class CheckpointManager:
 
     def _first_intact(self, candidates: list[Checkpoint]) -> Checkpoint:
         """The first of ``candidates`` (newest first) whose files match their marker (sizes and
-        checksums). A damaged one is refused, naming the file, unless ``checkpoint.on_corrupt=
-        previous``: then it is reported and the next one tried."""
+        checksums) and hold every rank's files (fitrl/checkpoint/ranks.py). A damaged one is
+        refused, naming the file, unless ``checkpoint.on_corrupt=previous``: then it is reported
+        and the next one tried."""
         for i, candidate in enumerate(candidates):
             try:
-                return layout.read(candidate.path)
+                point = layout.read(candidate.path)
+                ranks.check_checkpoint(point.path, point.meta)  # files of every rank, listed in the marker or not
+                return point
             except CheckpointError as e:
                 if self.ckpt.on_corrupt != "previous":
                     raise CheckpointError(f"{e}; not resuming from it: checkpoint.on_corrupt=previous resumes from the "
@@ -259,12 +264,14 @@ class CheckpointManager:
         try:
             for name, role in roles.items():  # every rank writes its own shards into tmp/<name>
                 role.save_checkpoint(str(tmp / name), self.ckpt.model_only)
+            self._check_ranks(step, tmp, roles)  # before the marker: it lists what is here, not what should be
             save_config(self.cfg, str(tmp / "config.yaml"))
             (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "rng": rng.python_numpy_state()}))
             torch.save(rng.torch_state(), tmp / "rng.pt")
             copy_hf_files(self.cfg, tmp / "hf")
             best = self.ckpt.keep_best
             meta = {"step": step, "world_size": self.cfg.world_size, "roles": list(roles),
+                    "role_world_sizes": {name: role.world_size for name, role in roles.items()},
                     "model_only": self.ckpt.model_only, **adapter_meta(self.cfg),
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "metrics": {best: metrics[best]} if best and best in metrics else {}}
@@ -280,6 +287,36 @@ class CheckpointManager:
         self.console.print(f"checkpoint: {final} ({size:.1f} MiB in {self.last_save_s:.2f} s){note}",
                            highlight=False)
         return final
+
+    def _check_ranks(self, step: int, tmp: Path, roles: dict[str, Any]) -> None:
+        """Every rank of every role left its files in ``tmp``, the directory this driver (and a
+        resume) reads. A rank on a node whose ``trainer.run_dir`` is a disk of its own writes them
+        there instead: marked complete, this checkpoint would hold part of the model."""
+        missing = []
+        for name, role in roles.items():
+            missing += ranks.missing_in_role(tmp, name, role.world_size, role_state=not self.ckpt.model_only)
+        if not missing:
+            return
+        groups = ranks.by_owner(missing)
+        (role, rank), files = next(iter(groups.items()))
+        others = [f"{r} rank {k}" for r, k in list(groups)[1:]]
+        more = (f"; nor has it those of {', '.join(others[:8])}{' ...' if len(others) > 8 else ''}" if others else "")
+        previous = layout.list_complete(self.root)
+        kept = f"the newest checkpoint is still {previous[-1].path}" if previous else "no earlier checkpoint exists"
+        lacks = ", ".join(Path(m.file).name + ("" if m.status == "missing" else f" ({m.status})") for m in files)
+        raise RunDirError(
+            f"checkpoint of step {step} not saved: the files of {role} rank {rank} ({_node_of(roles.get(role), rank)}) "
+            f"are not where the driver (host {socket.gethostname()}) and a resume read them: {tmp / role} lacks "
+            f"{lacks}{more}. trainer.run_dir must be one filesystem shared by every node (NFS, Lustre, ...), mounted "
+            f"at the same path; the partial save was removed, {kept}")
+
+
+def _node_of(role: Any, rank: Optional[int]) -> str:
+    """Where a rank runs, as its group knows it: a Ray rank's node IP, else this process's host."""
+    ips = getattr(getattr(role, "group", None), "node_ips", None)
+    if ips and rank is not None and rank < len(ips):
+        return f"node {ips[rank]}"
+    return f"host {socket.gethostname()}" if rank == 0 and not ips else "node unknown"
 
 
 def adapter_meta(cfg: FitrlConfig) -> dict:

@@ -39,9 +39,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from fitrl.checkpoint import rng
 from fitrl.checkpoint.layout import CheckpointError
+from fitrl.core.faults import own_disk
 
 METADATA = ".metadata"
 ROLE_STATE = "role_state.pt"
+
+
+def rng_file(rank: int) -> str:
+    """The file of rank ``rank``'s generators in a role's directory."""
+    return f"rng_rank{rank}.pt"
 
 
 @contextmanager
@@ -57,7 +63,7 @@ def save_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torc
     """Write this rank's shards of ``model`` (and ``optimizer``) plus its generators into ``path``;
     only the weights named in ``keep`` when given. A collective under a process group: every rank
     calls it with the same ``path``."""
-    path = Path(path)
+    path = own_disk(path, "checkpoint")  # (the path itself unless a test gives this rank a disk of its own)
     path.mkdir(parents=True, exist_ok=True)
     state = {"model": model_state(model, keep)}
     # An optimizer that has not stepped yet (critic warm-up) has no state to save, and
@@ -66,7 +72,7 @@ def save_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torc
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(path))
-    torch.save(rng.torch_state(), path / f"rng_rank{rank}.pt")
+    torch.save(rng.torch_state(), path / rng_file(rank))
     if rank == 0 and extra is not None:
         torch.save(extra, path / ROLE_STATE)
 
@@ -93,7 +99,7 @@ def load_role(path: str | Path, model: torch.nn.Module, optimizer: Optional[torc
     set_model_state_dict(model, template["model"], options=StateDictOptions(strict=keep is None))
     if "optim" in template:
         set_optimizer_state_dict(model, optimizer, template["optim"])
-    mine = path / f"rng_rank{rank}.pt"
+    mine = path / rng_file(rank)
     if mine.is_file():  # absent when this run has more ranks than the saving one
         rng.set_torch_state(torch.load(mine, weights_only=True))
     role_state = path / ROLE_STATE
@@ -123,13 +129,18 @@ def read_metadata(path: Path):
         raise CheckpointError(f"cannot read {path / METADATA}: {type(e).__name__}: {e}") from e
 
 
-def check_files(path: Path, meta) -> None:
-    """Every shard file the metadata points into exists and is long enough."""
+def shard_ends(meta) -> dict[str, int]:
+    """Every shard file the metadata points into, with the bytes it must hold at least."""
     needed: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for rel, end in sorted(needed.items()):
+    return needed
+
+
+def check_files(path: Path, meta) -> None:
+    """Every shard file the metadata points into exists and is long enough."""
+    for rel, end in sorted(shard_ends(meta).items()):
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is missing shard file {rel} (one rank's part of the weights "

@@ -3,7 +3,10 @@ its ``COMPLETE`` marker recorded when it was saved (fitrl/checkpoint/layout.py).
 
 PATH is a ``step_N`` directory, or a run directory (or its ``checkpoints`` directory): then every
 complete checkpoint in it. One line per file, ``OK`` or what is wrong, a summary per checkpoint;
-exit status 0 when every file is intact, 1 otherwise. Checkpoints written before checksums existed
+exit status 0 when every file is intact, 1 otherwise. Beyond the files the marker lists, every
+rank's files are checked against the role's world size and its DCP metadata
+(fitrl/checkpoint/ranks.py): a checkpoint saved where a rank's shard never reached this directory
+has a marker that does not list it either. Checkpoints written before checksums existed
 are checked by size (said per file). Import-light: the CLI builds its parser from here.
 """
 
@@ -13,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from fitrl.checkpoint import layout
+from fitrl.checkpoint import layout, ranks
 from fitrl.checkpoint.layout import Checkpoint
 from fitrl.core.errors import CheckpointUsageError
 
@@ -45,15 +48,28 @@ def verify(spec: str, out=print) -> bool:
                 out(f"OK   {where} {status[2:].strip()}".rstrip())
             else:
                 out(f"BAD  {where}: {status}")
-        bad = layout.damaged(results)
+        unlisted = _unlisted(point, out)
+        bad = layout.damaged(results) + [(m.file, m.status) for m in unlisted]
         size = sum((point.path / rel).stat().st_size for rel, _ in results if (point.path / rel).is_file())
         seconds = time.perf_counter() - start
         how = "checksums" if point.meta.get("hashes") else "sizes only (saved before checksums were recorded)"
-        out(f"{point.path}: " + (f"{len(bad)} of {len(results)} files damaged" if bad else
+        out(f"{point.path}: " + (f"{len(bad)} of {len(results) + len(unlisted)} files damaged or missing" if bad else
                                  f"intact, {len(results)} files, {size / 2**20:.1f} MiB checked by {how} in "
                                  f"{seconds:.2f} s"))
         intact &= not bad
     return intact
+
+
+def _unlisted(point: Checkpoint, out) -> list[ranks.Missing]:
+    """Rank files the checkpoint lacks beyond those its marker lists (which verify_files reported),
+    one ``BAD`` line each."""
+    listed = set(point.meta.get("files", {}))
+    found = [m for m in ranks.missing_in_checkpoint(point.path, point.meta) if m.file not in listed]
+    for m in found:
+        out(f"BAD  {point.path.name}/{m.file}: {m.status}: {m.owner()}'s file, not listed in the {layout.MARKER} "
+            "marker (saved where this directory does not see it, e.g. on a node's own disk: trainer.run_dir must be "
+            "one filesystem shared by every node)")
+    return found
 
 
 def cmd_checkpoint_verify(args: argparse.Namespace) -> int:

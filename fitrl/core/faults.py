@@ -9,6 +9,11 @@ SIGKILLs the process (as the kernel's OOM killer or a lost node would). ``<n>`` 
 The fault points: every Ray rank's call, named by the driver's phase (fitrl/workers/ray_actor.py).
 A process says which role and rank it is with :func:`identify` (one that never does is policy
 rank 0).
+
+``FITRL_INJECT_OWN_DISK=<role>:<rank>:<what>:<dir>`` gives that rank a disk of its own: the
+paths it writes or reads for ``<what>`` (``checkpoint``: its shards, ``run_dir``: the start-up
+check of the run directory, ``all``: both) lie under ``<dir>`` instead, as on a node whose
+``trainer.run_dir`` is a local directory of the same name (tests/test_checkpoint_nodes.py).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 INJECT_FAULT = "FITRL_INJECT_FAULT"
+INJECT_OWN_DISK = "FITRL_INJECT_OWN_DISK"
 _CALLS: dict[str, int] = {}
 _WHO = {"role": "policy", "rank": 0}
 
@@ -46,3 +53,16 @@ def fault_point(phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     while True:  # a hang: no heartbeat from here on
         time.sleep(0.1)
+
+
+def own_disk(path: str | Path, what: str) -> Path:
+    """``path`` as this rank sees it: the same path, unless ``FITRL_INJECT_OWN_DISK`` names this
+    process and ``what``; then the same path under that variable's directory."""
+    path = Path(path)
+    spec = os.environ.get(INJECT_OWN_DISK)
+    if not spec:
+        return path
+    want_role, want_rank, want_what, root = spec.split(":", 3)
+    if (_WHO["role"], str(_WHO["rank"])) != (want_role, want_rank) or want_what not in (what, "all"):
+        return path
+    return Path(root) / path.absolute().relative_to("/")

@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from fitrl.checkpoint.shared_dir import rank_view
 from fitrl.checkpoint.sharded import load_role, save_role
 from fitrl.config.batch_sizes import BatchSizes
 from fitrl.config.schema import FitrlConfig, SamplingConfig
@@ -168,6 +169,12 @@ class PolicyWorker:
         save_role(path, self.model, None if model_only else self.actor.optimizer,
                   None if model_only else self.actor.state_dict(), rank=self.rank,
                   keep=self.params.trained_names(self.model))
+
+    @dispatch("all")
+    def run_dir_view(self, run_dir: str, token: str) -> dict:
+        """This rank's view of the run directory, for the driver's check before step 1 that every
+        rank writes its shards where it reads them (fitrl/checkpoint/shared_dir.py; the driver's side in fitrl/trainer/rundir.py, ``check_shared``)."""
+        return rank_view(run_dir, token, self.rank)
 
     @dispatch("all")
     def load_checkpoint(self, path: str, weights_only: bool = False) -> None:

@@ -30,7 +30,7 @@ from fitrl.rollout.agent import check_agent
 from fitrl.tracking import check_installed
 from fitrl.trainer.loop import RLTrainer
 from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
-from fitrl.trainer.rundir import open_run_dir
+from fitrl.trainer.rundir import check_shared, open_run_dir
 from fitrl.trainer.sft import SFTTrainer, supervised_config
 from fitrl.trainer.signals import SIGNALS
 from fitrl.trainer.watchdog import collective_timeout_s
@@ -253,6 +253,8 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
 
         needs = algorithm_needs(cfg)
         policy = make_group("actor", cfg, "policy", stack)
+        if cfg.trainer.backend == "ray":  # ranks write their shards where they see run_dir: one directory for all
+            check_shared(run_dir, policy.group)
         ref = None
         if needs.reference:  # with LoRA the policy's frozen base is the reference: no second model
             ref = policy if cfg.actor.lora.enabled else make_group("ref", cfg, "ref", stack, colocate_with=policy)

@@ -17,6 +17,12 @@ is read for resuming or written, and holds it for the whole run:
 ``flock`` locks are per open file description: another process (or a second ``train()`` in
 this process) gets ``EWOULDBLOCK``. On NFS, Linux maps ``flock`` to an NFS byte-range lock, so
 runs on several machines sharing the directory exclude each other too (NFSv4, or v3 with lockd).
+
+Every rank writes its checkpoint shards into the run directory as *it* sees it, so a run whose
+ranks are Ray actors (possibly on other nodes) needs one directory for all of them: before step
+1, :func:`check_shared` has the driver and every rank of the policy leave a marker in it and
+look for each other's; a rank that does not see the driver's, or whose marker the driver does
+not see, stops the run in one line naming it (docs/distributed.md, "Storage").
 """
 
 from __future__ import annotations
@@ -25,22 +31,28 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from fitrl.checkpoint.shared_dir import DRIVER_MARK, SHARE_DIR
 from fitrl.core.errors import RunDirError
 
 LOCK_NAME = "fitrl.lock"
+MARK_WAIT_S = 3.0  # how long the driver looks again for a rank's marker (NFS attribute caching)
 
 
 def run_dir_path(trainer) -> Path:
-    """``trainer.run_dir``, or ``output_dir/<experiment_name>-<timestamp>`` when it is unset."""
+    """``trainer.run_dir``, or ``output_dir/<experiment_name>-<timestamp>`` when it is unset;
+    absolute, because the ranks resolve it (a relative path would be relative to each worker
+    process's own working directory)."""
     if trainer.run_dir:
-        return Path(trainer.run_dir)
-    return Path(trainer.output_dir) / f"{trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return Path(trainer.run_dir).absolute()
+    return (Path(trainer.output_dir) / f"{trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
 
 
 def _key(trainer) -> str:
@@ -200,3 +212,58 @@ def open_run_dir(trainer, notice: Optional[Callable[[str], None]] = None) -> Run
     created = create_run_dir(path, key)
     lock = RunDirLock(path, key=key, notice=notice, remove_if_empty=created)
     return lock
+
+
+# ---------------------------------------------------------------------- one directory for every rank
+
+def check_shared(run_dir: Path, group: Any, role: str = "policy") -> None:
+    """Refuse the run (one line) unless every rank of ``group`` sees ``run_dir`` as the directory
+    the driver sees: the driver leaves a marker there, each rank looks for it and leaves its own
+    (:func:`fitrl.checkpoint.shared_dir.rank_view`, run on the ranks), the driver looks for theirs.
+    Both ways round, so a rank whose directory is another node's local disk is found whichever side
+    lacks what."""
+    probe = Path(run_dir) / SHARE_DIR / uuid.uuid4().hex[:12]
+    probe.mkdir(parents=True)
+    try:
+        token = probe.name
+        (probe / DRIVER_MARK).write_text(json.dumps({"token": token, "host": socket.gethostname()}))
+        views = group.call_all("run_dir_view", [(str(run_dir), token)] * group.world_size, {})
+        unseen = _unseen_marks(probe, range(group.world_size))
+        apart = [v for v in views if not v["sees_driver"] or v["rank"] in unseen]
+        if apart:
+            raise RunDirError(_apart_message(run_dir, apart, getattr(group, "node_ips", None), role))
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+        try:
+            probe.parent.rmdir()  # only if empty
+        except OSError:
+            pass
+
+
+def _unseen_marks(probe: Path, ranks) -> set[int]:
+    """The ranks whose marker the driver does not find in ``probe``, looked for again for up to
+    :data:`MARK_WAIT_S` (a network filesystem may show a new file to another client late)."""
+    deadline = time.monotonic() + MARK_WAIT_S
+    while True:
+        unseen = {r for r in ranks if not (probe / f"rank{r}.json").is_file()}
+        if not unseen or time.monotonic() >= deadline:
+            return unseen
+        time.sleep(0.2)
+
+
+def _apart_message(run_dir: Path, apart: list[dict], node_ips: Optional[list], role: str) -> str:
+    parts = []
+    for v in apart:
+        r = v["rank"]
+        where = f"host {v['host']}" + (f", node {node_ips[r]}" if node_ips and r < len(node_ips) else "")
+        where += f", Ray node id {v['node_id'][:12]}" if v.get("node_id") else ""
+        if not v["sees_driver"]:
+            why = "does not see the driver's marker there"
+        elif v.get("cannot_write"):
+            why = f"sees the driver's marker but cannot write beside it ({v['cannot_write']})"
+        else:
+            why = "wrote its marker where the driver does not see it"
+        parts.append(f"{role} rank {r} ({where}) {why}")
+    return (f"trainer.run_dir={run_dir} is not one directory for every rank: {'; '.join(parts)} (the driver runs on "
+            f"host {socket.gethostname()}). Each rank writes its checkpoint shards there, so they would be lost: "
+            "trainer.run_dir must be one filesystem shared by every node (NFS, Lustre, ...), mounted at the same path")

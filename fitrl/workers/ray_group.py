@@ -46,7 +46,9 @@ that the failed rank never joined), the group is shut down for the same reason.
 Multi-node
 ----------
 Every node needs the same environment: this repository installed in a virtualenv at the same
-path, and the model and data paths readable (shared storage or copies at the same path)::
+path, the model and data paths readable (shared storage or copies at the same path), and
+``trainer.run_dir`` on one filesystem every node shares, where each rank writes its checkpoint
+shards (checked before step 1, ``check_shared`` in fitrl/trainer/rundir.py)::
 
     # head node (its IP: HEAD)
     ray start --head --port=6379 --num-gpus=8

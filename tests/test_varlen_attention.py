@@ -135,3 +135,57 @@ def test_torch_varlen_kernel_equals_the_dense_mask_on_cuda():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=V.block_causal_mask(cu, 8, 2),
                                                            scale=0.125, enable_gqa=True).transpose(1, 2)
     assert (out.float() - ref.float()).abs().max() < 2e-2
+
+
+def _tower_run(model, pixels, grid):
+    out = model.model.visual(pixels, grid_thw=grid)
+    hidden = out.last_hidden_state
+    hidden.square().sum().backward()  # the update's backward through the tower too
+    grads = [p.grad.clone() for p in model.model.visual.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return hidden.detach(), grads
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_vision_tower_attends_its_windows_in_one_call_per_layer(arch, tmp_path):
+    """The towers hand an implementation named "flash" their windows' cu_seqlens in one call:
+    the output and the gradients equal the per-window SDPA calls transformers makes otherwise,
+    one kernel call per block, each over several windows (two pictures)."""
+    from transformers import AutoModelForImageTextToText
+
+    from fitrl.models.tiny import make_tiny_model
+
+    model = AutoModelForImageTextToText.from_pretrained(make_tiny_model(tmp_path / arch, arch=arch, size="tiny"),
+                                                        dtype=torch.float32)
+    vc = model.config.vision_config
+    grid = torch.tensor([[1, 8, 8], [1, 4, 8]])  # two pictures' (t, h, w) patch grids
+    width = getattr(vc, "in_channels", 3) * vc.temporal_patch_size * vc.patch_size ** 2
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=torch.Generator().manual_seed(0))
+    assert V.use_varlen_vision(model, torch.device("cpu")) is None and vc._attn_implementation == "sdpa"  # CPU: unchanged
+    plain = _tower_run(model, pixels, grid)
+    windows = []
+    counting = lambda q, k, v, cu, *a, **kw: windows.append(len(cu) - 1) or V.reference_varlen(q, k, v, cu, *a, **kw)  # noqa: E731
+    with V.using_kernel(counting):
+        assert V.use_varlen_vision(model, torch.device("cpu")) is not None and vc._attn_implementation == V.VISION
+        varlen = _tower_run(model, pixels, grid)
+    assert len(windows) == len(model.model.visual.blocks) and min(windows) >= 2
+    assert torch.allclose(plain[0], varlen[0], atol=1e-6)
+    for a, b in zip(plain[1], varlen[1]):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_varlen_kernel_over_a_towers_windows_on_cuda():
+    """Bidirectional windows (a vision tower's), bf16: the kernel against one SDPA per window."""
+    if V.torch_varlen_kernel() is None:
+        pytest.skip("this torch has no varlen_attn")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 96, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 64, 80, 96], device="cuda", dtype=torch.int32)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = False, 1
+    out, _ = V.vision_varlen_attention(module, q, k, v, scaling=0.125, cu_seq_lens_q=cu, max_length_q=64)
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(*(t[:, :, a:b] for t in (q, k, v)), scale=0.125)
+                     for a, b in ((0, 64), (64, 80), (80, 96))], dim=2).transpose(1, 2)
+    assert (out.float() - ref.float()).abs().max() < 2e-2

@@ -31,6 +31,7 @@ from fitrl.distributed.fsdp import broadcast_from_rank0, shard
 from fitrl.models.check import load_local_tokenizer, read_model_config
 from fitrl.models.families import family_for
 from fitrl.models.params import ParameterSet
+from fitrl.ops.varlen import use_varlen_vision
 
 FULL = ParameterSet()
 
@@ -62,7 +63,7 @@ def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.d
     from_pretrained, from_config = (lambda: params.apply(load())), (lambda: params.apply(build()))
     if replicate or not distributed():
         m = from_pretrained().to(device)
-        _enable_checkpointing(m, model)
+        _after_build(m, model, device)
         return m
 
     rank0_init = fsdp.init == "rank0"
@@ -75,7 +76,7 @@ def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.d
             full_state = source.state_dict()
     else:
         m = from_pretrained()
-    _enable_checkpointing(m, model)
+    _after_build(m, model, device)
     shard(m, fsdp, family.blocks_to_shard(m), device, nnodes=nnodes)
     if rank0_init:
         broadcast_from_rank0(m, full_state, source, device, cpu_offload=fsdp.cpu_offload)
@@ -83,7 +84,9 @@ def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.d
     return m
 
 
-def _enable_checkpointing(m: nn.Module, model: ModelConfig) -> None:
+def _after_build(m: nn.Module, model: ModelConfig, device: torch.device) -> None:
+    """What a built model takes before it is used: its vision tower's kernel, gradient checkpointing."""
+    use_varlen_vision(m, device)  # (a vision tower's windows in one kernel call on CUDA; fitrl/ops/varlen.py)
     if model.gradient_checkpointing:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.config.use_cache = False

@@ -170,6 +170,62 @@ def packed_attention(model: torch.nn.Module, device: torch.device) -> Iterator[N
         config._attn_implementation = inner
 
 
+VISION = "fitrl_flash_varlen_vision"
+"""The vision towers' attention on CUDA. The Qwen-VL towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL in
+transformers 5.23) hand an implementation whose name holds "flash" their windows' ``cu_seqlens``
+in one call; any other runs one SDPA call per window (Qwen2.5-VL: a picture's patches in windows
+of 64, so one call per 64 patches in 28 of its 32 layers)."""
+
+
+def vision_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Optional[torch.Tensor] = None, dropout: float = 0.0,
+                            scaling: Optional[float] = None, cu_seq_lens_q: Optional[torch.Tensor] = None,
+                            max_length_q: Optional[int] = None, **kwargs):
+    """A tower's attention over its windows: query/key/value (1, H, S, d), the windows'
+    boundaries ``cu_seq_lens_q`` -> ((1, S, H, d), None). Bidirectional within each window. Where
+    the kernel cannot run (fp32 compute, no kernel) each window is one SDPA call, as without it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for unused in ("cu_seq_lens_k", "max_length_k", "is_causal"):
+        kwargs.pop(unused, None)
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=False, **kwargs)
+    kernel = _KERNEL or torch_varlen_kernel()
+    if kernel is None or (_KERNEL is None and not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16))):
+        lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+        splits = [torch.split(t, lengths, dim=2) for t in (query, key, value)]
+        outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=False,
+                                       **kwargs)[0] for q, k, v in zip(*splits)]
+        return torch.cat(outs, dim=1), None
+    if dropout:
+        raise ValueError("varlen attention for the vision tower runs without attention dropout")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (S, H, d)
+    cu = cu_seq_lens_q.to(torch.int32)
+    longest = int(max_length_q) if max_length_q is not None else int(q.shape[0])  # an upper bound suffices
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, -1))
+    return out[None], None
+
+
+def use_varlen_vision(model: torch.nn.Module, device: torch.device) -> Optional[str]:
+    """On CUDA with the kernel: the model's vision tower (a ``vision_config`` with sdpa) attends
+    with :func:`vision_varlen_attention`, for every forward from now on (generation included:
+    the tower's windows are its own, nothing like a packed pass's context). Returns the line
+    saying so, None where nothing changes."""
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is None or getattr(vision, "_attn_implementation", None) != "sdpa":
+        return None
+    if _KERNEL is None and (device.type != "cuda" or torch_varlen_kernel() is None):
+        return None
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VISION, vision_varlen_attention)
+    vision._attn_implementation = VISION
+    line = "vision tower attention: torch varlen_attn over its windows (one call per layer)"
+    _say(line, line)
+    return line
+
+
 @contextlib.contextmanager
 def using_kernel(kernel: Kernel) -> Iterator[None]:
     """Tests: run the varlen path with ``kernel`` (e.g. :func:`reference_varlen`) on any device."""

@@ -126,3 +126,27 @@ def test_the_demo_report_shows_validation_accuracy_rising(demo, tmp_path):
     assert accuracy is not None and titles.index(accuracy) == 1, titles  # right after the reward
     before, after = map(float, re.findall(r"\d\.\d{3}", accuracy))
     assert after >= 2 * before > 0, accuracy
+
+
+def test_the_readme_recipe_fits_the_hardware_its_plan_command_names(tmp_path):
+    """The README's `my.yaml`, for Qwen2.5-7B (its config.json from the field corpus), planned on
+    the machine its `fitrl plan` line names (1 node x 8 GPUs of 80 GiB, 1 TiB): it fits, so the
+    default `memory.plan=enforce` would not refuse the showcase config."""
+    import json
+
+    import yaml
+
+    from fitrl.config import load_config
+    from fitrl.planner import Hardware, plan_config
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", readme, re.S).group(1)
+    assert "--nodes 1 --gpus-per-node 8 --gpu-memory 80GiB --host-memory 1TiB" in readme
+    models = yaml.safe_load((ROOT / "bench" / "field_corpus" / "models.yaml").read_text())
+    model = tmp_path / "qwen2.5-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(models["qwen2.5-7b-instruct"]["config"]))
+    (tmp_path / "my.yaml").write_text(block.replace("/data/Qwen2.5-7B-Instruct", str(model)))
+    cfg = load_config(str(tmp_path / "my.yaml"), [])
+    plan = plan_config(cfg, Hardware(nodes=1, gpus_per_node=8, gpu_memory=80 * 2**30, host_memory=2**40, device="cuda"))
+    assert plan.verdict == "fits", plan.verdict

@@ -168,3 +168,38 @@ def test_a_ray_run_calls_no_torch_cuda_in_the_driver(ray_cluster, no_cuda, tiny_
     assert no_cuda == [], (sorted(set(no_cuda)), out.getvalue())
     assert "trainer.device=auto: cpu, the Ray cluster has no GPU" in out.getvalue()
     assert (tmp_path / "checkpoints" / "step_1").is_dir()
+
+
+def test_a_cluster_with_fewer_gpus_than_the_ranks_is_one_line_before_anything_loads(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """The README's recipe (8 ranks) on a cluster of 2 GPUs: refused at once, naming what was
+    asked and what the cluster has, before the run directory, the plan or a model."""
+    import fitrl.workers.ray_group as ray_group
+    from fitrl.trainer import run
+
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "trainer.backend=ray", "trainer.devices_per_node=8",
+                     "rollout.workers=2", "rollout.mode=one_step_off")
+    monkeypatch.setattr(ray_group, "ensure_ray", lambda address=None: None)
+    monkeypatch.setattr(ray_group, "cluster_devices", lambda: ClusterDevices(gpus=2, probe=lambda: None))
+    with pytest.raises(ConfigError) as e:
+        run.train(cfg)
+    line = str(e.value)
+    assert "\n" not in line and "take 10 GPU(s)" in line and "has 2" in line and "rollout.workers=2" in line
+    assert not (tmp_path / "run").exists()  # nothing was made
+    run.check_gpu_count(cfg, 10)  # exactly enough: no refusal
+    run.check_gpu_count(cfg, 8, supervised=True)  # `fitrl sft` starts no rollout workers
+
+
+def test_a_vllm_run_without_vllm_is_one_line_before_ray_starts(tiny_model_dir, tmp_path, monkeypatch):
+    """rollout.engine=vllm in an environment without vLLM: refused before Ray is asked anything."""
+    import fitrl.workers.ray_group as ray_group
+    from fitrl.trainer import run
+
+    def no_ray(address=None):
+        raise AssertionError("Ray was started before the vLLM check")
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as absent, even in .venv-vllm
+    monkeypatch.setattr(ray_group, "ensure_ray", no_ray)
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "trainer.backend=ray", "rollout.engine=vllm")
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM \(not installed"):
+        run.train(cfg)

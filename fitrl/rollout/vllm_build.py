@@ -16,6 +16,7 @@ Three layouts (:func:`engine_layout`, docs/vllm.md "Tensor parallelism"):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
@@ -151,6 +152,22 @@ def llm_kwargs(cfg: RolloutConfig, context: EngineContext, layout: EngineLayout,
         videos = context.limit_images if vision is not None and vision.supports_video else 0
         kwargs["limit_mm_per_prompt"] = {"image": context.limit_images, "video": videos}
     return kwargs
+
+
+def check_vllm_installed(engines: set[str]) -> None:
+    """Before Ray starts or a model loads: a run whose engines include vLLM in an environment
+    without it is one line now, not a worker's error after the cluster and the model came up.
+    ``find_spec`` looks for the package without importing it (vLLM's import takes seconds)."""
+    if "vllm" not in engines:
+        return
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or blocked package: as absent
+        found = False
+    if not found:
+        raise ConfigError("rollout.engine=vllm needs vLLM (not installed in this environment): pip install "
+                          "'fitrl[vllm]' on a CUDA machine, or `make .venv-vllm` for the CPU build (docs/vllm.md); "
+                          "or set rollout.engine=hf")
 
 
 def check_tensor_parallel(layout: EngineLayout, text_cfg, model_path: str, *, cuda: bool) -> None:

@@ -27,6 +27,7 @@ from fitrl.roles.reward_sources import RewardSources
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.roles.workers import ROLES
 from fitrl.rollout.agent import check_agent
+from fitrl.rollout.vllm_build import check_vllm_installed
 from fitrl.tracking import check_installed
 from fitrl.trainer.loop import RLTrainer
 from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
@@ -123,8 +124,9 @@ def train(cfg: FitrlConfig, console: Console | None = None, supervised: bool = F
     ``supervised``: supervised fine-tuning on the answers instead of RL (``fitrl sft``,
     fitrl/trainer/sft.py). ``where``: receives ``run_dir``, the run's directory."""
     console = console or Console(soft_wrap=True)
+    check_vllm_installed({cfg.rollout.engine})  # one line before Ray starts or a model loads
     _host_allocator(cfg.memory.host_allocator, console)
-    with _run_devices(cfg, console):
+    with _run_devices(cfg, console, supervised):
         return _train_restarting(cfg, console, where, supervised)
 
 
@@ -152,10 +154,12 @@ def _train_restarting(cfg: FitrlConfig, console: Console, where: dict | None, su
             event = {"event": "restart", "restart": restarts, "cause": cause}
 
 
-def _run_devices(cfg: FitrlConfig, console: Console):
+def _run_devices(cfg: FitrlConfig, console: Console, supervised: bool = False):
     """Under Ray: connect to the cluster, and drive it for the run (fitrl/core/device.py): devices
     resolved from its GPUs, which the head node need not have, and no ``torch.cuda`` call in this
-    process, whose ranks' work is elsewhere. In-process: nothing (this process's CUDA)."""
+    process, whose ranks' work is elsewhere; a cluster with fewer GPUs than the run's ranks take
+    is one line now, not a placement that waits and times out. In-process: nothing (this
+    process's CUDA)."""
     t = cfg.trainer
     if t.backend != "ray":
         return nullcontext()
@@ -169,7 +173,22 @@ def _run_devices(cfg: FitrlConfig, console: Console):
     if t.device == "auto":  # the head node's own CUDA is not asked: say where the ranks go
         has = f"has {devices.gpus} GPU(s)" if devices.gpus else "has no GPU"
         console.print(f"trainer.device=auto: {kind}, the Ray cluster {has}", highlight=False)
+    if kind == "cuda":
+        check_gpu_count(cfg, devices.gpus, supervised)
     return driving(devices)
+
+
+def check_gpu_count(cfg: FitrlConfig, gpus: int, supervised: bool = False) -> None:
+    """One GPU per rank of the policy's group (the reference, critic and reward roles share its
+    slots) and per rollout worker of its own: more than ``gpus``, the cluster's, is a ConfigError."""
+    t, r = cfg.trainer, cfg.rollout
+    workers = r.workers if r.workers and not t.val_only and not supervised else 0
+    need = cfg.world_size + workers
+    if need > gpus:
+        asked = f"trainer.nnodes={t.nnodes} x trainer.devices_per_node={t.devices_per_node}"
+        asked += f" + rollout.workers={workers}" if workers else ""
+        raise ConfigError(f"{asked} take {need} GPU(s), one each, but the Ray cluster has {gpus}: lower "
+                          f"trainer.devices_per_node (or rollout.workers), or join more nodes (`ray start --address`)")
 
 
 def _no_gpu_probe() -> GPUFacts:

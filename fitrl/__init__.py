@@ -8,11 +8,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``fitrl.train``: the Python API (fitrl/api.py), imported on first use. By module name, not
-    an import statement: every layer reads this package's ``__version__``, and a static import of
-    the top layer here would make each of them import upward (pyproject.toml, the layers contract)."""
-    if name == "train":
+    """``fitrl.train`` and ``fitrl.GRPOConfig``: the Python API (fitrl/api.py), imported on first
+    use. By module name, not an import statement: every layer reads this package's ``__version__``,
+    and a static import of the top layer here would make each of them import upward (pyproject.toml,
+    the layers contract)."""
+    if name in ("train", "GRPOConfig"):  # GRPOConfig: TRL's names for fitrl.train(args=...)
         import importlib
 
-        return importlib.import_module("fitrl.api").train
+        return getattr(importlib.import_module("fitrl.api"), name)
     raise AttributeError(f"module 'fitrl' has no attribute {name!r}")

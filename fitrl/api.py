@@ -8,12 +8,17 @@ YAML file cannot hold is turned into config:
 - ``train_dataset`` / ``eval_dataset``: a list of row dicts, or anything with ``to_list()`` (a
   ``datasets.Dataset``), written once as JSON lines into ``<output_dir>/datasets/`` (named by their
   content, so a rerun resumes from the same files);
-- ``reward_funcs``: Python callables, TRL's ``fn(completions, **columns)`` or fitrl's
+- ``reward_funcs``: a callable or a list, each in TRL's signature (``prompts``, ``completions``,
+  ``completion_ids``, the dataset's columns and ``trainer_state`` as keyword arguments) or fitrl's
   ``fn(response, answer)``, summed with ``reward_weights`` and logged one component each
-  (:mod:`fitrl.rewards.python`); they are scored in this process. An entry that is a path is a
+  (:mod:`fitrl.rewards.python`); they are scored in this process. The columns they name are
+  checked on the user's rows before anything loads, and no answer column is needed when none
+  reads one. An entry that is a path is a
   local reward model directory (TRL takes a model id there): a ``reward.sources`` entry of kind
   ``model`` (``rm``, ``rm2``, ...) with its weight, beside the callables' source ``functions``
   (docs/reward-models.md).
+- TRL's ``GRPOConfig`` names (``args=fitrl.GRPOConfig(...)`` or keyword arguments): fitrl's keys
+  (:mod:`fitrl.config.trl_names`).
 
 Quick start: docs/python-api.md.
 """
@@ -26,49 +31,128 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from fitrl.config import ConfigError, load_config
+from fitrl.config.trl_names import GRPOConfig, trl_items
 from fitrl.core.nested import flatten
+from fitrl.rewards.python import ROW_KEY, TrlInputs, check_columns, register_python_rewards
 
 Rows = Union[Sequence[Mapping[str, Any]], Any]
+RewardFunc = Union[Callable[..., Any], str, Path]
 
 
 def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Optional[str] = None,
           train_dataset: Optional[Rows] = None, eval_dataset: Optional[Rows] = None,
-          reward_funcs: Optional[Sequence[Union[Callable[..., Any], str, Path]]] = None,
-          reward_weights: Optional[Sequence[float]] = None,
-          overrides: Union[Mapping[str, Any], Sequence[str], None] = None) -> list[dict[str, float]]:
+          reward_funcs: Union[RewardFunc, Sequence[RewardFunc], None] = None,
+          reward_weights: Optional[Sequence[float]] = None, args: Union[GRPOConfig, Mapping[str, Any], None] = None,
+          overrides: Union[Mapping[str, Any], Sequence[str], None] = None, **trl: Any) -> list[dict[str, float]]:
     """Train and return each step's metrics (``metrics.jsonl`` holds them too).
 
     ``config``: a YAML path, a nested dict of sections, or None (the defaults). ``model``: a local
-    checkpoint directory (``actor.model.path``). ``overrides``: dotted keys, as a dict
-    (``{"rollout.n": 4}``) or ``key=value`` strings; they win over ``config``.
+    checkpoint directory (``actor.model.path``). ``args`` (a :class:`GRPOConfig` or a dict) and
+    further keyword arguments: TRL's ``GRPOConfig`` names (``num_generations=4``,
+    ``learning_rate=1e-6``), each mapped to fitrl's key (:mod:`fitrl.config.trl_names`).
+    ``overrides``: dotted keys, as a dict (``{"rollout.n": 4}``) or ``key=value`` strings; they win
+    over ``config`` and the TRL names.
     """
     import fitrl.rollout  # noqa: F401  (registers the engines: rollout.engine is checked on load)
+    from fitrl.telemetry.phases import current_phase
     from fitrl.trainer.run import train as run
 
+    given = {**(args.given() if isinstance(args, GRPOConfig) else dict(args or {})), **trl}
     items = _dotted(config) if isinstance(config, Mapping) else []
-    items += _dotted(overrides) if isinstance(overrides, Mapping) else list(overrides or [])
-    if model is not None:
-        items.append(f"actor.model.path={model}")
     path = str(config) if isinstance(config, (str, Path)) else None
+    user = _dotted(overrides) if isinstance(overrides, Mapping) else list(overrides or [])
+    if model is not None:
+        user.append(f"actor.model.path={model}")
+    train_rows, eval_rows = _rows(train_dataset, "train"), _rows(eval_dataset, "eval")
+    if given:
+        cfg = load_config(path, items + user)
+        mapped = trl_items(given, None if train_rows is None else len(train_rows), cfg.data.rollout_batch_size)
+        items += [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in mapped]
+    items += user
     cfg = load_config(path, items)
-    out = Path(cfg.trainer.output_dir) / "datasets"
+    funcs = _as_list(reward_funcs)
+    calls = [f for f in funcs if not isinstance(f, (str, Path))]
     extra = []
-    if train_dataset is not None:
-        extra.append(f"data.train_files=[{_write_rows(train_dataset, out, 'train')}]")
-    if eval_dataset is not None:
-        extra.append(f"data.val_files=[{_write_rows(eval_dataset, out, 'eval')}]")
-    if reward_funcs is not None:
-        extra += _reward_items(list(reward_funcs), reward_weights, cfg.data.answer_key)
+    answer_key = cfg.data.answer_key
+    if calls:  # the columns the functions read, checked on the user's rows before anything loads
+        needs_answer = False
+        for rows, name in ((train_rows, "train_dataset"), (eval_rows, "eval_dataset")):
+            if rows is not None:
+                _check_prompts(rows, name, cfg.data.prompt_key, cfg.data.prompt_template)
+                needs_answer |= check_columns(calls, _columns(rows), name, answer_key)
+        present = [r for r in (train_rows, eval_rows) if r is not None]
+        files = (train_dataset is not None and train_rows is None) or (eval_dataset is not None and eval_rows is None)
+        if present and not files and not needs_answer and not all(answer_key in _columns(r) for r in present):
+            answer_key = ""  # no answer column and no function that reads one (TRL needs none)
+            extra.append('data.answer_key=""')
+    out = Path(cfg.trainer.output_dir) / "datasets"
+    prompts: dict[str, Any] = {}
+    for rows, given_as, split, key in ((train_rows, train_dataset, "train", "train_files"),
+                                       (eval_rows, eval_dataset, "eval", "val_files")):
+        if rows is None and given_as is None:
+            continue
+        if rows is not None and calls:  # each row marked, so TRL's functions get its prompt as given
+            rows = [{**r, ROW_KEY: f"{split}:{i}"} for i, r in enumerate(rows)]
+            prompts.update({r[ROW_KEY]: r.get(cfg.data.prompt_key) for r in rows})
+        extra.append(f"data.{key}=[{_write_rows(given_as if rows is None else rows, out, split)}]")
+    if funcs:
+        inputs = TrlInputs(prompts=prompts, conversational=_conversational(train_rows, cfg.data.prompt_key),
+                           tokenizer_path=cfg.actor.model.path or None, max_steps=cfg.trainer.max_steps,
+                           in_training_step=lambda: current_phase() == "reward")
+        extra += _reward_items(funcs, reward_weights, answer_key, inputs)
     if extra:
         cfg = load_config(path, items + extra)
     return run(cfg)
 
 
-def _reward_items(funcs: list, weights: Optional[Sequence[float]], answer_key: str) -> list[str]:
+def _as_list(funcs: Any) -> list:
+    """``reward_funcs``: one callable or path (as TRL takes it), or a list of them."""
+    if funcs is None:
+        return []
+    if callable(funcs) or isinstance(funcs, (str, Path)):
+        return [funcs]
+    if not isinstance(funcs, (list, tuple)):
+        raise ConfigError(f"reward_funcs is {type(funcs).__name__}; give a callable, a reward model path, or a list "
+                          f"of them")
+    return list(funcs)
+
+
+def _rows(rows: Optional[Rows], split: str) -> Optional[list[dict]]:
+    """The rows given in the script as a list (None for a path or nothing)."""
+    if rows is None or isinstance(rows, (str, Path)):
+        return None
+    listed = rows.to_list() if hasattr(rows, "to_list") else list(_as_iterable(rows))
+    if not listed:
+        raise ConfigError(f"{split}_dataset has no rows")
+    for i, r in enumerate(listed):
+        if not isinstance(r, Mapping):
+            raise ConfigError(f"{split}_dataset row {i} is {type(r).__name__}; a dataset is a list of row dicts")
+    return [dict(r) for r in listed]
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def _check_prompts(rows: list[dict], name: str, prompt_key: str, template: Optional[str]) -> None:
+    if template:
+        return
+    for i, r in enumerate(rows):
+        if prompt_key not in r:
+            raise ConfigError(f"{name} row {i} has no {prompt_key!r} column (columns: {', '.join(map(str, r))}); "
+                              f"name the prompt column {prompt_key!r} or set data.prompt_key")
+
+
+def _conversational(rows: Optional[list[dict]], prompt_key: str) -> bool:
+    """TRL's rule: the prompts are chat messages (a list of role/content dicts)."""
+    first = rows[0].get(prompt_key) if rows else None
+    return isinstance(first, list) and bool(first) and isinstance(first[0], Mapping) and "role" in first[0]
+
+
+def _reward_items(funcs: list, weights: Optional[Sequence[float]], answer_key: str,
+                  inputs: Optional[TrlInputs] = None) -> list[str]:
     """The overrides ``reward_funcs`` stands for: the callables as one batched Python reward, and
     each path as a reward model source."""
-    from fitrl.rewards.python import register_python_rewards
-
     weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
     if len(weights) != len(funcs):
         raise ConfigError(f"reward_weights has {len(weights)} weights for {len(funcs)} reward functions")
@@ -76,7 +160,8 @@ def _reward_items(funcs: list, weights: Optional[Sequence[float]], answer_key: s
     calls = [(f, w) for f, w in zip(funcs, weights) if not isinstance(f, (str, Path))]
     items = []
     if calls:
-        name = register_python_rewards([f for f, _ in calls], [w for _, w in calls], answer_key=answer_key)
+        name = register_python_rewards([f for f, _ in calls], [w for _, w in calls], answer_key=answer_key,
+                                       inputs=inputs)
         items += [f"reward.function={name}", "reward.batched=true", "reward.num_workers=0"]
     if not paths:
         return items
@@ -94,15 +179,12 @@ def _dotted(values: Mapping[str, Any]) -> list[str]:
     return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in flatten(values).items()]
 
 
-def _write_rows(rows: Rows, folder: Path, split: str) -> Path:
+def _write_rows(rows: Union[list[dict], str, Path], folder: Path, split: str) -> Path:
     """The rows as JSON lines, named by their content."""
     if isinstance(rows, (str, Path)):
         return Path(rows)
-    listed = rows.to_list() if hasattr(rows, "to_list") else list(_as_iterable(rows))
-    if not listed:
-        raise ConfigError(f"{split}_dataset has no rows")
     try:
-        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in listed)
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
     except TypeError as e:
         raise ConfigError(f"{split}_dataset: a row is not JSON data ({e}); save it as parquet and pass the path, "
                           f"or give rows of plain values") from None

@@ -18,7 +18,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Column holding the prompt text (or a list of chat messages)."""
     answer_key: str = "answer"
-    """Column holding the reference answer passed to the reward function."""
+    """Column holding the reference answer passed to the reward function; empty: the rows have none (what ``fitrl.train`` sets when its reward functions read no answer, as TRL's need none)."""
     source_key: str = "data_source"
     """Column naming the benchmark or source a row comes from (e.g. ``gsm8k``); when validation rows carry it, ``val/*`` metrics are also split by it (``val/by_source/<source>/...``)."""
     prompt_template: Optional[str] = None

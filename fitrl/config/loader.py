@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 import yaml
 
 from .schema import ConfigError, FitrlConfig
+from .trl_names import fitrl_keys
 
 __all__ = ["load_config", "config_from_dict", "config_to_dict", "save_config", "describe_fields"]
 
@@ -61,7 +62,12 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> FitrlConf
     layers.append((OVERRIDES, _parse_overrides(overrides)))
     for label, data in layers:
         _merge(merged, data, label, origins)
-    return _checked(_build(FitrlConfig, merged, "", origins))
+    cfg = _checked(_build(FitrlConfig, merged, "", origins))
+    # Which keys a file or an override set (dotted): a default that depends on the command (`fitrl
+    # sft`'s learning rate, fitrl/trainer/sft.py) applies only where none did. Not a field: it is
+    # not saved with the config (the saved config has every value set).
+    cfg.given_keys = frozenset(origins)
+    return cfg
 
 
 def config_from_dict(data: dict[str, Any], source: str = "") -> FitrlConfig:
@@ -278,6 +284,10 @@ def _unknown_key_message(key: str, value: Any, siblings: list[str], origins: dic
         tail += f".{sub}"
     head = f"unknown config key '{key}{tail}'{_where(key, origins)}"
     paths = _all_paths()
+    # a TRL GRPOConfig name fitrl spells differently: fitrl's key, not the nearest spelling
+    trl = "" if any(p.rpartition(".")[2] == name for p in paths) else fitrl_keys(name)
+    if trl:
+        return f"{head}; TRL's {name} is {trl} in fitrl"
     close = difflib.get_close_matches(name, siblings, n=1)
     if close:
         best = f"{prefix}.{close[0]}" if prefix else close[0]

@@ -27,6 +27,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.images import BadImage, load_image
 from fitrl.data.rows import MISSING, iter_rows, kind_of, lookup, missing_key_text
 from fitrl.data.media import MediaSpec, RowMedia
+from fitrl.data.supervised import COMPLETION, MESSAGES, chat_target, conversation, conversation_format
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,8 +161,13 @@ class PromptDataset:
     def _read_row(self, tokenizer: Any, template: Optional[jinja2.Template], source: str, row: dict,
                   base_dir: str) -> _Row:
         """One row's prompt text (and media); :class:`BadImage` for a row whose media are bad."""
+        fmt = conversation_format(row, self.prompt_key, self.answer_key)
+        if fmt is not None:  # TRL's conversational rows: `fitrl sft` targets (fitrl/data/supervised.py)
+            return self._read_conversation(tokenizer, source, row, fmt)
         # With a template the prompt column is optional: the template names what it uses.
-        required = ([] if template else [(self.prompt_key, "prompt_key")]) + [(self.answer_key, "answer_key")]
+        # No answer_key (""): the rows have no answer column (fitrl.train with rewards that read none).
+        required = (([] if template else [(self.prompt_key, "prompt_key")])
+                    + ([(self.answer_key, "answer_key")] if self.answer_key else []))
         for key, option in required:
             if lookup(row, key) is MISSING:
                 raise DataError(f"{source}: row has no {key!r} column ({missing_key_text(row, key)}); set data.{option}")
@@ -183,6 +189,25 @@ class PromptDataset:
             id_text = self.vision.expand_placeholders(text, media_of_row.image_tokens, media_of_row.video_tokens)
         return _Row(source, row, text, id_text, media_of_row, _text_messages(messages))
 
+    def _read_conversation(self, tokenizer: Any, source: str, row: dict, fmt: str) -> _Row:
+        """A row in one of TRL's conversational formats (``messages``, ``prompt``/``completion``):
+        the prompt is the conversation before the turns the loss covers, through the chat
+        template; the answer is the rest, rendered and masked (a ``ChatTarget``)."""
+        if not self.apply_chat_template:
+            raise DataError(f"{source}: a {fmt!r} row is a conversation and needs data.apply_chat_template=true")
+        if self.vision is not None:
+            raise DataError(f"{source}: {fmt!r} rows are read for text models only; use prompt/answer rows "
+                            f"for a vision-language model")
+        self._refuse_media(source, row)
+        messages, start = conversation(source, row, fmt, self.prompt_key)
+        if self.system_prompt is not None:
+            if messages[0]["role"] == "system":
+                raise DataError(f"{source}: the conversation already has a system message; unset data.system_prompt")
+            messages, start = [{"role": "system", "content": self.system_prompt}] + messages, start + 1
+        text, target = chat_target(tokenizer, messages, start, source, self.tools)
+        columns = {k: v for k, v in row.items() if k not in (MESSAGES, COMPLETION, self.prompt_key)}
+        return _Row(source, {**columns, self.answer_key: target}, text, text, None, _text_messages(messages[:start]))
+
     def _tokenize(self, tokenizer: Any, rows: list[_Row]) -> list[list[int]]:
         """Every prompt's ids, in one batched call: fast tokenizers parallelise it, which matters
         for 100k-row sets. The chat template already writes its own BOS/special tokens, so adding
@@ -201,7 +226,7 @@ class PromptDataset:
                 continue
             extra = {k: v for k, v in r.row.items() if k not in own}
             ex = dict(prompt_ids=list(prompt_ids), prompt_text=r.text, prompt_messages=r.messages,
-                      answer=lookup(r.row, self.answer_key),
+                      answer=lookup(r.row, self.answer_key) if self.answer_key else None,
                       extra=extra, source=r.source, index=len(examples))
             m = r.media
             if m is not None:

@@ -1,6 +1,16 @@
-"""Reward functions given as Python callables (``fitrl.train(reward_funcs=[...])``), as TRL's users
-write them: ``fn(completions, **columns) -> list[float]`` (TRL's signature: the dataset's columns as
-keyword arguments, the answer among them) or fitrl's ``fn(response, answer) -> float | dict``.
+"""Reward functions given as Python callables (``fitrl.train(reward_funcs=...)``), in either of two
+shapes, told apart by the signature:
+
+- TRL's (any of ``prompts``, ``completions``, ``completion_ids``, ``trainer_state`` among the
+  parameters, or keyword arguments only): one call per batch with the keyword arguments TRL's
+  ``GRPOTrainer`` documents, each a list over the batch: ``prompts`` (the prompt column as the
+  dataset holds it: text or chat messages), ``completions`` (``[{"role": "assistant", "content":
+  ...}]`` per completion when the prompts are conversational, the text otherwise),
+  ``completion_ids`` (the completion's text tokenised again by the policy's tokenizer), every
+  dataset column but the prompt by its name, and ``trainer_state`` (:class:`TrainerState`). A
+  function taking ``**kwargs`` gets them all, one naming some gets those. It returns one float per
+  completion (``None``: not applicable, counted 0 in the sum);
+- fitrl's ``fn(response, answer) -> float | dict`` (a dict's ``score``), one call per completion.
 
 Several functions are summed with ``reward_weights`` (default 1 each), each logged as a component
 under its own name. A callable lives in this process, so it is scored here (``reward.num_workers=0``):
@@ -10,6 +20,7 @@ the registry below maps the name a config carries to the function, for this proc
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from fitrl.core.errors import ConfigError
@@ -17,22 +28,96 @@ from fitrl.core.errors import ConfigError
 PYTHON_REWARDS: dict[str, Callable[..., Any]] = {}
 """``python:<names>`` -> the batched function that scores with the given callables (this process only)."""
 
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+"""What TRL's GRPOTrainer passes besides the dataset's columns."""
+
+ROW_KEY = "_fitrl_row"
+"""The column ``fitrl.train`` adds to the rows it writes (``train:3``): which row a completion
+answers, so ``prompts`` are the prompts as the user's dataset holds them. Never passed on."""
+
+
+@dataclass
+class TrainerState:
+    """What a TRL reward function reads from ``trainer_state``: ``global_step``, the training steps
+    scored before this call (a dynamic-sampling round counts as a step; a resumed run counts from 0),
+    and ``max_steps`` (``trainer.max_steps``)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+@dataclass
+class TrlInputs:
+    """What the TRL arguments are made of, known when ``fitrl.train`` registers the functions."""
+
+    prompts: dict[str, Any] = field(default_factory=dict)
+    """:data:`ROW_KEY` value -> the row's prompt as the user's dataset holds it."""
+    conversational: bool = False
+    """The prompts are chat messages: completions are passed as messages too (TRL's rule)."""
+    tokenizer_path: Optional[str] = None
+    """The policy's checkpoint, whose tokenizer makes ``completion_ids`` (loaded on first use)."""
+    max_steps: int = 0
+    in_training_step: Callable[[], bool] = lambda: False
+    """Whether a call scores a training step's rollout (validation's and a baseline's are no step)."""
+
+
+def is_trl_style(fn: Callable[..., Any]) -> bool:
+    """TRL's signature (a TRL argument by name, or no positional parameter a value must fill)
+    rather than fitrl's ``fn(response, answer)``."""
+    params = _parameters(fn)
+    if params is None:
+        return False
+    if any(n in params for n in TRL_ARGUMENTS):
+        return True
+    return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+                   for p in params.values())
+
+
+def check_columns(fns: Sequence[Callable[..., Any]], columns: Sequence[str], dataset: str, answer_key: str) -> bool:
+    """Every column a function needs is in ``dataset``'s ``columns``, else one line naming the
+    function, the dataset and the column. Returns whether an answer column is needed (a fitrl-style
+    function's ``answer``)."""
+    names = _unique([getattr(f, "__name__", "reward") for f in fns])
+    have = ", ".join(c for c in columns if c != ROW_KEY)
+    needs_answer = False
+    for fn, name in zip(fns, names):
+        if not is_trl_style(fn):
+            needs_answer = True
+            if answer_key not in columns:
+                raise ConfigError(f"reward function {name}(response, answer) needs an answer, but {dataset} has no "
+                                  f"{answer_key!r} column (columns: {have}); set data.answer_key to the column that "
+                                  f"holds it, or write {name}(completions, <column>, **kwargs) as TRL does")
+            continue
+        for p in _parameters(fn).values():
+            if (p.name in TRL_ARGUMENTS or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty
+                    or p.name in columns):
+                continue
+            raise ConfigError(f"reward function {name} takes {p.name!r}, but {dataset} has no {p.name!r} column "
+                              f"(columns: {have}); rename the column or the parameter")
+    return needs_answer
+
 
 def register_python_rewards(fns: Sequence[Callable[..., Any]], weights: Optional[Sequence[float]] = None,
-                            answer_key: str = "answer") -> str:
-    """Register ``fns`` (weighted) as one batched reward and return the name ``reward.function`` takes."""
+                            answer_key: str = "answer", inputs: Optional[TrlInputs] = None) -> str:
+    """Register ``fns`` (weighted) as one batched reward and return the name ``reward.function`` takes.
+    ``answer_key``: the answer's column name as TRL functions see it ("": the rows have none)."""
     fns = list(fns)
     if not fns or not all(callable(f) for f in fns):
-        raise ConfigError("reward_funcs must be a non-empty list of callables")
+        raise ConfigError("reward_funcs must be a callable or a non-empty list of callables")
     weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
     if len(weights) != len(fns):
         raise ConfigError(f"reward_weights has {len(weights)} weights for {len(fns)} reward functions")
+    inputs = inputs if inputs is not None else TrlInputs()
+    state = TrainerState(max_steps=inputs.max_steps)
     names = _unique([getattr(f, "__name__", "reward") for f in fns])
-    calls = [_caller(f, n, answer_key) for f, n in zip(fns, names)]
+    calls = [_trl_caller(f, n, answer_key, inputs, state) if is_trl_style(f) else _per_sample(f)
+             for f, n in zip(fns, names)]
 
     def combined(responses: list[str], answers: list[Any], extras: Optional[list[dict]] = None) -> list[dict]:
         extras = extras if extras is not None else [{} for _ in responses]
         parts = [call(responses, answers, extras) for call in calls]
+        if inputs.in_training_step():
+            state.global_step += 1
         return [{"score": sum(w * p[i] for w, p in zip(weights, parts)), **{n: p[i] for n, p in zip(names, parts)}}
                 for i in range(len(responses))]
 
@@ -41,22 +126,44 @@ def register_python_rewards(fns: Sequence[Callable[..., Any]], weights: Optional
     return name
 
 
-def _caller(fn: Callable[..., Any], name: str, answer_key: str) -> Callable[[list, list, list], list[float]]:
-    params = inspect.signature(fn).parameters
-    if "completions" in params:  # TRL: one call per batch, the columns as keyword arguments
-        def trl(responses: list[str], answers: list[Any], extras: list[dict]) -> list[float]:
-            columns: dict[str, list] = {answer_key: list(answers)}
-            for key in dict.fromkeys(k for e in extras for k in e):
-                columns.setdefault(key, [e.get(key) for e in extras])
-            accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-            kwargs = {k: v for k, v in columns.items() if accepts_any or k in params}
-            out = fn(completions=list(responses), **kwargs)
-            if out is None or len(out) != len(responses):
-                raise ValueError(f"reward function {name} returned {0 if out is None else len(out)} rewards for "
-                                 f"{len(responses)} completions")
-            return [0.0 if v is None else float(v) for v in out]
-        return trl
+def _trl_caller(fn: Callable[..., Any], name: str, answer_key: str, inputs: TrlInputs,
+                state: TrainerState) -> Callable[[list, list, list], list[float]]:
+    params = _parameters(fn)
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    wanted = lambda k: accepts_any or k in params  # noqa: E731
+    tokenizer: list = []  # loaded on the first call that needs completion_ids
 
+    def trl(responses: list[str], answers: list[Any], extras: list[dict]) -> list[float]:
+        kwargs: dict[str, Any] = {}
+        if wanted("prompts"):
+            kwargs["prompts"] = [inputs.prompts.get(e.get(ROW_KEY)) for e in extras]
+        kwargs["completions"] = ([[{"role": "assistant", "content": r}] for r in responses] if inputs.conversational
+                                 else list(responses))
+        if wanted("completion_ids"):
+            if not tokenizer:
+                tokenizer.append(_tokenizer(inputs.tokenizer_path))
+            kwargs["completion_ids"] = ([tokenizer[0](r, add_special_tokens=False)["input_ids"] for r in responses]
+                                        if tokenizer[0] is not None else [None] * len(responses))
+        if wanted("trainer_state"):
+            kwargs["trainer_state"] = state
+        columns: dict[str, list] = {answer_key: list(answers)} if answer_key else {}
+        for key in dict.fromkeys(k for e in extras for k in e):
+            if key != ROW_KEY:
+                columns.setdefault(key, [e.get(key) for e in extras])
+        kwargs.update({k: v for k, v in columns.items() if wanted(k) and k not in kwargs})
+        if "completions" not in params and not accepts_any:
+            del kwargs["completions"]
+        out = fn(**kwargs)
+        if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
+            out = out.tolist()
+        if out is None or len(out) != len(responses):
+            raise ValueError(f"reward function {name} returned {0 if out is None else len(out)} rewards for "
+                             f"{len(responses)} completions")
+        return [0.0 if v is None else float(v) for v in out]
+    return trl
+
+
+def _per_sample(fn: Callable[..., Any]) -> Callable[[list, list, list], list[float]]:
     def per_sample(responses: list[str], answers: list[Any], extras: list[dict]) -> list[float]:
         out = []
         for r, a in zip(responses, answers):
@@ -64,6 +171,21 @@ def _caller(fn: Callable[..., Any], name: str, answer_key: str) -> Callable[[lis
             out.append(float(v["score"]) if isinstance(v, dict) else float(v))
         return out
     return per_sample
+
+
+def _tokenizer(path: Optional[str]) -> Any:
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _parameters(fn: Callable[..., Any]) -> Optional[dict[str, inspect.Parameter]]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # some C functions have none
+        return None
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -68,3 +68,20 @@ def test_one_step_off_with_a_vllm_worker_under_ray(model_dir, tmp_path):
     # the worker's memory, recorded under its calls' phase (which step's row holds it depends on timing)
     assert any("mem/rollout.rank0/rollout/host_peak_gib" in r for r in rows), rows
 
+
+
+@pytest.mark.slow
+def test_a_vllm_worker_fed_by_the_weight_channel_samples_from_the_weights_being_trained(model_dir, tmp_path):
+    """rollout.weight_transport=collective (gloo on CPU; fitrl/distributed/weight_sync.py): the
+    trainer rank broadcasts each version in 100 KiB buckets to the worker, a Ray actor, whose vLLM
+    engine streams them in; in sync mode its log-probs of its own samples are the trainer's."""
+    from fitrl.trainer.run import train
+
+    train(vllm_config(model_dir, tmp_path / "run", "rollout.workers=1", "trainer.backend=ray",
+                      "trainer.devices_per_node=1", "trainer.max_steps=2", "rollout.weight_transport=collective",
+                      "rollout.weight_bucket_mb=0.1", *LEAN))
+    rows = _steps(tmp_path / "run")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/weight_buckets"] > 1 and r["rollout/staleness_max"] == 0.0, r
+        assert r["rollout/logprob_diff_max"] <= 1e-4, r

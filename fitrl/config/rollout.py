@@ -117,6 +117,10 @@ class RolloutConfig(Sampling):
     """``async``: what a generation does when newer weights arrive while it runs. ``continue``: its next micro-batches use them (its sequences keep the versions they were sampled under); ``requeue``: the micro-batches made under older weights are dropped and generated again with the new ones, so all of a step's samples come from one version (fresher, at the cost of the dropped work)."""
     workers: int = 0
     """Rollout workers of their own: processes (Ray actors; in one process, a thread beside the trainer) that hold a copy of the policy and generate, their weights sent after every update. 0: the policy's ranks generate (colocated). ``rollout.mode`` other than ``sync`` needs at least 1 (set to 1 when left at 0)."""
+    weight_transport: Literal["auto", "object_store", "collective"] = "auto"
+    """How the trainer's weights reach rollout workers of their own (fitrl/distributed/weight_sync.py). ``object_store``: the policy's rank 0 gathers every full tensor to its host and the dict travels through Ray's object store to each worker. ``collective``: a process group of its own between rank 0 and the workers (NCCL on CUDA: each gathered tensor is broadcast from the device, ``weight_bucket_mb`` at a time; gloo on CPU); Ray runs only. ``auto``: ``collective`` for Ray runs on CUDA, else ``object_store``."""
+    weight_bucket_mb: float = 256
+    """``weight_transport=collective``: the size of one broadcast bucket in MiB, the memory the trainer's rank 0 and each worker hold on the device for a push beyond the weights themselves (a tensor larger than this is sent on its own)."""
 
     def __post_init__(self) -> None:
         check_sampling(self, "rollout", training=True)
@@ -131,6 +135,9 @@ class RolloutConfig(Sampling):
                               f"{self.max_staleness}")
         if self.workers < 0:
             raise ConfigError(f"rollout.workers must be >= 0 (0: the policy's ranks generate), got {self.workers}")
+        if not self.weight_bucket_mb * 2**20 >= 1024:
+            raise ConfigError(f"rollout.weight_bucket_mb must be at least 1 KiB (MiB per broadcast bucket), got "
+                              f"{self.weight_bucket_mb}")
         if not (math.isfinite(self.mismatch_stop_kl) and self.mismatch_stop_kl >= 0):
             raise ConfigError(f"rollout.mismatch_stop_kl must be a finite number >= 0 (0 disables), got "
                               f"{self.mismatch_stop_kl}")

@@ -180,6 +180,10 @@ def check_rollout_placement(cfg: FitrlConfig) -> None:
                           f"rollout worker of its own runs one engine on one device so far; set "
                           f"rollout.tensor_parallel_size=1, or rollout.workers=0 and rollout.mode=sync (engines "
                           f"colocated with the policy's ranks take any tensor_parallel_size)")
+    if r.workers and r.weight_transport == "collective" and cfg.trainer.backend != "ray":
+        raise ConfigError(f"rollout.weight_transport=collective needs trainer.backend=ray (with "
+                          f"trainer.backend={cfg.trainer.backend} the rollout worker is a thread of the trainer's "
+                          f"process and takes its tensors without a copy); set rollout.weight_transport=auto")
     if r.mode != "sync" and a.recompute_old_logprob and a.rollout_correction.mode == "off":
         # recomputed (or folded) old log-probs are the current weights': the ratio of a single
         # optimizer step is then 1 and nothing bounds the update against the weights that sampled;

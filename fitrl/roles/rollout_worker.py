@@ -1,7 +1,8 @@
 """A rollout worker of its own (``rollout.workers``, docs/async.md): a whole copy of the policy
 that only generates, beside the trainer ranks instead of inside them.
 
-The trainer sends its weights after every update (:meth:`RolloutWorker.receive_weights`). They
+The trainer sends its weights after every update (:meth:`RolloutWorker.receive_weights`, or over
+the weight channel, :meth:`RolloutWorker.receive_broadcast`: ``rollout.weight_transport``). They
 arrive in a mailbox, beside a generation that may be running (under Ray on the actor's
 ``mailbox`` thread; in one process from the driver's thread), and are loaded into the copy only
 between generations, or, with ``partial``, between micro-batches of one (``rollout.mode=async``):
@@ -30,6 +31,7 @@ import torch
 from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
+from fitrl.distributed.weight_sync import ChannelAddress, WeightChannel
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.rollout import build_engine
@@ -121,6 +123,18 @@ class RolloutWorker:
             if version > max(self.version, self._mailbox[0] if self._mailbox else -1):
                 self._mailbox = (version, weights)
             self._arrived.notify_all()
+
+    @dispatch("all")
+    def join_weight_channel(self, address: ChannelAddress) -> None:
+        """Join the trainer's weight channel as rank ``1 + rank`` (``rollout.weight_transport``;
+        blocks until every rank has joined)."""
+        self.channel = WeightChannel(address, 1 + self.rank, self.device)
+
+    @dispatch("all")
+    def receive_broadcast(self, version: int) -> None:
+        """Take ``version`` from the channel as the trainer broadcasts it (on the mailbox thread,
+        beside a generation) and leave it in the mailbox as :meth:`receive_weights` does."""
+        self.receive_weights(self.channel.receive(), version)
 
     @dispatch("all")
     def busy_seconds(self) -> float:

@@ -12,6 +12,7 @@ FSDP2-sharded module (:func:`fitrl.models.loading.build_model`); the code here i
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -25,6 +26,7 @@ from fitrl.data.batch import Batch
 from fitrl.data.supervised import supervised_batch, target_ids
 from fitrl.distributed.fsdp import full_state_dict
 from fitrl.distributed.ulysses import over_pass, sequence_groups
+from fitrl.distributed.weight_sync import ChannelAddress, WeightChannel, open_rendezvous
 from fitrl.ops.varlen import packed_attention
 from fitrl.models.families import family_for
 from fitrl.models.loading import build_model, load_tokenizer
@@ -149,6 +151,37 @@ class PolicyWorker:
                 if self.rank == 0:
                     out[name] = t.to("cpu", copy=True)
             return out if self.rank == 0 else None
+
+    # -- the weight channel to rollout workers of their own (rollout.weight_transport=collective) --
+
+    @dispatch("all")
+    def open_weight_channel(self, receivers: int, timeout_s: float) -> ChannelAddress | None:
+        """Rank 0 hosts the channel's rendezvous on its node (MASTER_ADDR: where the policy's own
+        group meets) for itself and ``receivers`` workers; its address, for them to join."""
+        if self.rank != 0:
+            return None
+        self._channel_store, address = open_rendezvous(os.environ.get("MASTER_ADDR", "127.0.0.1"), receivers + 1,
+                                                       timeout_s)
+        return address
+
+    @dispatch("all")
+    def join_weight_channel(self, address: ChannelAddress) -> None:
+        """Rank 0 joins as the channel's rank 0 (blocks until every worker has joined)."""
+        if self.rank == 0:
+            self.channel = WeightChannel(address, 0, self.device, store=self._channel_store)
+
+    @dispatch("all")
+    def broadcast_weights(self, dtype: str, bucket_bytes: int) -> int:
+        """:meth:`inference_weights` over the channel: every rank gathers each full tensor on its
+        device (a collective under FSDP2), rank 0 copies it into a bucket and drops it, and each
+        full bucket is broadcast to the workers; returns rank 0's bucket count."""
+        with self.offload.phase(), torch.no_grad():
+            weights = self.params.inference_weights(self.model, getattr(torch, dtype))
+            if self.rank == 0:
+                return self.channel.send(weights, bucket_bytes)
+            for _ in weights:  # (the other ranks drop each gathered tensor at once)
+                pass
+            return 0
 
     @dispatch("all")
     def num_parameters(self) -> int:

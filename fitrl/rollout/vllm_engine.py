@@ -52,6 +52,7 @@ from fitrl.models.families import media_spec_of
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
+from fitrl.rollout.tensor_ipc import to_wire
 from fitrl.rollout.vllm_build import (SUPPORTED_VLLM, build_llm, engine_layout, trainer_group_kept,
                                       vllm_version)
 from fitrl.telemetry.guard import GUARD
@@ -177,8 +178,9 @@ class VllmRollout(RolloutEngine):
 
     def _push_in_buckets(self) -> int:
         """TP workers are processes: each call's arguments are pickled into vLLM's shared-memory
-        queue (CPU tensors out of band), so the trainer's tensors go in buckets of at most
-        :data:`PUSH_BUCKET_BYTES`, each a list of (name, full tensor) for every worker to shard."""
+        queue (CPU tensors out of band; CUDA tensors as IPC handles, :func:`to_wire`), so the
+        trainer's tensors go in buckets of at most :data:`PUSH_BUCKET_BYTES`, each a list of (name,
+        full tensor) for every worker to shard."""
         rpc = self.llm.collective_rpc
         rpc("fitrl_begin_push")
         count, bucket, size = 0, [], 0
@@ -187,8 +189,9 @@ class VllmRollout(RolloutEngine):
             if bucket and size + nbytes > PUSH_BUCKET_BYTES:
                 rpc("fitrl_load_bucket", args=(bucket,))
                 bucket, size = [], 0
-            # on a GPU this stages the tensor in host memory (the workers are other processes)
-            bucket.append((name, tensor.detach().cpu()))
+            # on a GPU an IPC handle of the device tensor, held until the bucket's call returns
+            # (fitrl/rollout/tensor_ipc.py); on CPU the host tensor
+            bucket.append((name, to_wire(tensor)))
             size += nbytes
             count += 1
         if bucket:

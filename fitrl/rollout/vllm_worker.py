@@ -25,6 +25,8 @@ from typing import Iterable
 
 import torch
 
+from fitrl.rollout.tensor_ipc import from_wire
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -125,9 +127,9 @@ class FitrlWorkerExtension:
 
         def counted():
             nonlocal count
-            for item in weights:
+            for name, value in weights:
                 count += 1
-                yield item
+                yield name, from_wire(value)  # (the trainer's device tensor itself, under CUDA IPC)
 
         self.model_runner.get_model().load_weights(counted())
         return count

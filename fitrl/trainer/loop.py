@@ -272,6 +272,7 @@ class RLTrainer:
         if self.pipeline is not None:
             with timer.phase("weight_sync"):  # the next generations sample from the updated policy
                 self.pipeline.send_weights(step)
+            metrics.update(self.pipeline.send_metrics())
             metrics.update(self.pipeline.staleness(step, batch))
             metrics.update(self.pipeline.worker_idle())
         self.prompt_log.write(step, stats.rows, batch)

@@ -30,7 +30,10 @@ from typing import Optional
 from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
+from fitrl.core.device import resolve_device
+from fitrl.distributed.weight_sync import resolve_transport
 from fitrl.roles.rollout_worker import compute_dtype
+from fitrl.trainer.watchdog import collective_timeout_s
 from fitrl.workers.group import Pending, RoleHandle
 
 
@@ -58,22 +61,52 @@ class RolloutPipeline:
         self.drawn_through: Optional[int] = None  # the last step whose prompts were drawn
         self._busy = (0.0, time.perf_counter())  # the workers' busy seconds and the clock when last read
         self._sent: list[Pending] = []  # weights on their way: a failed delivery raises at the next take
+        self._buckets = 0  # the last send's broadcast buckets (collective transport)
+        t = cfg.trainer
+        self.transport = resolve_transport(cfg.rollout.weight_transport, resolve_device(t.device).type, t.backend)
+        if self.transport == "collective":
+            self._open_channel(collective_timeout_s(t.hang_timeout_s, t.hang_timeouts))
 
     # -- weights ------------------------------------------------------------------------------
 
+    def _open_channel(self, timeout_s: float) -> None:
+        """The weight channel (fitrl/distributed/weight_sync.py): the policy's rank 0 hosts the
+        rendezvous, then it and every worker join at once (each join waits for the others)."""
+        address = self.policy.open_weight_channel(self.rollout.world_size, timeout_s)
+        joined = self.rollout.submit("join_weight_channel", address)
+        self.policy.join_weight_channel(address)
+        joined.result()
+
     def send_weights(self, version: int) -> float:
         """Send the policy's current weights as ``version``; returns the seconds the trainer spent
-        (gathering them; the workers load them between generations, not here)."""
+        (gathering them, and over the weight channel broadcasting them; the workers load them
+        between generations, not here)."""
         start = time.perf_counter()
+        if self.transport == "collective":
+            # the workers take it on their mailbox threads, beside a running generation; the
+            # trainer's call returns once the last bucket has left rank 0
+            received = self.rollout.submit("receive_broadcast", version, mailbox=True)
+            bucket_bytes = int(self.cfg.rollout.weight_bucket_mb * 2**20)
+            self._buckets = self.policy.broadcast_weights(compute_dtype(self.cfg), bucket_bytes)
+            self._sent.append(received)
+            return self._sent_as(version, start)
         # rank 0's full weights, left where they are (under Ray the workers fetch them from the
         # object store; the driver never holds a copy)
         weights = self.policy.group.call_kept("inference_weights", [(compute_dtype(self.cfg),)] * self.policy.world_size,
                                               {})[0]
         self._sent.append(self.rollout.submit("receive_weights", weights, version, mailbox=True))
+        return self._sent_as(version, start)
+
+    def _sent_as(self, version: int, start: float) -> float:
         if self.version < 0:
             self.first_version = version
         self.version = version
         return time.perf_counter() - start
+
+    def send_metrics(self) -> dict[str, float]:
+        """How the last send travelled: its broadcast buckets over the weight channel (none logged
+        for the object store)."""
+        return {"rollout/weight_buckets": float(self._buckets)} if self.transport == "collective" else {}
 
     # -- generations --------------------------------------------------------------------------
 

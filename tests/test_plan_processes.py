@@ -238,7 +238,9 @@ def test_a_vllm_rollout_worker_is_planned_as_its_engine_and_the_trainer_holds_no
     hf, vllm = _plan(*common), _plan("rollout.engine=vllm", *common)
     engine = "rollout vllm engine (weights, kv cache)"
     for ph in ("rollout", "update"):
-        assert vllm.process("rollout").phases[ph].gpu == {"cuda context": C.CUDA_CONTEXT, engine: int(0.6 * 80 * C.GIB)}
+        # (and the weight channel's communicator: rollout.weight_transport=auto is the collective on CUDA)
+        assert vllm.process("rollout").phases[ph].gpu == {"cuda context": C.CUDA_CONTEXT, engine: int(0.6 * 80 * C.GIB),
+                                                          NCCL: C.NCCL_COMMUNICATOR_BYTES}
         assert vllm.process("rollout").phases[ph].host["vLLM runtime"] == C.VLLM_IN_PROCESS_RUNTIME
         assert "rollout params" in hf.process("rollout").phases[ph].gpu
         assert vllm.process("trainer").phases[ph].gpu == hf.process("trainer").phases[ph].gpu

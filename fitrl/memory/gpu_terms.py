@@ -54,15 +54,18 @@ def communicators(run: Run, roles: Iterable[tuple[str, object]]) -> int:
     fitrl/distributed/process_group.py)
     and each role's own groups (:meth:`~fitrl.memory.roles.RolePlanner.communicators`: a hybrid
     mesh's two, the policy's sequence-parallel group). A 1-D FSDP2 mesh over the world reuses the
-    default group (torch's ``DeviceMesh``). ``roles``: (name, fsdp config) of the process's roles."""
+    default group (torch's ``DeviceMesh``). Beside them, with any number of ranks, the weight
+    channel's to rollout workers of their own (:meth:`~fitrl.memory.roles.RolePlanner.channel_communicators`:
+    the policy's rank and each worker). ``roles``: (name, fsdp config) of the process's roles."""
     from fitrl.memory.roles import ROLE_PLANNERS  # (roles imports the model's phases)
 
-    if not (run.cuda and run.fsdp and run.world > 1):
+    if not (run.cuda and run.fsdp):
         return 0
     planners = [(ROLE_PLANNERS.get(name), fsdp) for name, fsdp in roles]
-    if not any(p.process_group for p, _ in planners):
-        return 0
-    return 1 + sum(p.communicators(run, fsdp) for p, fsdp in planners if p.process_group)
+    channel = sum(p.channel_communicators(run) for p, _ in planners)
+    if run.world <= 1 or not any(p.process_group for p, _ in planners):
+        return channel
+    return 1 + sum(p.communicators(run, fsdp) for p, fsdp in planners if p.process_group) + channel
 
 
 def nccl_buffers(run: Run, roles: Iterable[tuple[str, object]]) -> int:

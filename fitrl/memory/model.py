@@ -223,11 +223,12 @@ class Plan:
         engine with tensor parallelism takes ``gpu_memory_utilization`` of every device in its
         group, not 1/tp of it. Processes on devices of their own (:func:`own_device`) are not
         on it: :meth:`peaks` takes theirs apart. The driver's device entries (its CUDA context,
-        which would sit on GPU 0 of node 0: fitrl/memory/gpu_terms.py) count on it too: the
-        device planned is the fullest one."""
+        which would sit on GPU 0 of node 0: fitrl/memory/gpu_terms.py) count on it too, and so
+        do rank 0's (its weight-channel bucket: fitrl/memory/services.py): the device planned is
+        the fullest one."""
         out: dict[str, int] = {}
         for p in self.processes:
-            on_it = (per_device(p.kind) and not own_device(p.kind)) or p.kind == "driver"
+            on_it = (per_device(p.kind) and not own_device(p.kind)) or p.kind in ("driver", "rank0")
             if on_it and phase in p.phases:
                 for k, v in p.phases[phase].gpu.items():
                     out[k] = out.get(k, 0) + v

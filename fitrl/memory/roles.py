@@ -84,6 +84,13 @@ class RolePlanner(ABC):
         fitrl/distributed/fsdp.py, ``shard``), each a communicator of its own."""
         return 2 if fsdp.strategy == "hybrid" and run.hw.nodes > 1 else 0
 
+    def channel_communicators(self, run: Run) -> int:
+        """NCCL communicators its rank holds outside any ``torch.distributed`` world: the weight
+        channel's (fitrl/distributed/weight_sync.py), the policy's and each rollout worker's when
+        :attr:`~fitrl.memory.run.Run.weight_channel` (counted on every trainer rank: the device
+        planned is the fullest, rank 0's)."""
+        return 0
+
 
 ROLE_PLANNERS: Registry[RolePlanner] = Registry("role memory planner", "")
 """The plan lists the roles' states (and processes) in registration order: policy, reference, critic."""
@@ -114,6 +121,9 @@ class PolicyPlanner(RolePlanner):
 
     def communicators(self, run: Run, fsdp) -> int:
         return _with_sequence_group(run, super().communicators(run, fsdp))
+
+    def channel_communicators(self, run: Run) -> int:
+        return int(run.weight_channel)
 
 
 def _with_sequence_group(run: Run, n: int) -> int:
@@ -294,7 +304,7 @@ class RolloutPlanner(RolePlanner):
     one process, a thread of the trainer's process, generating in every phase of the step when
     ``rollout.mode`` overlaps it (its memory adds to the update's)."""
     name, title, own_device = "rollout", "rollout worker (Ray actor)", True
-    process_group = False  # a whole copy of the weights each: no collective ever connects NCCL's buffers
+    process_group = False  # a whole copy of the weights each: no torch.distributed world (the weight channel's aside)
 
     def built(self, run: Run) -> bool:
         return run.cfg.rollout.workers > 0
@@ -317,10 +327,14 @@ class RolloutPlanner(RolePlanner):
         from fitrl.memory.engines import engine_planner
         from fitrl.memory.model import Usage
 
-        if phase not in self.active_phases(run):
-            return {}
         u = Usage()
         dev = "gpu" if run.cuda else "host"
+        if phase == "weight_sync" and run.cuda and run.weight_channel:  # (gloo on CPU: the buckets are the mailbox's)
+            from fitrl.memory.services import WEIGHT_CHANNEL
+
+            u.add("gpu", WEIGHT_CHANNEL, run.channel_bytes("worker"))
+        if phase not in self.active_phases(run):
+            return u.gpu
         engine_planner(run.cfg, "worker").in_worker(run, phase, u, dev)
         return u.gpu if run.cuda else u.host
 
@@ -336,6 +350,9 @@ class RolloutPlanner(RolePlanner):
 
     def per_node(self, run: Run) -> int | None:
         return run.cfg.rollout.workers
+
+    def channel_communicators(self, run: Run) -> int:
+        return int(run.weight_channel)
 
 
 def _engine_copy(run: Run) -> int | None:

@@ -19,7 +19,7 @@ from fitrl.memory.model import Hardware, active_phases
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.models.shape import ModelShape, VisualInput
 from fitrl.ops.sharing import full_attention
-from fitrl.memory.states import States
+from fitrl.memory.states import DTYPE_BYTES, States, channel_payloads
 
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
     from fitrl.algo import AlgorithmSpec
@@ -74,6 +74,30 @@ class Run:
 
     def shard_world(self, strategy: str) -> int:
         return self.hw.gpus_per_node if strategy == "hybrid" and self.hw.nodes > 1 else self.world
+
+    @property
+    def weight_channel(self) -> bool:
+        """Do the weights reach rollout workers of their own over the weight channel
+        (``rollout.weight_transport`` resolved: ``auto`` is ``collective`` under Ray on CUDA;
+        fitrl/distributed/weight_sync.py) rather than through rank 0's host and the object store?"""
+        from fitrl.distributed.weight_sync import resolve_transport  # (torch: only when planning)
+
+        r = self.cfg.rollout
+        return bool(r.workers) and self.fsdp and resolve_transport(
+            r.weight_transport, self.hw.device, self.cfg.trainer.backend) == "collective"
+
+    def channel_bytes(self, side: str) -> int:
+        """What one push over the weight channel holds beyond the weights (``side``: ``"rank0"``,
+        ``"worker"``), at its largest, in the compute dtype (:func:`~fitrl.memory.states.channel_payloads`):
+        rank 0 its bucket (``rollout.weight_bucket_mb``, made whole) and a tensor larger than a bucket,
+        sent on its own from where FSDP2's gather left it; a worker one payload as it arrives on its
+        device, and the one before it, still referenced until the receive loop takes the next
+        (``WeightChannel.receive``): the largest two in a row (a bucket's at most the weights)."""
+        bucket = int(self.cfg.rollout.weight_bucket_mb * 2**20)
+        bucketed, payloads, alone = channel_payloads(self.shape, DTYPE_BYTES[self.compute_dtype], bucket)
+        if side == "rank0":
+            return (bucket if bucketed else 0) + alone
+        return max([sum(payloads[i:i + 2]) for i in range(len(payloads))], default=0)
 
     @property
     def compute_dtype(self) -> str:

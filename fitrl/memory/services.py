@@ -1,6 +1,6 @@
 """Processes besides the trainer ranks and the engines' own (those are their planners',
 fitrl/memory/engines.py): the driver, and what belongs to a node (Ray, its object store, reward
-workers, rank 0's checkpoint copies)."""
+workers, rank 0's checkpoint copies and its weight-channel bucket)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from fitrl.memory.gpu_terms import DRIVER_CONTEXT
 from fitrl.memory.model import PHASES, ProcessPlan, Usage
 from fitrl.memory.run import Run
 from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
+
+WEIGHT_CHANNEL = "weight channel bucket"
+"""``rollout.weight_transport`` resolved to ``collective``: what a push over the weight channel
+holds beyond the weights (:meth:`~fitrl.memory.run.Run.channel_bytes`), on rank 0's device (the
+"rank0" process, counted on the device planned: :meth:`~fitrl.memory.model.Plan.device`) and each
+rollout worker's, in ``weight_sync``."""
 
 
 def driver_images(run: Run, phase: str) -> int:
@@ -74,7 +80,9 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))
         r = cfg.rollout
         if r.workers and run.fsdp:  # rollout workers of their own under Ray (fitrl/trainer/pipeline.py)
-            if ph == "weight_sync":  # rank 0 gathers the full weights into the object store
+            if ph == "weight_sync" and run.weight_channel:  # broadcast from rank 0's device, a bucket at a time
+                r0.add("gpu" if run.cuda else "host", WEIGHT_CHANNEL, run.channel_bytes("rank0"))
+            elif ph == "weight_sync":  # rank 0 gathers the full weights into the object store
                 weights = full_weights(run.shape, run.compute_dtype)  # (sent in the compute dtype)
                 r0.add("host", "weights sent", weights)
                 n.add("host", "object store (weights)", weights)

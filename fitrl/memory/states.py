@@ -117,6 +117,37 @@ def full_weights(shape: ModelShape, dtype: str = "bfloat16", tp: int = 1, pinned
     return tensors_bytes([s for _, s in shape.tensors()], DTYPE_BYTES[dtype], tp, pinned)
 
 
+CHANNEL_ALIGN = 16
+"""Bytes: where each tensor starts in a weight-channel bucket (fitrl/distributed/weight_sync.py, ``ALIGN``)."""
+
+
+def channel_payloads(shape: ModelShape, dtype_bytes: int, bucket_bytes: int) -> tuple[bool, list[int], int]:
+    """One version over the weight channel (``WeightChannel.send``, fitrl/distributed/weight_sync.py)
+    in the shape's tensor order: whether rank 0 makes its bucket (``bucket_bytes``, allocated whole
+    at the first tensor that fits one) and each broadcast payload's bytes: a packed bucket's (each
+    tensor at a 16-byte-aligned offset) or a tensor's sent on its own (larger than a bucket), and the
+    largest of those sent on their own (0: none)."""
+    def aligned(n: int) -> int:
+        return -(-n // CHANNEL_ALIGN) * CHANNEL_ALIGN
+
+    payloads: list[int] = []
+    bucketed, used, alone = False, 0, 0
+    for _, s in shape.tensors():
+        n = numel(s) * dtype_bytes
+        if aligned(n) > bucket_bytes:
+            payloads += [used] if used else []
+            payloads.append(n)
+            used, alone = 0, max(alone, n)
+            continue
+        if used + n > bucket_bytes:
+            payloads.append(used)
+            used = 0
+        bucketed = True
+        used = min(aligned(used + n), bucket_bytes)
+    payloads += [used] if used else []
+    return bucketed, payloads, alone
+
+
 def layer_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     """One decoder layer's full (unsharded) weights: what FSDP2 all-gathers per unit."""
     return shape.layer_params * dtype_bytes

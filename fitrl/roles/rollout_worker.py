@@ -136,6 +136,10 @@ class RolloutWorker:
         beside a generation) and leave it in the mailbox as :meth:`receive_weights` does."""
         self.receive_weights(self.channel.receive(), version)
 
+    def close(self) -> None:
+        """End of the run in this process: the engine frees what it holds (fitrl/workers/group.py)."""
+        self.engine.release()
+
     @dispatch("all")
     def busy_seconds(self) -> float:
         """Seconds spent generating so far, the running generation's included."""

@@ -183,6 +183,10 @@ class PolicyWorker:
                 pass
             return 0
 
+    def close(self) -> None:
+        """End of the run in this process: the engine frees what it holds (fitrl/workers/group.py)."""
+        self.rollout.release()
+
     @dispatch("all")
     def num_parameters(self) -> int:
         # under FSDP2 parameters are DTensors whose numel() is the full (unsharded) size

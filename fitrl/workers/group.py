@@ -18,11 +18,14 @@ whatever the backend: in-process (one worker, the embedded default) or one proce
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional
 
 from fitrl.data.balance import equal_count_shards
 from fitrl.data.batch import Batch
+
+log = logging.getLogger(__name__)
 
 DISPATCH_ATTR = "_fitrl_dispatch"
 
@@ -119,6 +122,17 @@ class InProcessWorkerGroup(WorkerGroup):
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        # An engine left to the garbage collector may be collected during the next run in this
+        # process (a restart, or fitrl.train called again), and vLLM's shutdown then tears down
+        # the process-wide parallel state the new engine uses: each worker closes its own now.
+        # (Ray workers end with their processes.)
+        for w in self.workers:
+            close = getattr(w, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # (never hides why the run is ending)
+                    log.warning("closing %s failed", type(w).__name__, exc_info=True)
 
 
 class RoleHandle:

@@ -279,8 +279,22 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """fitrl's version and the torch it runs with (what a bug report needs first)."""
+    import importlib.metadata
+
+    import fitrl
+
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"{fitrl.__version__} (torch {torch_version})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fitrl", description="RL post-training for LLMs that knows its memory.")
+    parser.add_argument("--version", action="version", version=f"fitrl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="run RL training from a YAML config plus dotted overrides")

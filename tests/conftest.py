@@ -3,6 +3,7 @@ a Ray cluster per module for the multi-process tests."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,24 @@ def _earlier_vllm_engines_collected(request):
         import gc
 
         gc.collect()
+        _remove_stale_vllm_shm()
     yield
+
+
+_SESSION_START = time.time()
+
+
+def _remove_stale_vllm_shm() -> None:
+    """vLLM's CPU communicator names the shared-memory segments of an unnamed TP group by its ranks
+    alone (``/dev/shm/-tp:0-[0-1]-cpushm_0``); Ray actors killed at a group's shutdown leave them,
+    and the next test session's engine then fails to create them ("create shm in SHMManager failed.
+    errno: 17"). Those left by an earlier session (older than this one) are removed."""
+    for seg in Path("/dev/shm").glob("-tp:*cpushm_*"):
+        try:
+            if seg.stat().st_mtime < _SESSION_START:
+                seg.unlink()
+        except OSError:
+            pass
 
 
 @pytest.fixture(scope="session")

@@ -157,8 +157,13 @@ def test_one_step_off_under_ray(tiny_model_dir, tmp_path, ray_cluster):
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
     assert [p["versions"] for p in prompt_log(tmp_path / "run")] == [[0], [0], [1]]
     assert all(0.0 <= r["rollout/worker_idle_frac"] <= 1.0 for r in rows)
-    # the worker's memory is recorded under the phase of its calls, while the trainer trains
-    assert all("mem/rollout.rank0/rollout/host_peak_gib" in r for r in rows[:2])
+    # the worker's memory is recorded under the phase of its calls, while the trainer trains. A
+    # generation's record reaches the row of the step whose collection first finds it finished:
+    # step 1's own in row 1; step 2's in row 1 or 2, step 3's in row 2 or 3 (a loaded machine
+    # finishes it later), so at least two rows hold one
+    key = "mem/rollout.rank0/rollout/host_peak_gib"
+    held = [sorted(k for k in r if "rollout.rank0" in k) for r in rows]
+    assert key in rows[0] and sum(key in r for r in rows) >= 2, held
 
 
 @pytest.mark.slow

@@ -54,6 +54,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gpu_probes import (PINNED_REPEAT, PINNED_SIZES, PROBES, context_figures,  # noqa: F401 (tests read them here)
+                        pinned_figures)
+from gpu_tables import comparisons, extra_tables  # noqa: F401 (tests read them here)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GIB = 1024**3
@@ -347,87 +351,6 @@ def doctor_step(out: Path, dry: bool, timeout: int) -> dict:
             "lines": [x for x in text.splitlines() if x[:5] in ("PASS ", "FAIL ", "SKIP ")]}
 
 
-def context_figures(used_before: int | None, free: int, total: int, reserved: int, used_after_matmul: int) -> dict:
-    """A bare CUDA context's bytes from the device's use before and after initialisation (the
-    allocator's own reserved blocks subtracted), and what the first cuBLAS matmul adds (its
-    workspace and kernels' modules). ``used_before`` None: no reading before (no nvidia-smi)."""
-    used = total - free
-    context = used - reserved - used_before if used_before is not None else None
-    return {"context_gib": context / GIB if context is not None else None, "used_before_gib":
-            used_before / GIB if used_before is not None else None, "used_after_init_gib": used / GIB,
-            "first_matmul_gib": (used_after_matmul - used) / GIB, "device_total_gib": total / GIB}
-
-
-def device_used_smi(index: int = 0) -> int | None:
-    """The device's used memory as the driver reports it, read without a CUDA context here."""
-    try:
-        p = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=30)
-        return int(p.stdout.strip().splitlines()[0]) * 1024**2 if p.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
-def context_probe() -> dict:
-    """In a fresh process: the memory a bare CUDA context takes (see :func:`context_figures`)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA device: no context to measure"}
-    before = device_used_smi(0)
-    torch.cuda.init()
-    torch.zeros(1, device="cuda")  # the context exists once something ran
-    free, total = torch.cuda.mem_get_info()
-    reserved = torch.cuda.memory_reserved()
-    (torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")).sum().item()
-    free2, _ = torch.cuda.mem_get_info()
-    return {**context_figures(before, free, total, reserved, total - free2 + reserved - torch.cuda.memory_reserved()),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-
-
-# sizes just above a power of two (plus odd bytes): a cache rounding up per tensor shows as ~2x
-PINNED_SIZES = tuple(2**k + 4097 * (k - 15) for k in range(16, 27))
-PINNED_REPEAT = 2
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def pinned_figures(sizes: list[int], rss_before: int, rss_after: int, rss_freed: int,
-                   reserved: int | None = None) -> dict:
-    """The rounding per tensor of a host cache: RSS growth (and the allocator's own reserve,
-    where it reports one) over the tensors' bytes; what stays resident after they are freed."""
-    nbytes = sum(sizes)
-    growth = rss_after - rss_before
-    return {"tensors": len(sizes), "bytes_gib": nbytes / GIB, "rss_growth_gib": growth / GIB,
-            "rss_factor": growth / nbytes, "rounding_per_tensor_mib": (growth - nbytes) / len(sizes) / 1024**2,
-            "reserved_factor": reserved / nbytes if reserved else None,
-            "kept_after_free_gib": (rss_freed - rss_before) / GIB}
-
-
-def pinned_probe() -> dict:
-    """In a fresh process: pin tensors of odd sizes (each touched, so its pages are resident),
-    read the RSS growth, free them and read it again (the caching host allocator keeps its
-    blocks for the process's life). Without CUDA: the same with ordinary tensors (plumbing)."""
-    import torch
-
-    pin = torch.cuda.is_available()
-    sizes = [n for n in PINNED_SIZES for _ in range(PINNED_REPEAT)]
-    before = rss_bytes()
-    held = [torch.empty(n, dtype=torch.uint8, pin_memory=pin).fill_(1) for n in sizes]
-    after = rss_bytes()
-    stats = torch.cuda.host_memory_stats() if pin and hasattr(torch.cuda, "host_memory_stats") else {}
-    reserved = stats.get("reserved_bytes.current") or stats.get("allocated_bytes.current")
-    del held
-    return {**pinned_figures(sizes, before, after, rss_bytes(), reserved), "pinned": pin,
-            "host_memory_stats": {k: v for k, v in stats.items() if k.endswith(".current") or k.endswith(".peak")}}
-
-
-PROBES = {"context": context_probe, "pinned": pinned_probe}
-
-
 def run_probe(name: str, out: Path, timeout: int) -> dict:
     """One probe in a process of its own (a context or a host cache from before would hide its figure)."""
     with tempfile.TemporaryDirectory() as work:
@@ -439,59 +362,6 @@ def run_probe(name: str, out: Path, timeout: int) -> dict:
             log, rc = f"{_text(e.stdout)}{_text(e.stderr)}\ntimed out after {timeout} s", 124
         got = Path(work) / "probe.json"
         return json.loads(got.read_text()) if rc == 0 and got.exists() else {"error": f"exit {rc}: {log[-800:]}"}
-
-
-def reserve_factors(measured: dict) -> dict:
-    """Per phase: peak reserved over peak allocated (the caching allocator's reserve)."""
-    return {ph: m["gpu_peak_reserved"] / m["gpu_peak"] for ph, m in (measured.get("phases") or {}).items()
-            if m.get("gpu_peak") and m.get("gpu_peak_reserved") is not None}
-
-
-def comparisons(cases: list[dict]) -> dict:
-    """q05 against its variants: reserve factors with expandable segments off and on; bf16
-    against fp32 step and update time."""
-    got = {r["case"]: r.get("measured") or {} for r in cases}
-    out = {}
-    if "phases" in got.get("q05", {}) and "phases" in got.get("q05-expandable", {}):
-        out["reserve_factor"] = {"expandable_off": reserve_factors(got["q05"]),
-                                 "expandable_on": reserve_factors(got["q05-expandable"])}
-    if "perf" in got.get("q05", {}) and "perf" in got.get("q05-fp32", {}):
-        bf16, fp32 = got["q05"]["perf"], got["q05-fp32"]["perf"]
-        out["precision"] = {k: {"bf16": bf16.get(k), "fp32": fp32.get(k),
-                                "fp32_over_bf16": fp32[k] / bf16[k] if bf16.get(k) and fp32.get(k) else None}
-                            for k in ("time/step", "time/update", "time/rollout", "perf/update_tokens_per_s")}
-    return out
-
-
-def extra_tables(report: dict) -> str:
-    rows = []
-    doctor = report.get("doctor")
-    if doctor:
-        rows += ["", f"fitrl doctor (exit {doctor['rc']}, {doctor['seconds']:.0f} s):", "",
-                 *[f"    {x}" for x in doctor["lines"]]]
-    probes = report.get("probes") or {}
-    c = probes.get("context") or {}
-    if c.get("context_gib") is not None:
-        rows += ["", f"CUDA context: {c['context_gib']:.3f} GiB bare, +{c['first_matmul_gib']:.3f} GiB at the first "
-                     f"matmul ({c.get('device', '')})"]
-    pin = probes.get("pinned") or {}
-    if "rss_factor" in pin:
-        rows += ["", f"{'pinned' if pin['pinned'] else 'unpinned (no CUDA)'} host tensors: {pin['tensors']} of "
-                     f"{pin['bytes_gib']:.3f} GiB in all: RSS x{pin['rss_factor']:.2f} "
-                     f"(+{pin['rounding_per_tensor_mib']:.2f} MiB per tensor), allocator reserve "
-                     + (f"x{pin['reserved_factor']:.2f}" if pin["reserved_factor"] else "not reported") + ", "
-                     f"{pin['kept_after_free_gib']:.3f} GiB kept after free"]
-    comp = report.get("comparisons") or {}
-    if "reserve_factor" in comp:
-        rf = comp["reserve_factor"]
-        rows += ["", "| phase | reserve factor, expandable segments off | on |", "|---|---|---|",
-                 *[f"| {ph} | {v:.3f} | {rf['expandable_on'].get(ph, float('nan')):.3f} |"
-                   for ph, v in rf["expandable_off"].items()]]
-    if "precision" in comp:
-        rows += ["", "| q05 | bf16 | fp32 | fp32 / bf16 |", "|---|---|---|---|",
-                 *[f"| {k} | {v['bf16'] or 0:.3g} | {v['fp32'] or 0:.3g} | {v['fp32_over_bf16'] or 0:.2f} |"
-                   for k, v in comp["precision"].items()]]
-    return "\n" + "\n".join(rows) if rows else ""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

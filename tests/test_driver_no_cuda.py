@@ -57,12 +57,12 @@ def no_cuda(monkeypatch):
 
 def fake_cluster(monkeypatch, resources: dict) -> ClusterDevices:
     """:func:`cluster_devices` of a cluster reporting ``resources``, its GPUs probed as an H100."""
-    import fitrl.workers.ray_group as rg
+    import fitrl.workers.ray_cluster as rc
 
     ray = pytest.importorskip("ray")
     monkeypatch.setattr(ray, "cluster_resources", lambda: dict(resources))
-    monkeypatch.setattr(rg, "probe_gpu", lambda timeout_s=0: H100)
-    return rg.cluster_devices()
+    monkeypatch.setattr(rc, "probe_gpu", lambda timeout_s=0: H100)
+    return rc.cluster_devices()
 
 
 @pytest.mark.parametrize("resources,asked,expected", [

@@ -18,6 +18,7 @@ from fitrl.config.import_rules import (AGENTS, APPROXIMATED, EASYR1_LOSSES, NOT_
                                        multi_turn_enable, policy_loss, reward_file, reward_kwargs, reward_name, to,
                                        verl_dynamic_bsz, verl_filter_metric, warmup_ratio, warmup_steps,
                                        when_multi_turn)
+from fitrl.config.import_rules import engine_precision, precision
 
 
 def _files(v: Any) -> list:
@@ -74,39 +75,6 @@ EPOCHS = "fitrl counts steps: set trainer.max_steps (epochs x training rows / da
 HUB = "fitrl reads local files only"
 
 
-BF16 = ("bf16", "bfloat16", "torch.bfloat16")
-FP16 = ("fp16", "float16", "half", "torch.float16")
-FP32 = ("fp32", "float32", "float", "torch.float32")
-
-
-def _precision(key: str, weights: bool = False) -> Rule:
-    """A source's compute (or, ``weights``, its weights') dtype to ``key``, a role's
-    ``fsdp.mixed_precision``: fitrl keeps fp32 master weights and computes in bf16 or fp32."""
-    def choose(v: Any) -> Rule:
-        name = str(v).lower()
-        if name in BF16:
-            return to(key, lambda v: True, APPROXIMATED if weights else TRANSLATED,
-                      "fitrl keeps fp32 weights (masters) and computes in bf16" if weights else "")
-        if name in FP16:
-            return to(key, lambda v: True, APPROXIMATED, "fitrl's low precision is bf16 (no fp16 loss scaling)")
-        if name in FP32:
-            return to(key, lambda v: False) if not weights else Rule(None, TRANSLATED, "fitrl's weights are fp32 already")
-        return drop(f"unknown dtype {v!r}")
-    return Rule(None, choose=choose)
-
-
-def _engine_precision(actor_keys: tuple[str, ...]) -> Rule:
-    """The engine's dtype: fitrl's engine computes in the trainer's (bf16 under
-    ``actor.fsdp.mixed_precision``), so it sets the actor's unless the source sets that itself."""
-    def choose(v: Any) -> Rule:
-        rule = _precision("actor.fsdp.mixed_precision").choose(v)
-        if rule.set is None:
-            return rule
-        why = "fitrl's engine computes in the trainer's dtype: set with actor.fsdp.mixed_precision"
-        return Rule(lambda v, src: [] if any(k in src for k in actor_keys) else rule.set(v, src), APPROXIMATED, why)
-    return Rule(None, choose=choose)
-
-
 VERL_ACTOR_DTYPE = ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
                     "actor_rollout_ref.actor.fsdp_config.param_dtype")
 EASYR1_ACTOR_DTYPE = ("worker.actor.fsdp.mp_param_dtype", "worker.actor.fsdp.torch_dtype")
@@ -114,13 +82,13 @@ EASYR1_ACTOR_DTYPE = ("worker.actor.fsdp.mp_param_dtype", "worker.actor.fsdp.tor
 
 VERL: dict[str, Rule] = {
     # dtypes (veRL: bf16 compute on fp32 weights unless told, as fitrl on CUDA)
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": _precision("actor.fsdp.mixed_precision"),
-    "actor_rollout_ref.actor.fsdp_config.param_dtype": _precision("actor.fsdp.mixed_precision"),
-    "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype": _precision("ref.fsdp.mixed_precision"),
-    "actor_rollout_ref.ref.fsdp_config.param_dtype": _precision("ref.fsdp.mixed_precision"),
-    "critic.model.fsdp_config.mixed_precision.param_dtype": _precision("critic.fsdp.mixed_precision"),
-    "actor_rollout_ref.actor.fsdp_config.model_dtype": _precision("actor.fsdp.mixed_precision", weights=True),
-    "actor_rollout_ref.rollout.dtype": _engine_precision(VERL_ACTOR_DTYPE),
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": precision("actor.fsdp.mixed_precision"),
+    "actor_rollout_ref.actor.fsdp_config.param_dtype": precision("actor.fsdp.mixed_precision"),
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype": precision("ref.fsdp.mixed_precision"),
+    "actor_rollout_ref.ref.fsdp_config.param_dtype": precision("ref.fsdp.mixed_precision"),
+    "critic.model.fsdp_config.mixed_precision.param_dtype": precision("critic.fsdp.mixed_precision"),
+    "actor_rollout_ref.actor.fsdp_config.model_dtype": precision("actor.fsdp.mixed_precision", weights=True),
+    "actor_rollout_ref.rollout.dtype": engine_precision(VERL_ACTOR_DTYPE),
     "data.train_files": to("data.train_files", _files),
     "data.val_files": to("data.val_files", _files),
     "data.prompt_key": to("data.prompt_key"),
@@ -326,11 +294,11 @@ they differ from fitrl's: a key a veRL command line leaves out keeps veRL's valu
 
 EASYR1: dict[str, Rule] = {
     # dtypes (EasyR1: bf16 compute, fp32 actor weights, unless told)
-    "worker.actor.fsdp.mp_param_dtype": _precision("actor.fsdp.mixed_precision"),
-    "worker.actor.fsdp.torch_dtype": _precision("actor.fsdp.mixed_precision", weights=True),
-    "worker.ref.fsdp.mp_param_dtype": _precision("ref.fsdp.mixed_precision"),
-    "worker.ref.fsdp.torch_dtype": _precision("ref.fsdp.mixed_precision", weights=True),
-    "worker.rollout.dtype": _engine_precision(EASYR1_ACTOR_DTYPE),
+    "worker.actor.fsdp.mp_param_dtype": precision("actor.fsdp.mixed_precision"),
+    "worker.actor.fsdp.torch_dtype": precision("actor.fsdp.mixed_precision", weights=True),
+    "worker.ref.fsdp.mp_param_dtype": precision("ref.fsdp.mixed_precision"),
+    "worker.ref.fsdp.torch_dtype": precision("ref.fsdp.mixed_precision", weights=True),
+    "worker.rollout.dtype": engine_precision(EASYR1_ACTOR_DTYPE),
     "data.train_files": to("data.train_files", _files),
     "data.val_files": to("data.val_files", _files),
     "data.prompt_key": to("data.prompt_key"),

@@ -367,3 +367,36 @@ def when_multi_turn(key: str, convert: Callable[[Any], Any] = int, why: str = ""
 ROLLOUT_MODE_ASYNC = ("veRL's async mode serves generation from an AsyncLLM server (agent loops); training stays "
                       "on-policy, as fitrl's rollout.mode=sync (fitrl's one_step_off and async overlap generation "
                       "with the update: docs/async.md)")
+
+
+BF16 = ("bf16", "bfloat16", "torch.bfloat16")
+FP16 = ("fp16", "float16", "half", "torch.float16")
+FP32 = ("fp32", "float32", "float", "torch.float32")
+
+
+def precision(key: str, weights: bool = False) -> Rule:
+    """A source's compute (or, ``weights``, its weights') dtype to ``key``, a role's
+    ``fsdp.mixed_precision``: fitrl keeps fp32 master weights and computes in bf16 or fp32."""
+    def choose(v: Any) -> Rule:
+        name = str(v).lower()
+        if name in BF16:
+            return to(key, lambda v: True, APPROXIMATED if weights else TRANSLATED,
+                      "fitrl keeps fp32 weights (masters) and computes in bf16" if weights else "")
+        if name in FP16:
+            return to(key, lambda v: True, APPROXIMATED, "fitrl's low precision is bf16 (no fp16 loss scaling)")
+        if name in FP32:
+            return to(key, lambda v: False) if not weights else Rule(None, TRANSLATED, "fitrl's weights are fp32 already")
+        return drop(f"unknown dtype {v!r}")
+    return Rule(None, choose=choose)
+
+
+def engine_precision(actor_keys: tuple[str, ...]) -> Rule:
+    """The engine's dtype: fitrl's engine computes in the trainer's (bf16 under
+    ``actor.fsdp.mixed_precision``), so it sets the actor's unless the source sets that itself."""
+    def choose(v: Any) -> Rule:
+        rule = precision("actor.fsdp.mixed_precision").choose(v)
+        if rule.set is None:
+            return rule
+        why = "fitrl's engine computes in the trainer's dtype: set with actor.fsdp.mixed_precision"
+        return Rule(lambda v, src: [] if any(k in src for k in actor_keys) else rule.set(v, src), APPROXIMATED, why)
+    return Rule(None, choose=choose)

@@ -160,7 +160,7 @@ def optimizer_state_misplaced(optimizer: torch.optim.Optimizer) -> list[str]:
     (empty: all in place). Moments belong on their parameter's device; ``step`` there too for a
     fused or capturable kernel, on the host otherwise. A fused AdamW whose ``step`` stayed on the
     host while its parameters went to the GPU fails its first update (after a resume or a
-    restart with offloading, issue 59)."""
+    restart with offloading)."""
     wrong = []
     for g, group in enumerate(optimizer.param_groups):
         step_follows = _step_on_param_device(group)

@@ -72,13 +72,13 @@ import os
 import time
 from typing import Any, Optional
 
-from fitrl.core.device import ClusterDevices, GPUFacts
 from fitrl.core.errors import WorkerFailed
 from fitrl.distributed.process_group import DistEnv, default_backend, free_port, is_port_taken
 from fitrl.telemetry.guard import MemoryPressure
 from fitrl.telemetry.phases import current_phase
 from fitrl.workers.group import Pending, WorkerGroup
 from fitrl.workers.ray_actor import remote
+from fitrl.workers.ray_cluster import PROBE_TIMEOUT_S, cluster_devices, probe_gpu, read_gpu  # noqa: F401 (re-exported)
 from fitrl.workers.ray_failures import (ANSI_RE, RemoteTraceback, describe_death, is_death, is_memory_pressure,
                                         with_prefix)
 from fitrl.workers.ray_placement import Placement, RankSlot, rank_layout
@@ -124,43 +124,6 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
         ray.init(address=address, **common)
     else:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
-
-
-PROBE_TIMEOUT_S = 120.0
-"""How long the driver waits for a GPU of the cluster to read its memory (a busy shared cluster)."""
-
-
-def cluster_devices(timeout_s: float = PROBE_TIMEOUT_S) -> ClusterDevices:
-    """The connected cluster's devices as the driver sees them, without touching CUDA in this
-    process: the ``GPU`` count of its nodes, and one GPU's facts probed on demand."""
-    import ray
-
-    return ClusterDevices(gpus=int(ray.cluster_resources().get("GPU", 0)), probe=lambda: probe_gpu(timeout_s))
-
-
-def read_gpu() -> GPUFacts:
-    """In a process holding one GPU (``CUDA_VISIBLE_DEVICES`` set by Ray): its name and memory,
-    and its node's RAM."""
-    import psutil
-    import torch
-
-    props = torch.cuda.get_device_properties(0)
-    return GPUFacts(name=props.name, memory=props.total_memory, host_memory=psutil.virtual_memory().total)
-
-
-def probe_gpu(timeout_s: float = PROBE_TIMEOUT_S) -> GPUFacts:
-    """:func:`read_gpu` in a Ray task holding one of the cluster's GPUs. ``max_calls=1``: the
-    worker process exits after it, taking whatever CUDA made there with it, so nothing stays on
-    the GPU a rank will use."""
-    import ray
-
-    task = ray.remote(num_cpus=0, num_gpus=1, max_calls=1, max_retries=0)(read_gpu)
-    ref = task.remote()
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        ray.cancel(ref, force=True)
-        raise TimeoutError(f"no GPU of the Ray cluster came free in {timeout_s:.0f} s to read its memory") from None
 
 
 class RayWorkerGroup(WorkerGroup):

@@ -120,9 +120,10 @@ def _varlen(dev: torch.device, dtype: torch.dtype) -> str:
     """PyTorch's own varlen attention on two packed sequences (CUDA only in torch 2.13)."""
     if dev.type != "cuda":
         return "CUDA only"
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    from fitrl.ops.varlen import torch_varlen_kernel
+
+    varlen_attn = torch_varlen_kernel()  # the kernel packed forwards would run
+    if varlen_attn is None:
         return "not in this torch"
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(96, 4, 64, generator=g).to(dev, dtype) for _ in range(3))  # (tokens, H, D)

@@ -50,7 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fitrl.cli import judge_rise  # noqa: E402
+from fitrl.trainer.verdict import judge_rise  # noqa: E402
 
 
 def _bench_module(name: str):

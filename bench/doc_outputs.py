@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- output: (?P<name>[\w-]+)(?:; recorded on (?P<machine>[^>]*?))? -->$")
 GAP = "..."
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+EXIT = re.compile(r"\(exit status \d+\)")
+NOISE = re.compile(r"(?<=GRPO raised it)(?: beyond noise|, but within noise)")
 TIME = re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|ms)\b")
 GIB = re.compile(r"\b\d[\d,]*(?:\.\d+)? (?:GiB|MiB|G)\b")
 
@@ -225,8 +227,10 @@ def normalise(text: str, block: Block, exact: bool) -> str:
     every number when the figures come from training on another CPU than the recording one."""
     for pattern in (*block.masks, TIME):
         text = pattern.sub("#", text)
-    if block.trained and not exact:
-        text = NUMBER.sub("#", text)
+    if block.trained and not exact:  # (an exit status is the verdict: compared everywhere)
+        text = "\n".join(line if EXIT.fullmatch(line.strip()) else NUMBER.sub("#", line)
+                         for line in text.splitlines())
+        text = NOISE.sub("", text)  # whether a rise is beyond noise follows the figures
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 

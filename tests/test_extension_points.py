@@ -1,8 +1,9 @@
 """Every extension owns its whole footprint (fitrl/trainer/complete.py): a registered rollout
 engine has its memory planner beside it, under the same name, and a plan of a run on it includes
 what its planner says it holds; a vision-language family describes its tower (memory, FLOPs) and
-its media processing; a model-holding role has its memory planner. A dummy engine, family and
-role show the check can fail, then pass."""
+its media processing; every model type's family describes its decoder, of the row's kind (dense
+or mixture of experts); a model-holding role has its memory planner. A dummy engine, family,
+decoder and role show the check can fail, then pass."""
 
 import io
 import json
@@ -24,6 +25,7 @@ from fitrl.trainer.complete import missing_counterparts
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.core.model_types import MODEL_TYPES, ModelType
 from fitrl.data.media import RowMedia
+from fitrl.models.decoder import DenseLayout
 from fitrl.models.families import CAUSAL_LM, MODEL_FAMILIES, QWEN_VL, ModelFamily
 from fitrl.models.flops import FlopsShape
 from fitrl.memory.roles import ROLE_PLANNERS, RolePlanner
@@ -158,7 +160,8 @@ class DummyMedia:
 
 
 class HalfFamily(ModelFamily):
-    """Builds and shards (borrowed from the causal LM) but has no planner or media twins."""
+    """Builds, shards and describes its decoder (borrowed from the causal LM) but has no planner or
+    media twins."""
     name = "dummy_vl"
     model_types = frozenset({"dummy_vl"})
 
@@ -167,6 +170,9 @@ class HalfFamily(ModelFamily):
 
     def blocks_to_shard(self, model):
         return CAUSAL_LM.blocks_to_shard(model)
+
+    def decoder_layout(self, model_type):
+        return CAUSAL_LM.decoder_layout(model_type)
 
 
 class WholeFamily(HalfFamily):
@@ -229,6 +235,101 @@ def test_a_vision_language_family_without_twins_fails_the_check_then_plans_with_
                                                                                        8 * tower + steps]
     assert plan.peaks()["update"][1] > text_plan.peaks()["update"][1] + 16 * tower
     assert FlopsShape.of(plan.shape).vision_flops([16]) == DummyTower().forward_flops(16)
+
+
+# ------------------------------------------------------------------------------------------------
+# A decoder: described by the family that claims the model type, of the kind its row declares
+
+
+class NoDecoderFamily(ModelFamily):
+    """Builds and shards (borrowed from the causal LM) but describes no decoder."""
+    name = "dummy_lm"
+    model_types = frozenset({"dummy_lm"})
+
+    def builders(self, head, model):
+        return CAUSAL_LM.builders(head, model)
+
+    def blocks_to_shard(self, model):
+        return CAUSAL_LM.blocks_to_shard(model)
+
+
+class DenseFamily(NoDecoderFamily):
+    def decoder_layout(self, model_type):
+        return DenseLayout(qkv_bias=True)  # Qwen2's layout, spelled out: the tiny model is a Qwen2
+
+
+@pytest.fixture
+def dummy_lm_dir(tiny_model_dir, tmp_path):
+    """The tiny model under model_type ``dummy_lm`` (its language model a Qwen2's: what the memory
+    trace builds); the test enters the row and the family, the fixture takes them out."""
+    model = tmp_path / "dummy-lm"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "dummy_lm"}))
+    yield model
+    MODEL_TYPES.pop("dummy_lm", None)
+    if "dummy_lm" in MODEL_FAMILIES:
+        MODEL_FAMILIES.remove("dummy_lm")
+
+
+def test_every_builtin_model_type_has_its_decoder():
+    assert missing_counterparts() == []
+    assert {t.kind for t in MODEL_TYPES.values()} == {"dense"}
+    with pytest.raises(ValueError, match="kind='mixture'; valid: dense, moe"):
+        ModelType("dummy_lm", "qwen2", kind="mixture")
+    assert all(QWEN_VL.decoder_layout(n) is CAUSAL_LM.decoder_layout(t.decoder)
+               for n, t in MODEL_TYPES.items() if t.vision)  # a VL model's language model is its text family's
+
+
+def test_a_moe_row_without_its_decoder_fails_the_check_and_is_never_planned_as_dense(dummy_lm_dir, tmp_path):
+    MODEL_TYPES["dummy_lm"] = ModelType("dummy_lm", "qwen2", kind="moe")
+    cfg = toy_config(dummy_lm_dir, tmp_path / "run", "trainer.device=cpu", "trainer.val_before_train=false")
+    hw = Hardware.cpu(host_memory=64 * C.GIB)
+    # unclaimed, the causal LM's Qwen2 layout is dense: not the row's kind
+    assert missing_counterparts() == [
+        "model type 'dummy_lm' has a moe decoder (fitrl/core/model_types.py) and model family 'causal_lm' describes "
+        "a dense one (ModelFamily.decoder_layout, fitrl/models/decoder.py)"]
+
+    MODEL_FAMILIES.add("dummy_lm", NoDecoderFamily())
+    assert missing_counterparts() == [
+        "model type 'dummy_lm' has a moe decoder (fitrl/core/model_types.py) and model family 'dummy_lm' describes "
+        "none (ModelFamily.decoder_layout, fitrl/models/decoder.py)"]
+    with pytest.raises(ValueError, match="'dummy_lm' has a moe decoder .* family 'dummy_lm' describes no decoder"):
+        plan_config(cfg, hw)  # never a dense plan of a mixture of experts
+    with pytest.raises(ValueError, match="has a moe decoder"):
+        FlopsShape.from_path(dummy_lm_dir)  # nor a dense FLOP count
+
+    MODEL_FAMILIES.remove("dummy_lm")
+    MODEL_FAMILIES.add("dummy_lm", DenseFamily())  # a dense description does not plan a moe row either
+    assert len(missing_counterparts()) == 1
+    with pytest.raises(ValueError, match="family 'dummy_lm' describes a dense decoder"):
+        plan_config(cfg, hw)
+
+
+def test_a_dense_row_with_its_decoder_passes_and_plans(dummy_lm_dir, tiny_model_dir, tmp_path):
+    MODEL_TYPES["dummy_lm"] = ModelType("dummy_lm", "qwen2")
+    MODEL_FAMILIES.add("dummy_lm", NoDecoderFamily())
+    assert missing_counterparts() == [
+        "model type 'dummy_lm' has a dense decoder (fitrl/core/model_types.py) and model family 'dummy_lm' describes "
+        "none (ModelFamily.decoder_layout, fitrl/models/decoder.py)"]
+
+    MODEL_FAMILIES.remove("dummy_lm")
+    MODEL_FAMILIES.add("dummy_lm", DenseFamily())
+    assert missing_counterparts() == []
+    hw = Hardware.cpu(host_memory=64 * C.GIB)
+    plan = plan_config(toy_config(dummy_lm_dir, tmp_path / "run", "trainer.device=cpu",
+                                  "trainer.val_before_train=false"), hw)
+    qwen2 = plan_config(toy_config(tiny_model_dir, tmp_path / "run2", "trainer.device=cpu",
+                                   "trainer.val_before_train=false"), hw)
+    assert plan.shape.tensors() == qwen2.shape.tensors()  # the family's layout, tensor for tensor
+    assert plan.process("trainer").phases["update"].host == qwen2.process("trainer").phases["update"].host
+    flops = [FlopsShape.from_path(d).forward_flops(8, 8) for d in (dummy_lm_dir, tiny_model_dir)]
+    assert flops[0] == flops[1]
+
+    # a config that routes experts is not a dense model, whatever its row says
+    config = json.loads((dummy_lm_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"config.json describes a mixture of experts \(num_experts=8\)"):
+        ModelShape.from_dict({**config, "num_experts": 8})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Marked slow (each group starts 2 worker processes); run in CI.
 import pytest
 import torch
 
-from fitrl.cli import judge_rise
+from fitrl.trainer.verdict import judge_rise
 from fitrl.data.batch import Batch
 from fitrl.roles.workers import PolicyWorker
 from fitrl.config.schema import SamplingConfig

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from fitrl.cli import judge_rise
+from fitrl.trainer.verdict import judge_rise
 from fitrl.config.schema import SamplingConfig
 from fitrl.core.errors import ConfigError
 from fitrl.data.batch import Batch

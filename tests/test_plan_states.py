@@ -142,7 +142,8 @@ def test_qwen3_vl_tensors_match_transformers():
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     real = {n.removeprefix("model."): tuple(p.shape) for n, p in model.named_parameters() if ".visual." in f".{n}"}
     assert real == {n: s for n, s in shape.tensors() if n.startswith("visual.")}
-    assert (shape.qk_norm, shape.qkv_bias, shape.vision.patch, shape.vision.factor) == (True, False, 16, 32)
+    assert (shape.decoder.qk_norm, shape.decoder.qkv_bias) == (True, False)
+    assert (shape.vision.patch, shape.vision.factor) == (16, 32)
     assert shape.vision.largest_image(1_048_576).grid == (1, 64, 64)  # 32 x 32 LM tokens
 
 

@@ -24,7 +24,7 @@ from transformers import (  # noqa: E402
 from fitrl.core.errors import ModelDirError  # noqa: E402
 from fitrl.models import check  # noqa: E402
 from fitrl.models.tiny import VISION_TOKENS, VL_ARCHS, describe, make_tiny_model, processor_configs  # noqa: E402
-from fitrl.models.vl_types import VISION_LANGUAGE_TYPES, auto_model_class, is_vision_language  # noqa: E402
+from fitrl.models.vl_types import VISION_LANGUAGE_TYPES, auto_class_name, is_vision_language  # noqa: E402
 
 ARCHS = sorted(VL_ARCHS)
 # arch -> (patch size, image mean, image std) of the real Qwen processors
@@ -86,8 +86,9 @@ def image_prompt(tok, images, model, pic, question: str = "What is 1 + 1?"):
 def test_vl_types_are_the_tiny_archs_and_import_light():
     assert VISION_LANGUAGE_TYPES == set(VL_ARCHS)
     assert is_vision_language("qwen2_5_vl") and not is_vision_language("qwen2")
-    assert auto_model_class("qwen3_vl") is AutoModelForImageTextToText
-    assert auto_model_class("llama") is transformers.AutoModelForCausalLM
+    # the class fitrl export records (fitrl/checkpoint/export.py), a transformers class by that name
+    assert getattr(transformers, auto_class_name("qwen3_vl")) is AutoModelForImageTextToText
+    assert getattr(transformers, auto_class_name("llama")) is transformers.AutoModelForCausalLM
     code = "import sys, fitrl.models.vl_types; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from fitrl.cli import judge_rise
+from fitrl.trainer.verdict import judge_rise
 from fitrl.config import load_config
 from helpers import EXAMPLE, ROOT, read_metrics
 from helpers import toy_config as config
@@ -75,8 +75,8 @@ def test_judge_rise():
 
 def test_a_collapsed_policy_is_called_that():
     """The demo's verdict: a rise to responses that all run to the length limit, or to one
-    constant answer, is not learning (fitrl/cli.py, ``collapsed``)."""
-    from fitrl.cli import collapsed
+    constant answer, is not learning (fitrl/trainer/verdict.py, ``collapsed``)."""
+    from fitrl.trainer.verdict import collapsed
 
     healthy = [{"response/clip_ratio": 0.1, "response/distinct": 20.0}] * 10
     assert collapsed(healthy, 8) is None and collapsed(healthy[:5], 8) is None  # too few steps to judge

@@ -51,7 +51,8 @@ def test_dataset_expands_image_tokens_and_keeps_references(tmp_path, tokenizer):
     assert ds[1]["prompt_text"].startswith(f"<|im_start|>user\n{MARK}{MARK}Describe")  # prepended, in order
     assert ds[0]["images"] == [str(tmp_path / "imgs" / "a.png")] and ds[0]["image_sizes"] == [(56, 140)]
     assert "images" not in ds[0]["extra"]
-    assert ds.image_stats() == [[56 * 140], [56 * 140, 112 * 112], [], []]
+    # the resized sizes multi_modal_inputs checks the grids against, per prompt (none for the text rows)
+    assert [ds[i].get("image_sizes", []) for i in range(4)] == [[(56, 140)], [(56, 140), (112, 112)], [], []]
     # the ids are the tokenised text with each image's pad repeated once per token
     expanded = ds[0]["prompt_text"].replace("<|image_pad|>", "<|image_pad|>" * 10)
     assert ds[0]["prompt_ids"] == tokenizer(expanded, add_special_tokens=False)["input_ids"]
@@ -117,7 +118,7 @@ def test_videos_in_the_dataset(tmp_path, tokenizer):
     ds = make_ds(data, tokenizer, max_frames=4, video_max_pixels=56 * 84)
     # 5 frames -> sampled to 4 (0, 1, 2, 3) -> grid_t 2; 56x84 -> 4x6 patches: 2 * 24 / 4 = 12 tokens
     assert ds[0]["prompt_ids"].count(tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 12
-    assert ds[0]["video_sizes"] == [(4, 56, 84)] and ds.video_stats() == [[(4, 56 * 84)]]
+    assert ds[0]["video_sizes"] == [(4, 56, 84)]
     mm = ds.multi_modal_inputs(0)
     assert mm["video_grid_thw"].tolist() == [[2, 4, 6]] and "pixel_values" not in mm
     assert mm["pixel_values_videos"].shape == (48, 3 * 2 * 14 * 14)

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from fitrl.cli import judge_rise  # noqa: E402
+from fitrl.trainer.verdict import judge_rise  # noqa: E402
 from fitrl.roles.workers import PolicyWorker  # noqa: E402
 from fitrl.rollout.hf import HFRollout  # noqa: E402
 from fitrl.rollout.vllm_engine import VllmRollout  # noqa: E402

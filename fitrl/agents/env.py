@@ -24,7 +24,7 @@ from typing import Any, Optional
 from fitrl.agents.builtin_tools import BUILTIN_TOOLS
 from fitrl.agents.tools import ToolCall
 from fitrl.core.errors import ConfigError, UserError
-from fitrl.core.user_code import import_named
+from fitrl.core.user_code import resolve_named
 
 
 class EnvironmentError_(UserError, RuntimeError):
@@ -103,21 +103,23 @@ def check_agent_spec(env: str, tools: list[str]) -> None:
 
 def _check_spec(spec: str, key: str, builtin: dict, noun: str) -> None:
     if ":" not in spec:
-        near = difflib.get_close_matches(spec, list(builtin), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(f"{key}: unknown name {spec!r}{hint} (built-in: {', '.join(builtin)}; or "
-                          f"'path/to/file.py:{noun}' / 'package.module:{noun}')")
+        raise ConfigError(_unknown(spec, key, builtin, noun))
     where = spec.rsplit(":", 1)[0]
     if where.endswith(".py") and not Path(where).is_file():
         raise ConfigError(f"{key}: file not found: {where}")
 
 
+def _unknown(spec: str, key: str, builtin: dict, noun: str) -> str:
+    near = difflib.get_close_matches(spec, list(builtin), n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return (f"{key}: unknown name {spec!r}{hint} (built-in: {', '.join(builtin)}; or "
+            f"'path/to/file.py:{noun}' / 'package.module:{noun}')")
+
+
 def load_environment(spec: str) -> type:
     """The environment class ``spec`` names, checked to be an :class:`Environment`."""
-    if spec in BUILTIN_ENVIRONMENTS:
-        return BUILTIN_ENVIRONMENTS[spec]
-    _check_spec(spec, "rollout.agent.env", BUILTIN_ENVIRONMENTS, "Class")
-    cls = import_named(spec, "rollout.agent.env", noun="class")
+    cls = resolve_named(spec, BUILTIN_ENVIRONMENTS, "rollout.agent.env",
+                        lambda spec: _unknown(spec, "rollout.agent.env", BUILTIN_ENVIRONMENTS, "Class"), noun="class")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(f"rollout.agent.env: {spec} is not a subclass of fitrl.agents.Environment "
                           "(subclass it and override reset() and/or step())")

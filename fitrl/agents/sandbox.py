@@ -1,6 +1,6 @@
 """Tool calls in isolated worker processes: time, memory, files, processes and network bounded.
 
-The pool is the reward pool (fitrl/rewards/pool.py): one call in flight per worker, a call past
+The pool is the reward pool's (fitrl/core/process_pool.py): one call in flight per worker, a call past
 ``rollout.agent.tool_timeout`` gets its worker SIGKILLed and replaced, a worker that dies (a
 segfault) is replaced, and the call's outcome says which. Each worker, before it answers a call:
 
@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 import weakref
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from fitrl.rewards.pool import Outcome, RewardPool, _die_with_driver
+from fitrl.core.process_pool import Call, Outcome, ProcessPool, serve
+from fitrl.rewards.functions import RewardError
 
 _WORKER_CODE = "import sys; from fitrl.agents.sandbox import sandbox_main; sandbox_main(*map(int, sys.argv[1:]))"
 FILE_SIZE_LIMIT = 64 << 20
@@ -51,21 +50,22 @@ class SandboxLimits:
     max_output_chars: int = 2000
 
 
-class ToolSandbox(RewardPool):
+class ToolSandbox(ProcessPool):
     """``num_workers`` isolated processes calling the tools ``specs`` names.
 
-    ``call([(name, arguments), ...])`` returns one :class:`~fitrl.rewards.pool.Outcome` per call,
+    ``call([(name, arguments), ...])`` returns one :class:`~fitrl.core.process_pool.Outcome` per call,
     its value the tool's reply as text; ``submit_call`` and ``collect`` run calls while the caller
     goes on."""
 
     worker_code = _WORKER_CODE
     what = "tool"
+    error = RewardError  # (a tool that cannot load stops the run as a reward function that cannot does)
 
     def __init__(self, specs: list[str], *, num_workers: int, timeout: float, limits: SandboxLimits):
         self.scratch_root = tempfile.mkdtemp(prefix="fitrl-tools-")
         self.limits = limits
-        super().__init__("rollout.agent.tools", {}, batched=False, num_workers=num_workers, timeout=timeout,
-                         init=(list(specs), limits, self.scratch_root))
+        super().__init__("rollout.agent.tools", (list(specs), limits, self.scratch_root), num_workers=num_workers,
+                         timeout=timeout)
         self.layers: list[str] = []
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, self.scratch_root, True)
 
@@ -96,38 +96,34 @@ class ToolSandbox(RewardPool):
 
 def sandbox_main(fd: int, driver_pid: int) -> None:
     """A sandbox worker: import the tools, isolate, then answer ``(i, (name, arguments), {})``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_driver(driver_pid)
-    conn = Connection(fd)
-    try:
-        sys_path, specs, limits, scratch_root = conn.recv()
-        sys.path[:] = sys_path
-        from fitrl.agents.tools import reply_text, resolve_tool
+    serve(fd, driver_pid, _load)
 
-        tools = {}
-        for spec in specs:
-            fn = resolve_tool(spec)
-            tools[fn.__name__] = fn
-        scratch = tempfile.mkdtemp(prefix=f"w{os.getpid()}-", dir=scratch_root)
-        layers = isolate(scratch, limits)
-    except BaseException as e:  # noqa: BLE001 -- reported to the driver, which raises
-        conn.send(("init_error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", os.getpid(), layers))
-    while True:
-        try:
-            i, (name, arguments), _ = conn.recv()
-        except (EOFError, OSError):
-            return
+
+def _load(specs: list[str], limits: SandboxLimits, scratch_root: str) -> tuple[Call, list[str]]:
+    """The tools imported and this process isolated: answers a call with ``(reply text, seconds)``;
+    the layers that took effect."""
+    from fitrl.agents.tools import reply_text, resolve_tool
+
+    tools = {}
+    for spec in specs:
+        fn = resolve_tool(spec)
+        tools[fn.__name__] = fn
+    scratch = tempfile.mkdtemp(prefix=f"w{os.getpid()}-", dir=scratch_root)
+    layers = isolate(scratch, limits)
+
+    def call(args: tuple, kw: dict) -> tuple[str, Any, str]:
+        name, arguments = args
         started = time.monotonic()
         try:
             with GUARDED:
                 value = tools[name](**arguments)
-            reply = (i, "ok", (reply_text(value, limits.max_output_chars), time.monotonic() - started), "")
+            return "ok", (reply_text(value, limits.max_output_chars), time.monotonic() - started), ""
         except BaseException as e:  # noqa: BLE001 -- whatever the tool raised is its reply
-            reply = (i, "error", None, f"{type(e).__name__}: {e}")
-        _empty(scratch)
-        conn.send(reply)
+            return "error", None, f"{type(e).__name__}: {e}"
+        finally:
+            _empty(scratch)            # no episode reads another's files
+
+    return call, layers
 
 
 def _empty(scratch: str) -> None:

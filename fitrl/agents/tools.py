@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from fitrl.agents.builtin_tools import BUILTIN_TOOLS
 from fitrl.core.errors import ConfigError
-from fitrl.core.user_code import import_named
+from fitrl.core.user_code import resolve_named
 
 CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
@@ -46,12 +46,9 @@ class ToolCall:
 
 def resolve_tool(spec: str) -> Callable[..., Any]:
     """The function ``spec`` names (:class:`ConfigError` naming ``rollout.agent.tools``)."""
-    if spec in BUILTIN_TOOLS:
-        return BUILTIN_TOOLS[spec]
-    if ":" not in spec:
-        raise ConfigError(f"rollout.agent.tools: unknown tool {spec!r} (built-in: {', '.join(BUILTIN_TOOLS)}; "
-                          "or 'path/to/file.py:function' / 'package.module:function')")
-    return import_named(spec, "rollout.agent.tools")
+    return resolve_named(spec, BUILTIN_TOOLS, "rollout.agent.tools", lambda spec: (
+        f"rollout.agent.tools: unknown tool {spec!r} (built-in: {', '.join(BUILTIN_TOOLS)}; "
+        "or 'path/to/file.py:function' / 'package.module:function')"))
 
 
 def tool_schema(fn: Callable[..., Any], spec: str) -> dict:

@@ -44,6 +44,11 @@ def _per_device(fitrl_key: str, gpus_key: str, nodes_key: str) -> Rule:
                 "a global micro-batch: divided by the devices")
 
 
+def _full_shard(role: str) -> Rule:
+    """EasyR1's ``enable_full_shard`` (else ZeRO-2-like sharding): each role's own ``fsdp.strategy``."""
+    return to(f"{role}.fsdp.strategy", lambda v: "full", APPROXIMATED, "fitrl shards fully (or hybrid across nodes)")
+
+
 def _loggers(v: Any) -> list[str]:
     names = [v] if isinstance(v, str) else list(v or [])
     out = ["console"] + [n for n in names if n in ("wandb", "tensorboard", "mlflow")]
@@ -358,15 +363,17 @@ EASYR1: dict[str, Rule] = {
     "worker.actor.model.lora.alpha": to("actor.lora.alpha"),
     "worker.actor.model.lora.target_modules": to("actor.lora.target_modules",
                                                  lambda v: v.split(",") if isinstance(v, str) else list(v)),
-    "worker.actor.model.lora.exclude_modules": drop("fitrl's LoRA never adapts the vision tower"),
+    "worker.actor.model.lora.exclude_modules": drop(
+        "fitrl has no exclude list, and all-linear adapts a vision tower's linears too: to keep LoRA off the tower, "
+        "set actor.lora.target_modules to names only the language model has, e.g. q_proj,k_proj,v_proj,o_proj "
+        "(docs/vision.md)"),
     "worker.actor.optim.lr": to("actor.optim.lr"),
     "worker.actor.optim.weight_decay": to("actor.optim.weight_decay"),
     "worker.actor.optim.strategy": to("actor.optim.fused", lambda v: True, APPROXIMATED,
                                       "fitrl's AdamW keeps fp32 states (no adamw_bf16)"),
     "worker.actor.optim.lr_warmup_ratio": warmup_ratio("worker.actor.optim.lr_warmup_steps", "trainer.max_steps"),
     "worker.actor.optim.lr_warmup_steps": Rule(warmup_steps, TRANSLATED),
-    "worker.actor.fsdp.enable_full_shard": to("actor.fsdp.strategy", lambda v: "full", APPROXIMATED,
-                                              "fitrl shards fully (or hybrid across nodes)"),
+    "worker.actor.fsdp.enable_full_shard": _full_shard("actor"),
     "worker.actor.fsdp.enable_cpu_offload": to("actor.fsdp.cpu_offload"),
     "worker.actor.fsdp.enable_rank0_init": to("actor.fsdp.init", lambda v: "rank0" if v else "every_rank"),
     "worker.actor.offload.offload_params": to("actor.fsdp.offload_params"),
@@ -393,7 +400,7 @@ EASYR1: dict[str, Rule] = {
                                                                    f"(docs/reward-models.md)")),
     "data.system_prompt": to("data.system_prompt"),
     "trainer.total_episodes": drop(EPOCHS),
-    "worker.ref.fsdp.enable_full_shard": drop("the reference shards as the actor does"),
+    "worker.ref.fsdp.enable_full_shard": _full_shard("ref"),
     "worker.ref.fsdp.enable_cpu_offload": to("ref.fsdp.cpu_offload"),
     "worker.ref.fsdp.enable_rank0_init": to("ref.fsdp.init", lambda v: "rank0" if v else "every_rank"),
     "worker.ref.offload.offload_params": to("ref.fsdp.offload_params"),

@@ -9,6 +9,7 @@ from typing import Literal, Optional
 
 from fitrl.config.agent import AgentConfig
 from fitrl.config.plan import parse_bytes
+from fitrl.core.engines import EngineCapabilities, engine_capabilities
 from fitrl.core.errors import ConfigError
 
 @dataclass
@@ -62,13 +63,19 @@ def check_sampling(s, prefix: str, training: bool = False) -> None:
         raise ConfigError(f"{prefix}.max_tokens must be >= 1 (or unset), got {s.max_tokens}")
 
 
+DEFAULT_ENGINE = "hf"
+"""``rollout.engine`` unless set: an engine that computes with the trained module, so it is also
+what the policy's ranks run beside rollout workers whose engine holds its own weights
+(:attr:`RolloutConfig.trainer_engine`; fitrl/trainer/complete.py checks it declares so)."""
+
+
 @dataclass
 class RolloutConfig(Sampling):
     """Training-time sampling (the :class:`Sampling` fields: ``rollout.temperature``, ``top_p``,
     ``top_k``, ``n``, ``ignore_eos``; log-probs are computed at this temperature) and the engine
     that generates."""
 
-    engine: str = "hf"
+    engine: str = DEFAULT_ENGINE
     """Generation engine, a name registered in ``fitrl.rollout.engine.ROLLOUT_ENGINES``: ``hf`` (transformers ``generate`` on the trained module; CPU and GPU) or
     ``vllm`` (a vLLM engine colocated with each policy rank, weights pushed after every update;
     ``pip install fitrl[vllm]``, docs/vllm.md). Engines implement
@@ -172,11 +179,20 @@ class RolloutConfig(Sampling):
         return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
     @property
+    def capabilities(self) -> EngineCapabilities:
+        """What ``engine`` declares it can do (fitrl/core/engines.py): what callers ask instead
+        of its name."""
+        return engine_capabilities(self.engine)
+
+    @property
     def trainer_engine(self) -> str:
         """The engine the policy's own ranks run: ``engine``, or with rollout workers of their own
-        (which then run ``engine``) the ``hf`` engine on the trained module, for validation only (a
-        second engine copy beside each trainer rank would cost memory for a few greedy passes)."""
-        return "hf" if self.workers else self.engine
+        (which then run ``engine``) whose engine holds its own copy of the weights,
+        :data:`DEFAULT_ENGINE` on the trained module, for validation only (a second engine copy
+        beside each trainer rank would cost memory for a few greedy passes)."""
+        if not self.workers or not self.capabilities.holds_own_weights:
+            return self.engine
+        return DEFAULT_ENGINE
 
     def sampling(self) -> SamplingConfig:
         """Training-time sampling as the engines take it."""

@@ -175,7 +175,7 @@ def check_rollout_placement(cfg: FitrlConfig) -> None:
         raise ConfigError(f"algorithm.filter_groups (dynamic sampling) draws more prompts during a step, while "
                           f"rollout.mode={r.mode} has already drawn the next steps'; use rollout.mode=sync "
                           f"(rollout.workers keeps generation on processes of its own)")
-    if r.workers and r.engine != "hf" and r.tensor_parallel_size > 1:
+    if r.workers and r.tensor_parallel_size > 1 and r.capabilities.tensor_parallel:
         raise ConfigError(f"rollout.workers={r.workers} with rollout.tensor_parallel_size={r.tensor_parallel_size}: a "
                           f"rollout worker of its own runs one engine on one device so far; set "
                           f"rollout.tensor_parallel_size=1, or rollout.workers=0 and rollout.mode=sync (engines "

@@ -1,16 +1,20 @@
-"""Every ``config.json`` ``model_type`` fitrl runs, in one table: its decoder family and whether it
-is a vision-language model (and takes videos).
+"""Every ``config.json`` ``model_type`` fitrl runs, in one table: its decoder family, its decoder's
+kind (dense or mixture of experts) and whether it is a vision-language model (and takes videos).
 
 The model-directory checks, the loaders, the model shape (memory plan and FLOPs) all read this
 table: a new text model type is one row here; a new vision-language family its rows here plus its
-own folder (fitrl/models/families/, docs/architecture.md). ``tests/test_model_types.py`` and
-``tests/test_extension_points.py`` check each reader knows every row. Standard library only: the
-CLI builds its parser from modules that import this.
+own folder (fitrl/models/families/, docs/architecture.md). The family that claims a row describes
+its decoder (``ModelFamily.decoder_layout``, of the row's ``kind``: fitrl/models/decoder.py).
+``tests/test_model_types.py`` and ``tests/test_extension_points.py`` check each reader knows every
+row. Standard library only: the CLI builds its parser from modules that import this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+DECODER_KINDS = ("dense", "moe")
+"""A decoder's layer kind: ``dense`` (one MLP per layer) or ``moe`` (routed experts)."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,11 @@ class ModelType:
     decoder: str         # the language model's family: itself for a text decoder
     vision: bool = False  # a vision-language model (loads with AutoModelForImageTextToText)
     video: bool = False   # its prompts may carry videos
+    kind: str = "dense"   # its decoder's kind (DECODER_KINDS): the family's decoder layout must be of it
+
+    def __post_init__(self) -> None:
+        if self.kind not in DECODER_KINDS:
+            raise ValueError(f"model type {self.name!r}: kind={self.kind!r}; valid: {', '.join(DECODER_KINDS)}")
 
 
 MODEL_TYPES: dict[str, ModelType] = {t.name: t for t in (

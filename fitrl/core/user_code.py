@@ -1,14 +1,27 @@
-"""Importing what a config names as ``path/to/file.py:Name`` or ``package.module:Name`` (a reward
-function, an environment class, a tool), with one clear line for each way it can fail."""
+"""Importing what a config names as a built-in name, ``path/to/file.py:Name`` or
+``package.module:Name`` (a reward function, an environment class, a tool), with one clear line for
+each way it can fail."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from fitrl.core.errors import ConfigError
+
+
+def resolve_named(spec: str, builtins: Mapping[str, Any], key: str, unknown: Callable[[str], str],
+                  noun: str = "function") -> Any:
+    """The built-in ``spec`` names, else the object ``path/to/file.py:Name`` / ``package.module:Name``
+    names (:func:`import_named`); :class:`ConfigError` with the message ``unknown(spec)`` for a spec
+    that is neither (the caller's words: its key and what its built-ins are)."""
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in spec:
+        raise ConfigError(unknown(spec))
+    return import_named(spec, key, noun)
 
 
 def import_named(spec: str, key: str, noun: str = "function") -> Any:

@@ -327,15 +327,6 @@ class PromptDataset:
         media = RowMedia(image_sizes=ex.get("image_sizes", []), video_sizes=ex.get("video_sizes", []))
         return self.vision.model_inputs(images, videos, media, m, ex["source"])
 
-    def image_stats(self) -> list[list[int]]:
-        """Per prompt, the pixels of each image after resizing (``h' * w'``): what the memory
-        planner reads for typical image sizes. Empty lists without vision."""
-        return [[h * w for h, w in ex.get("image_sizes", [])] for ex in self._examples]
-
-    def video_stats(self) -> list[list[tuple[int, int]]]:
-        """Per prompt, ``(frames, pixels per frame after resizing)`` of each video."""
-        return [[(t, h * w) for t, h, w in ex.get("video_sizes", [])] for ex in self._examples]
-
     def __len__(self) -> int:
         return len(self._examples)
 

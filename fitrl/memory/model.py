@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 from fitrl.config import ConfigError, FitrlConfig
+from fitrl.config.layout import RunLayout
 from fitrl.config.plan import parse_bytes
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
@@ -212,6 +213,7 @@ class Plan:
     lengths: Optional[Lengths] = None  # the expected lengths and where they came from (None: the caps)
     expected: Optional["Plan"] = None  # the plan at ``lengths``; None when they are the caps
     at: str = "caps"                   # this plan's lengths: "caps" | "expected"
+    layout: Optional[RunLayout] = None  # the roles and processes planned (fitrl/config/layout.py)
 
     def process(self, kind: str) -> ProcessPlan:
         return next(p for p in self.processes if p.kind == kind)
@@ -286,8 +288,12 @@ class Plan:
                         f"±{C.CPU_HOST_BAND_ASSUMED:.0%} assumed for "
                         f"{', '.join(_KIND_NAMES.get(k, k) for k in assumed)}")
             return C.GPU_HOST_BAND, "assumed: no calibration of a GPU node's host memory"
+        # the calibration measured an engine computing with the trained module; one with weights
+        # of its own adds memory it did not see
+        engine = cfg.rollout.capabilities
         outside = [what for what, yes in (
-            ("several devices", hw.nodes * hw.gpus_per_node > 1), ("the vLLM engine", cfg.rollout.engine != "hf"),
+            ("several devices", hw.nodes * hw.gpus_per_node > 1),
+            (f"the {engine.called(cfg.rollout.engine)} engine", engine.holds_own_weights),
             ("images", self.shape.vision is not None), ("rollout workers", bool(getattr(cfg.rollout, "workers", 0))))
             if yes]
         if outside:

@@ -1,7 +1,8 @@
 """What each model-holding role costs: its memory planner, registered under the role's name
 beside the role's workers (``fitrl.roles.ROLES``), as an engine's planner is beside its engine.
 
-A role's planner says whether a run builds the role, the states each of its ranks holds (weights,
+Whether a run builds a role is the run's layout's to say (fitrl/config/layout.py, ``Run.layout``:
+what fitrl/trainer/run.py builds too). A role's planner says the states each of its ranks holds (weights,
 gradients, optimizer, sharded as its ``fsdp`` section says), the phases in which it computes (its
 weights on the device when ``offload_params`` moves them out between phases), the passes whose
 traced transients are its process's (:mod:`.trainer`), and whether under Ray it is a worker group
@@ -45,9 +46,10 @@ class RolePlanner(ABC):
     """Under Ray its ranks join a ``torch.distributed`` world of their own (FSDP2's collectives;
     NCCL on CUDA: :func:`fitrl.memory.gpu_terms.communicators`)."""
 
-    @abstractmethod
     def built(self, run: Run) -> bool:
-        """Whether the run builds this role (the algorithm needs it, LoRA does not stand in for it)."""
+        """Whether the run builds this role as a model of its own: the run's layout
+        (fitrl/config/layout.py) lists it, and no other role stands in for it (LoRA's reference)."""
+        return run.layout.builds(self.name)
 
     @abstractmethod
     def states(self, run: Run) -> tuple[States, Any]:
@@ -101,9 +103,6 @@ class PolicyPlanner(RolePlanner):
     trainer rank itself."""
     name, title, own_process = "actor", "trainer rank", False
 
-    def built(self, run: Run) -> bool:
-        return True
-
     def states(self, run: Run) -> tuple[States, Any]:
         cfg, a = run.cfg, run.cfg.actor.fsdp
         n = run.shard_world(a.strategy)
@@ -137,9 +136,6 @@ class ReferencePlanner(RolePlanner):
     stands in for it (no model of its own)."""
     name, title = "ref", "reference rank (Ray actor)"
 
-    def built(self, run: Run) -> bool:
-        return run.spec.reference and not run.lora
-
     def states(self, run: Run) -> tuple[States, Any]:
         cfg, r = run.cfg, run.cfg.ref.fsdp
         dtype = (cfg.ref.model or cfg.actor.model).dtype
@@ -160,9 +156,6 @@ class CriticPlanner(RolePlanner):
     """The value model of PPO: fp32 weights and AdamW states; a Ray rank of its own holds its
     traced values and update passes (:func:`fitrl.memory.trainer._critic_pass`)."""
     name, title = "critic", "critic rank (Ray actor)"
-
-    def built(self, run: Run) -> bool:
-        return run.spec.critic
 
     def states(self, run: Run) -> tuple[States, Any]:
         c = run.cfg.critic.fsdp
@@ -202,9 +195,6 @@ class _ModelRewardPlanner(RolePlanner):
     validation), sharded over the ranks under FSDP2 like the reference's; with several sources
     the first's ``fsdp`` section says where they all live between phases."""
     kind = ""
-
-    def built(self, run: Run) -> bool:
-        return any(s.kind == self.kind for s in run.cfg.reward.sources.values())
 
     def states(self, run: Run) -> tuple[States, Any]:
         sources = _sources(run, self.kind)
@@ -305,9 +295,6 @@ class RolloutPlanner(RolePlanner):
     ``rollout.mode`` overlaps it (its memory adds to the update's)."""
     name, title, own_device = "rollout", "rollout worker (Ray actor)", True
     process_group = False  # a whole copy of the weights each: no torch.distributed world (the weight channel's aside)
-
-    def built(self, run: Run) -> bool:
-        return run.cfg.rollout.workers > 0
 
     def states(self, run: Run) -> tuple[States, Any]:
         from fitrl.config.roles import FSDPConfig  # (never offloaded, never sharded)

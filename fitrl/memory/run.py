@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 from fitrl.config import FitrlConfig
 from fitrl.config.batch_sizes import BatchSizes
+from fitrl.config.layout import RunLayout, run_layout
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
@@ -29,13 +30,22 @@ if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
 class Run:
     """Numbers derived once from the config and hardware. ``lengths``: plan every sequence at
     these lengths (the expected ones) instead of the caps; what is allocated at the caps whatever
-    the sequences hold (HF generate's KV cache) reads :attr:`cap_response_len`."""
+    the sequences hold (HF generate's KV cache) reads :attr:`cap_response_len`. ``supervised``: a
+    ``fitrl sft`` run, the one fact about the processes a run starts that its config does not hold
+    (:attr:`layout`)."""
     cfg: FitrlConfig
     hw: Hardware
     shape: ModelShape
     ref_shape: Optional[ModelShape]
     spec: AlgorithmSpec
     lengths: Optional[Lengths] = None
+    supervised: bool = False
+
+    @functools.cached_property
+    def layout(self) -> RunLayout:
+        """The roles and processes the run starts, as fitrl/trainer/run.py builds them: what each
+        role planner's ``built`` reads (fitrl/memory/roles.py)."""
+        return run_layout(self.cfg, self.supervised)
 
     @property
     def cuda(self) -> bool:
@@ -83,7 +93,7 @@ class Run:
         from fitrl.distributed.weight_sync import resolve_transport  # (torch: only when planning)
 
         r = self.cfg.rollout
-        return bool(r.workers) and self.fsdp and resolve_transport(
+        return self.layout.rollout is not None and self.fsdp and resolve_transport(
             r.weight_transport, self.hw.device, self.cfg.trainer.backend) == "collective"
 
     def channel_bytes(self, side: str) -> int:

@@ -79,7 +79,8 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
             on_disk = run.shape.raw.get("torch_dtype") or run.shape.raw.get("dtype")
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))
         r = cfg.rollout
-        if r.workers and run.fsdp:  # rollout workers of their own under Ray (fitrl/trainer/pipeline.py)
+        # rollout workers of their own under Ray (fitrl/trainer/pipeline.py), as the layout starts them
+        if run.layout.rollout is not None and run.fsdp:
             if ph == "weight_sync" and run.weight_channel:  # broadcast from rank 0's device, a bucket at a time
                 r0.add("gpu" if run.cuda else "host", WEIGHT_CHANNEL, run.channel_bytes("rank0"))
             elif ph == "weight_sync":  # rank 0 gathers the full weights into the object store

@@ -1,12 +1,13 @@
 """Model FLOPs from a Hugging Face ``config.json``: what one token, one sequence, one image costs.
 
-Pure arithmetic, no torch. The formula (docs/metrics.md, "Model FLOPs") counts the matrix
-multiplications of a dense decoder and, for Qwen2-VL / Qwen2.5-VL, of its vision tower; a
-multiply-add (MAC) is 2 FLOPs. Norms, activations, softmax, rotary embeddings, biases and the
-embedding lookup are O(hidden) per token and left out, as every MFU convention does.
+Pure arithmetic (the shape is read through the model families, which import torch). The formula
+(docs/metrics.md, "Model FLOPs") counts the matrix multiplications of a dense decoder and, for
+Qwen2-VL / Qwen2.5-VL, of its vision tower; a multiply-add (MAC) is 2 FLOPs. Norms, activations,
+softmax, rotary embeddings, biases and the embedding lookup are O(hidden) per token and left out,
+as every MFU convention does.
 
-Per token, per decoder layer (h = hidden, d = head_dim, n_q / n_kv = query / key-value heads,
-I = MLP intermediate width):
+Per token, per layer of a dense decoder (counted by its description, fitrl/models/decoder.py;
+h = hidden, d = head_dim, n_q / n_kv = query / key-value heads, I = MLP intermediate width):
 
     q_proj  h x n_q*d        k_proj, v_proj  h x n_kv*d each (GQA: fewer key-value heads)
     o_proj  n_q*d x h        gate, up, down  h x I each (gated SwiGLU: three matrices)
@@ -34,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Sequence
 
+from fitrl.models.decoder import experts_in
 from fitrl.models.shape import ModelShape
-
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,10 @@ class FlopsShape(ModelShape):
         formula does not describe (a mixture of experts, a model type fitrl does not know, a
         missing key)."""
         model_type = cfg.get("model_type", "")
-        text = cfg.get("text_config") or cfg
-        experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if text.get(k)]
-        if experts:
-            raise ValueError(f"model_type {model_type!r} is a mixture of experts ({experts[0]}="
-                             f"{text[experts[0]]}); the FLOPs formula is for dense decoders")
+        moe = experts_in(cfg.get("text_config") or cfg)
+        if moe is not None:
+            raise ValueError(f"model_type {model_type!r} is a mixture of experts ({moe[0]}={moe[1]}); the FLOPs "
+                             f"formula is for dense decoders")
         try:
             return cls.of(ModelShape.from_dict(cfg, strict=False))  # transformers may run types the planner does not
         except KeyError as e:
@@ -70,13 +70,10 @@ class FlopsShape(ModelShape):
     def of(cls, shape: ModelShape) -> "FlopsShape":
         return cls(**{f.name: getattr(shape, f.name) for f in fields(shape)})
 
-    # ------------------------------------------------------------------ per token
+    # ------------------------------------------------------------------ per token (the decoder's own count)
     def linear_macs_per_token(self) -> int:
         """MACs of every decoder layer's projections for one token (no attention scores, no head)."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention_proj = h * q + 2 * h * kv + q * h      # q, k, v, o
-        mlp = 3 * h * self.intermediate                  # gate, up, down
-        return self.layers * (attention_proj + mlp)
+        return self.decoder.linear_macs_per_token()
 
     def head_macs_per_token(self) -> int:
         return self.hidden * self.vocab
@@ -84,7 +81,7 @@ class FlopsShape(ModelShape):
     def attention_macs(self, seq_len: int) -> int:
         """Q.K^T and A.V over a causal sequence of ``seq_len`` tokens, all layers:
         sum over t = 1..S of 2 t n_q d = S (S + 1) n_q d per layer."""
-        return self.layers * seq_len * (seq_len + 1) * self.heads * self.head_dim
+        return self.decoder.attention_macs(seq_len)
 
     # ------------------------------------------------------------------ per sequence
     def forward_flops(self, prompt_len: int, response_len: int, image_patches: Iterable[int] = ()) -> int:

@@ -1,10 +1,15 @@
 """Model shapes from a Hugging Face ``config.json``: every parameter tensor in closed form.
 
 The planner never loads weights: a bare ``config.json`` is enough. ``ModelShape.tensors()``
-lists each parameter's name and shape as the transformers modules create them (decoder:
-``qwen2``, ``qwen3``, ``llama``, ``mistral``), so per-rank shard sizes (FSDP2 pads dim 0 to a
-multiple of the world size) and pinned-memory rounding can be computed tensor by tensor.
-``tests/test_plan_states.py`` checks the totals against real models, tensor for tensor.
+lists each parameter's name and shape as the transformers modules create them, so per-rank shard
+sizes (FSDP2 pads dim 0 to a multiple of the world size) and pinned-memory rounding can be
+computed tensor by tensor. ``tests/test_plan_states.py`` checks the totals against real models,
+tensor for tensor.
+
+The text decoder is described by its family too (:class:`~fitrl.models.decoder.Decoder`, from
+``ModelFamily.decoder_layout``; the text families' layouts are in
+fitrl/models/families/causal_lm.py): its layers' tensors, its KV cache per token, its FLOPs per
+token, and whether it is dense or a mixture of experts. This module reads no family's name.
 
 A vision-language model's tower is described by its family (:class:`VisionTower`, from
 ``ModelFamily.vision_tower``; the Qwen-VL towers are in fitrl/models/families/qwen_vl/tower.py),
@@ -20,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-from fitrl.core.model_types import MODEL_TYPES, decoder_family
+from fitrl.core.model_types import MODEL_TYPES, ModelType, decoder_family
 from fitrl.models.check import read_config_json
+from fitrl.models.decoder import PLAIN_DENSE, Decoder, experts_in
 
 
 class VisionTower(Protocol):
@@ -92,19 +98,13 @@ class VisualInput:
 
 @dataclass(frozen=True)
 class ModelShape:
+    """A model's parameters as the memory plan lists them: the embedding and the head (``vocab``,
+    ``tied``), the text decoder its family describes (:class:`~fitrl.models.decoder.Decoder`,
+    from ``ModelFamily.decoder_layout``) and, for a vision-language model, its vision tower."""
     model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
     vocab: int
     tied: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
+    decoder: Decoder
     vision: Optional[VisionTower] = None
     raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -124,54 +124,79 @@ class ModelShape:
     def from_dict(cls, cfg: dict[str, Any], strict: bool = True) -> "ModelShape":
         """``strict``: a model type outside fitrl/core/model_types.py is a ValueError (the memory
         plan lists each tensor: it must know the family); otherwise it is read as a plain dense
-        decoder (its text config's dimensions, no vision tower), as far as the FLOPs need."""
+        decoder (its text config's dimensions, no vision tower), as far as the FLOPs need. A row
+        whose family describes no decoder of the row's kind (a mixture of experts, for now) is a
+        ValueError either way: never planned as something else."""
+        from fitrl.models.families import family_of_type  # the families import this module
+
         mt = cfg.get("model_type", "")
         row = MODEL_TYPES.get(mt)
         if row is None and strict:
             raise ValueError(f"model_type {mt!r} is not modelled by the planner; known: {', '.join(MODEL_TYPES)}")
         vl = row is not None and row.vision
         text = cfg.get("text_config") or cfg if vl or row is None else cfg
-        h, heads = text["hidden_size"], text["num_attention_heads"]
+        family = family_of_type(mt)
+        decoder = cls._decoder(mt, row, family, text)
         vision = None
         if vl:
-            from fitrl.models.families import family_of_type  # the families import this module
-            vision = family_of_type(mt).vision_tower(cfg)
+            vision = family.vision_tower(cfg)
             if vision is None:
                 raise ValueError(f"model_type {mt!r} is a vision-language model whose family describes no vision "
                                  f"tower (ModelFamily.vision_tower)")
-        family = decoder_family(mt)
         return cls(
-            model_type=mt, hidden=h, layers=text["num_hidden_layers"], heads=heads,
-            kv_heads=text.get("num_key_value_heads") or heads,
-            head_dim=text.get("head_dim") or h // heads, intermediate=text["intermediate_size"],
-            vocab=text.get("vocab_size", cfg.get("vocab_size")),
+            model_type=mt, vocab=text.get("vocab_size", cfg.get("vocab_size")),
             tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            qkv_bias=family == "qwen2" or bool(text.get("attention_bias", False)),
-            o_bias=family in ("llama", "mistral") and bool(text.get("attention_bias", False)),
-            mlp_bias=bool(text.get("mlp_bias", False)), qk_norm=family == "qwen3",
-            vision=vision, raw=cfg,
+            decoder=decoder, vision=vision, raw=cfg,
         )
+
+    @staticmethod
+    def _decoder(mt: str, row: Optional[ModelType], family: Any, text: dict[str, Any]) -> Decoder:
+        """``family``'s decoder of ``text``; a plain dense one for a type outside the table."""
+        if row is None:
+            layout = PLAIN_DENSE
+        else:
+            layout = family.decoder_layout(mt)
+            if layout is None or layout.kind != row.kind:
+                described = "no decoder" if layout is None else f"a {layout.kind} decoder"
+                raise ValueError(f"model_type {mt!r} has a {row.kind} decoder (fitrl/core/model_types.py) and its "
+                                 f"family {family.name!r} describes {described} (ModelFamily.decoder_layout): neither "
+                                 f"the memory plan nor the FLOP counter can describe it")
+        moe = experts_in(text)
+        if moe is not None and layout.kind != "moe":
+            raise ValueError(f"model_type {mt!r}: config.json describes a mixture of experts ({moe[0]}={moe[1]}), "
+                             f"not the {layout.kind} decoder its family describes: neither the memory plan nor the "
+                             f"FLOP counter can describe it")
+        return layout.read(text)
+
+    # ------------------------------------------------------------------ the decoder's dimensions
+    # (read by the memory plan's activation and KV formulas; a decoder kind keeps their meaning)
+    @property
+    def hidden(self) -> int:
+        return self.decoder.hidden
+
+    @property
+    def layers(self) -> int:
+        return self.decoder.layers
+
+    @property
+    def heads(self) -> int:
+        return self.decoder.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.decoder.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.decoder.head_dim
+
+    @property
+    def intermediate(self) -> int:
+        return self.decoder.intermediate
 
     # ------------------------------------------------------------------ tensors
     def layer_tensors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
-        h, d, q, kv, inter = self.hidden, self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim, \
-            self.intermediate
-        p = f"model.layers.{i}."
-        out = [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out.append((p + f"self_attn.{name}.weight", (rows, h)))
-            if self.qkv_bias:
-                out.append((p + f"self_attn.{name}.bias", (rows,)))
-        out.append((p + "self_attn.o_proj.weight", (h, q)))
-        if self.o_bias:
-            out.append((p + "self_attn.o_proj.bias", (h,)))
-        if self.qk_norm:
-            out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
-        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-            out.append((p + f"mlp.{name}.weight", shape))
-            if self.mlp_bias:
-                out.append((p + f"mlp.{name}.bias", (shape[0],)))
-        return out
+        return self.decoder.layer_tensors(i)
 
     def tensors(self, with_vision: bool = True) -> list[tuple[str, tuple[int, ...]]]:
         """Every parameter (tied embeddings counted once, as ``model.parameters()`` does)."""
@@ -216,16 +241,13 @@ class ModelShape:
         return sum(_numel(s) for _, s in self.layer_tensors(0))
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of every layer for one token: 2 * L * n_kv * d_head * bytes (56 KiB for Qwen2.5-7B in bf16)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+        """K and V of every layer for one token (the decoder's KV layout)."""
+        return self.decoder.kv_bytes_per_token(dtype_bytes)
 
     def text_config(self, layers: Optional[int] = None) -> dict[str, Any]:
         """A plain decoder config of the same text shape (for tracing; ``layers`` overrides the depth)."""
-        family = decoder_family(self.model_type)
-        return dict(model_type=family, hidden_size=self.hidden, num_hidden_layers=layers or self.layers,
-                    num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                    intermediate_size=self.intermediate, vocab_size=self.vocab, tie_word_embeddings=self.tied,
-                    attention_bias=self.qkv_bias or self.o_bias, mlp_bias=self.mlp_bias,
+        return dict(model_type=decoder_family(self.model_type), **self.decoder.config(layers or self.layers),
+                    vocab_size=self.vocab, tie_word_embeddings=self.tied,
                     max_position_embeddings=max(32768, self.raw.get("max_position_embeddings", 0)))
 
 

@@ -28,10 +28,3 @@ def is_vision_language(model_type: str) -> bool:
 def auto_class_name(model_type: str) -> str:
     """The transformers auto class that builds the policy (next-token logits) of ``model_type``."""
     return "AutoModelForImageTextToText" if is_vision_language(model_type) else "AutoModelForCausalLM"
-
-
-def auto_model_class(model_type: str):
-    """That class itself (imports transformers)."""
-    import transformers
-
-    return getattr(transformers, auto_class_name(model_type))

@@ -23,7 +23,8 @@ from fitrl.memory.trainer import TRANSIENT, rank_plans
 
 
 def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape] = None,
-                lengths: Optional[Lengths] = None, expected_if_needed: bool = False) -> Plan:
+                lengths: Optional[Lengths] = None, expected_if_needed: bool = False,
+                supervised: bool = False) -> Plan:
     """The memory plan of ``cfg`` on ``hardware`` (``cfg.plan.hardware`` is not read here: see
     :meth:`Hardware.for_config`); ``shape``: the actor's, when already read.
 
@@ -32,7 +33,8 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     code with :attr:`Run.lengths` set, so every per-token term follows the lengths and what is
     allocated at the caps stays there (:attr:`Plan.expected`; the verdict rule is
     :class:`Plan`'s). ``expected_if_needed``: skip the second plan when the caps plan's verdict is
-    ``fits``, the one case where the verdict does not read it (pre-flight, recommendations)."""
+    ``fits``, the one case where the verdict does not read it (pre-flight, recommendations).
+    ``supervised``: a ``fitrl sft`` run (no rollout workers, reference or critic: :attr:`Plan.layout`)."""
     # lazy: fitrl.config.choices imports fitrl.algo and so torch, which `fitrl --help` must not wait for;
     # fitrl.rollout registers every engine's planner
     import fitrl.rollout  # noqa: F401
@@ -43,12 +45,12 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     ref_shape = ModelShape.from_path(cfg.ref.model.path) if cfg.ref.model and cfg.ref.model.path else None
     spec = algorithm_needs(cfg)
     lengths = (expected_lengths(cfg) if lengths is None else lengths).within(cfg)
-    plan = _plan(Run(cfg, hardware, shape, ref_shape, spec))
+    plan = _plan(Run(cfg, hardware, shape, ref_shape, spec, supervised=supervised))
     plan.lengths = lengths
     if lengths.note and lengths.prompt_source != "dataset":  # auto could not read the data here
         plan.notes.append(f"{lengths.note}: the expected prompt length is the cap")
     if not lengths.at_caps(cfg) and not (expected_if_needed and plan.verdict == "fits"):
-        plan.expected = _plan(Run(cfg, hardware, shape, ref_shape, spec, lengths))
+        plan.expected = _plan(Run(cfg, hardware, shape, ref_shape, spec, lengths, supervised))
         plan.expected.at, plan.expected.lengths = "expected", lengths
     return plan
 
@@ -65,7 +67,7 @@ def _plan(run: Run) -> Plan:
         processes = [p for p in processes if p.kind != "rank0"]
         _decoding_before_generate(run, processes)
     _image_notes(run, notes)
-    return Plan(cfg, hardware, shape, spec, processes, notes, growth)
+    return Plan(cfg, hardware, shape, spec, processes, notes, growth, layout=run.layout)
 
 
 def _decoding_before_generate(run: Run, processes: list) -> None:

@@ -165,7 +165,8 @@ def _apply(plan: Plan, change: Change) -> Optional[Plan]:
     except ConfigError:
         return None  # e.g. a micro-batch that no longer divides the mini-batch
     # the same expected lengths (the data is not read again); the verdict alone needs the second plan
-    return plan_config(cfg, plan.hardware, shape=plan.shape, lengths=plan.lengths, expected_if_needed=True)
+    return plan_config(cfg, plan.hardware, shape=plan.shape, lengths=plan.lengths, expected_if_needed=True,
+                       supervised=plan.layout is not None and plan.layout.mode == "supervised")
 
 
 def _overshoot(plan: Plan) -> int:

@@ -13,6 +13,7 @@ No torch here: reward worker processes import this module, and torch would cost 
 from __future__ import annotations
 
 import difflib
+from collections import ChainMap
 import inspect
 import math
 import numbers
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitrl.core.errors import ConfigError, UserError
-from fitrl.core.user_code import import_named
+from fitrl.core.user_code import resolve_named
 from fitrl.rewards.arith import arith_reward
 from fitrl.rewards.by_source import by_source_reward
 from fitrl.rewards.choice import choice_reward
@@ -76,14 +77,10 @@ def check_reward_spec(spec: str) -> None:
 
 
 def resolve_reward_fn(spec: str) -> Callable[..., Any]:
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    if spec in PYTHON_REWARDS:
-        return PYTHON_REWARDS[spec]
-    if ":" not in spec:
-        raise ConfigError(f"reward.function={spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
-                          "nor 'path/to/file.py:function' / 'package.module:function'")
-    return import_named(spec, "reward.function")
+    """A built-in, a Python callable given to ``fitrl.train()``, or the function ``spec`` names."""
+    return resolve_named(spec, ChainMap(BUILTIN_REWARDS, PYTHON_REWARDS), "reward.function", lambda spec: (
+        f"reward.function={spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
+        "nor 'path/to/file.py:function' / 'package.module:function'"))
 
 
 @dataclass

@@ -58,11 +58,8 @@ class RewardSources:
         self.judges: Optional[RoleHandle] = None
         self._warned_unparsed: set[str] = set()
 
-    def needs(self, kind: str) -> bool:
-        """Whether a source of ``kind`` (``model``, ``judge``) is configured: its role is built."""
-        return any(s.kind == kind for s in self.cfg.sources.values())
-
     def attach(self, reward_models: Optional[RoleHandle], judges: Optional[RoleHandle]) -> None:
+        """The model roles' groups, built as the run's layout lists them (fitrl/config/layout.py)."""
         self.reward_models, self.judges = reward_models, judges
 
     def groups(self) -> dict[str, RoleHandle]:

@@ -90,7 +90,7 @@ class RolloutWorker:
         # memory of the trained fp32 weights, and half of every weight send)
         self.dtype = compute_dtype(cfg)
         model_cfg = dataclasses.replace(cfg.actor.model, dtype=self.dtype)
-        self.own_copy = cfg.rollout.engine != "hf"  # the engine holds the weights, not self.model
+        self.own_copy = cfg.rollout.capabilities.holds_own_weights  # the engine holds the weights, not self.model
         self._pushing: dict[str, torch.Tensor] = {}  # the version being streamed into such an engine
         if self.own_copy:
             self.model = shape_only(model_cfg)

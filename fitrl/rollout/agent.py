@@ -46,6 +46,7 @@ from fitrl.core.padding import left_pad, right_pad
 from fitrl.data.batch import Batch
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.engine import RolloutEngine
+from fitrl.rollout.layout import rollout_batch
 from fitrl.telemetry.progress import PROGRESS
 
 log = logging.getLogger("fitrl.agents")
@@ -149,7 +150,7 @@ def check_agent(cfg: FitrlConfig, tokenizer) -> None:
                           "the model would be asked to call tools it is never shown; use a tokenizer whose chat "
                           "template supports tools (Qwen2.5, Qwen3, Llama 3.1+)")
     EnvTurnEncoder(tokenizer, schemas, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-    if cfg.rollout.engine == "vllm" and cfg.rollout.tensor_parallel_size > 1 and cfg.world_size > 1:
+    if cfg.rollout.tensor_parallel_size > 1 and cfg.world_size > 1 and cfg.rollout.capabilities.tensor_parallel:
         raise ConfigError("rollout.agent with rollout.tensor_parallel_size > 1 over several policy ranks is not "
                           "supported: the ranks of one engine would run different episodes")
 
@@ -371,21 +372,10 @@ class AgentRollout:
         logprobs = torch.zeros(len(episodes), width)
         for i, e in enumerate(episodes):
             logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
-        input_ids = torch.cat([prompt_ids, responses], dim=1)
-        attention_mask = torch.cat([prompt_mask, real], dim=1)
-        out = Batch(
-            tensors={
-                "input_ids": input_ids,
-                "attention_mask": attention_mask,
-                "position_ids": self.inputs.positions(input_ids, attention_mask, seqs),
-                "responses": responses,
-                "response_mask": loss_mask.long(),
-                "finished": torch.tensor([int(e.done) for e in episodes], dtype=torch.long),
-                "rollout_logprobs": logprobs * loss_mask,
-            },
-            fields=dict(seqs.fields),
-            meta={**prompts.meta, "pad_id": self.pad_id},
-        )
+        finished = torch.tensor([int(e.done) for e in episodes], dtype=torch.long)  # the environment ended it
+        # attended: every real token of the episode; counted by the loss: the model's own
+        out = rollout_batch(prompts, seqs, prompt_ids, prompt_mask, responses, real, loss_mask, finished, logprobs,
+                            pad_id=self.pad_id, inputs=self.inputs)
         out.fields["prompt_ids"] = [e.prompt_ids for e in episodes]
         out.fields["response_text"] = [e.last_text for e in episodes]
         out.fields["conversation"] = [e.messages for e in episodes]

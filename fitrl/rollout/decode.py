@@ -39,8 +39,7 @@ from fitrl.config.schema import SamplingConfig
 from fitrl.core.errors import Diverged
 from fitrl.core.padding import first_eos_mask, position_ids_from_mask
 from fitrl.ops.shared_prompt import find_prompt_groups
-from fitrl.telemetry.guard import GUARD
-from fitrl.telemetry.progress import PROGRESS
+from fitrl.rollout.engine import GENERATION
 
 
 def sample_step(logits: torch.Tensor, sampling: SamplingConfig, eos_ids: Sequence[int] = (),
@@ -199,11 +198,9 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
         groups.record_skipped(attention_mask, P)
         _keep_rows(cache, groups.inverse)
         logits = logits.index_select(0, groups.inverse)
-    for t in range(T):
-        # within a long micro-batch the KV cache grows token by token: a (time-limited, local)
-        # guard reading here stops it before the OS does
-        GUARD.poll()
-        PROGRESS.beat()  # a decode step: progress for the hang watchdog
+    # each step a heartbeat, and a (time-limited, local) guard reading: within a long
+    # micro-batch the KV cache grows token by token, and this stops it before the OS does
+    for t in GENERATION.steps(range(T)):
         scores, logp, seen = sample_step(logits, sampling, eos_ids, never_ids)
         nonfinite = seen if nonfinite is None else nonfinite | seen
         tokens = draw(scores, sampling.greedy).masked_fill(done, pad_id)  # (b,) ended rows: pad, as generate

@@ -10,6 +10,12 @@ frees its KV cache (and weights, by level) in ``sleep`` and takes them back in `
 ``release`` frees everything at the end of a run. See docs/architecture.md ("Adding a rollout
 engine").
 
+Each engine declares what it can do (:class:`~fitrl.core.engines.EngineCapabilities`, its
+``capabilities`` class attribute), which registering it enters in the light table the config and
+the memory model read (fitrl/core/engines.py); and it reports to the memory guard and the hang
+watchdog through :data:`GENERATION` only, so that a long ``generate`` beats
+(tests/test_engine_capabilities.py).
+
 Layout of the batch ``generate`` returns, for B = prompts x n sequences, P = longest prompt,
 R = longest response actually generated (<= ``sampling.max_tokens``):
 
@@ -29,16 +35,70 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, ClassVar, Iterable, Iterator, Optional, TypeVar
 
 import torch
 
 from fitrl.config.schema import RolloutConfig, SamplingConfig
+from fitrl.core.engines import ENGINE_CAPABILITIES, EngineCapabilities
 from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
+from fitrl.telemetry.guard import GUARD
+from fitrl.telemetry.progress import PROGRESS
 
-ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine", checked_on_load=True)
+T = TypeVar("T")
+
+
+class EngineRegistry(Registry):
+    """The engines by name; adding one also enters the capabilities its class declares in
+    :data:`~fitrl.core.engines.ENGINE_CAPABILITIES`, so the two never disagree."""
+
+    def add(self, name: str, item) -> None:
+        super().add(name, item)
+        ENGINE_CAPABILITIES.add(name, item.capabilities)
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        ENGINE_CAPABILITIES.remove(name)
+
+
+ROLLOUT_ENGINES: Registry = EngineRegistry("rollout engine", "rollout.engine", checked_on_load=True)
+
+
+class GenerationHooks:
+    """The one way a generation reports to the memory guard (fitrl/telemetry/guard.py) and the
+    hang watchdog (fitrl/telemetry/progress.py, fitrl/trainer/watchdog.py): a generate that never
+    beats is declared hung after ``trainer.hang_timeout_s``, and one that never reads the guard
+    grows its KV cache until the OS kills the process. Every engine calls these (as
+    :data:`GENERATION`) rather than the two singletons, so that what a generation owes both is
+    written once."""
+
+    @staticmethod
+    def safe_point() -> None:
+        """Between units of a generation where stopping loses only this phase's work: each
+        micro-batch, or once before a library's ``generate`` takes over. A full guard reading,
+        local: generation runs no collective, and ranks may reach different numbers of these."""
+        GUARD.check(collective=False)
+
+    @staticmethod
+    def step(guard: bool = True) -> None:
+        """Each decode step (or each finished request): a heartbeat and, with ``guard``, a
+        time-limited guard reading (``GUARD.poll``: the KV cache grows token by token).
+        ``guard=False`` inside a library's own loop, where raising would leave it half-way."""
+        if guard:
+            GUARD.poll()
+        PROGRESS.beat()
+
+    @classmethod
+    def steps(cls, items: Iterable[T]) -> Iterator[T]:
+        """``items`` (a loop's decode steps), each after :meth:`step`."""
+        for item in items:
+            cls.step()
+            yield item
+
+
+GENERATION = GenerationHooks()
 
 
 @dataclass(frozen=True)
@@ -72,6 +132,10 @@ class EngineContext:
 
 
 class RolloutEngine(ABC):
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+    """What the engine can do (fitrl/core/engines.py); the default is an engine that generates
+    with the trained module. Each engine declares its own."""
+
     @classmethod
     @abstractmethod
     def from_config(cls, model: torch.nn.Module, tokenizer, cfg: RolloutConfig, *,

@@ -23,15 +23,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from fitrl.config.schema import SamplingConfig
+from fitrl.core.engines import EngineCapabilities
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
 from fitrl.distributed.fsdp import gathered_for_generation
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.decode import decode_loop, loop_unsupported, raise_if_nonfinite, sample_step
-from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
+from fitrl.rollout.engine import GENERATION, ROLLOUT_ENGINES, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
-from fitrl.telemetry.guard import GUARD
-from fitrl.telemetry.progress import PROGRESS
 
 
 class SampleAndRecord(LogitsProcessor):
@@ -51,10 +50,9 @@ class SampleAndRecord(LogitsProcessor):
         self.nonfinite: Optional[torch.Tensor] = None  # () bool on the device: a NaN/+inf logit was seen
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # within a long micro-batch the KV cache grows token by token: a (time-limited, local)
-        # guard reading here stops it before the OS does
-        GUARD.poll()
-        PROGRESS.beat()  # a decode step: progress for the hang watchdog
+        # a decode step: a heartbeat, and a (time-limited, local) guard reading: within a long
+        # micro-batch the KV cache grows token by token, and this stops it before the OS does
+        GENERATION.step()
         if self.pending is not None:
             self._gather(input_ids[:, -1])
         # the math both decode paths share; a NaN/+inf logit is noted without a sync and reported in finish()
@@ -76,6 +74,8 @@ class SampleAndRecord(LogitsProcessor):
 
 @ROLLOUT_ENGINES.register("hf")
 class HFRollout(RolloutEngine):
+    capabilities = EngineCapabilities(holds_own_weights=False, sleeps=False, tensor_parallel=False, title="HF")
+
     def __init__(self, model: torch.nn.Module, tokenizer, *, micro_batch_size: int = 64,
                  inputs: ModelInputs = TEXT_INPUTS, decode: str = "generate"):
         """``inputs``: the model family's positions and extra inputs (images) for ``model``.
@@ -119,7 +119,7 @@ class HFRollout(RolloutEngine):
                 for start in range(0, len(seqs), self.micro_batch_size):
                     # safe point: only this phase's work is lost. Local: generation runs no
                     # collective, and ranks may have different numbers of micro-batches
-                    GUARD.check(collective=False)
+                    GENERATION.safe_point()
                     sl = slice(start, start + self.micro_batch_size)
                     ids = prompt_ids[sl].to(device)
                     # the micro-batch's images (one concatenated copy per sequence), made in the

@@ -61,23 +61,36 @@ def assemble_rollout(prompts: Batch, seqs: Batch, prompt_ids: torch.Tensor, prom
     responses = torch.cat([pad_right(r.to(device), resp_len, pad_id) for r in responses])
     logprobs = torch.cat([pad_right(lp.to(device), resp_len, 0.0) for lp in logprobs])
     response_mask = first_eos_mask(responses, eos_ids)
+    finished = torch.isin(responses, torch.tensor(eos_ids, device=device)).any(-1).long()
+    out = rollout_batch(prompts, seqs, prompt_ids, prompt_mask, responses, response_mask, response_mask, finished,
+                        logprobs, pad_id=pad_id, inputs=inputs)
+    out.fields["response_text"] = decode_responses(tokenizer, responses, response_mask, eos_ids)
+    return out
+
+
+def rollout_batch(prompts: Batch, seqs: Batch, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  responses: torch.Tensor, response_attention: torch.Tensor, response_mask: torch.Tensor,
+                  finished: torch.Tensor, logprobs: torch.Tensor, *, pad_id: int, inputs: ModelInputs) -> Batch:
+    """The rollout layout (this module's docstring) from its parts: (B, P) left-padded prompts and
+    (B, R) responses with ``response_attention`` (1: a real token, attended) and ``response_mask``
+    (1: a token the loss counts; an engine's are the real tokens, an agent's only the model's own,
+    fitrl/rollout/agent.py), ``finished`` (B,) and the engine's ``logprobs`` (B, R), masked here.
+    Fields: ``seqs``'s (one row per sequence); meta: ``prompts``'s and ``pad_id``."""
     input_ids = torch.cat([prompt_ids, responses], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    out = Batch(
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
+    return Batch(
         tensors={
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "position_ids": inputs.positions(input_ids, attention_mask, seqs),
             "responses": responses,
             "response_mask": response_mask,
-            "finished": torch.isin(responses, torch.tensor(eos_ids, device=device)).any(-1).long(),
+            "finished": finished,
             "rollout_logprobs": logprobs * response_mask,
         },
         fields=dict(seqs.fields),
         meta={**prompts.meta, "pad_id": pad_id},
     )
-    out.fields["response_text"] = decode_responses(tokenizer, responses, response_mask, eos_ids)
-    return out
 
 
 def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor, eos: list[int]) -> list[str]:

@@ -45,18 +45,17 @@ from typing import Any, Optional
 import torch
 
 from fitrl.config.schema import RolloutConfig, SamplingConfig
+from fitrl.core.engines import EngineCapabilities
 from fitrl.core.errors import ConfigError, Diverged, EngineBroken
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
 from fitrl.models.families import media_spec_of
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
-from fitrl.rollout.engine import ROLLOUT_ENGINES, EngineContext, RolloutEngine
+from fitrl.rollout.engine import GENERATION, ROLLOUT_ENGINES, EngineContext, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
 from fitrl.rollout.tensor_ipc import to_wire
 from fitrl.rollout.vllm_build import (SUPPORTED_VLLM, build_llm, engine_layout, trainer_group_kept,
                                       vllm_version)
-from fitrl.telemetry.guard import GUARD
-from fitrl.telemetry.progress import PROGRESS
 
 PUSH_BUCKET_BYTES = 128 << 20
 """TP worker processes (layout ``workers``): full tensors per weight-push call at most (one larger
@@ -67,6 +66,8 @@ second time."""
 
 @ROLLOUT_ENGINES.register("vllm")
 class VllmRollout(RolloutEngine):
+    capabilities = EngineCapabilities(holds_own_weights=True, sleeps=True, tensor_parallel=True, title="vLLM")
+
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: RolloutConfig, *, inputs: ModelInputs,
                  context: EngineContext):
         if context.weights is None or not context.model_path:
@@ -209,7 +210,7 @@ class VllmRollout(RolloutEngine):
             raise EngineBroken(self.broken)
         if self.stale or not self.awake:
             self.wake()
-        GUARD.check(collective=False)  # safe point before the engine takes over
+        GENERATION.safe_point()  # before the engine takes over: vLLM's own loop has none
         requests = [self._request(prompts, i) for i in range(len(prompts))]
         # No per-request seeds: in-process, vLLM's sampler draws from this process's torch RNG,
         # whose state fitrl checkpoints (a resumed run samples what the uninterrupted one would).
@@ -373,7 +374,7 @@ def heartbeat_bar(*args, **kwargs):
 
     class Beats(tqdm):
         def update(self, n=1):
-            PROGRESS.beat()
+            GENERATION.step(guard=False)  # a guard raising inside vLLM's loop would leave it half-way
             return super().update(n)
 
     return Beats(*args, **{**kwargs, "file": io.StringIO()})

@@ -5,12 +5,19 @@
   :data:`fitrl.rollout.engine.ROLLOUT_ENGINES` and its memory planner in
   :data:`fitrl.memory.engines.ENGINE_PLANNERS`, under the same name. A name with only one of the
   two would run unplanned or plan what cannot run. The config's ``rollout.engine`` is checked
-  against the engines' registry when it loads (fitrl/core/registry.py, ``CHECKED_ON_LOAD``).
+  against the engines' registry when it loads (fitrl/core/registry.py, ``CHECKED_ON_LOAD``). What
+  the engine declares it can do (its ``capabilities``) is the light table's entry for that name
+  (fitrl/core/engines.py), and the default engine computes with the trained module
+  (``RolloutConfig.trainer_engine`` runs it beside rollout workers).
 - A vision-language model type (a ``vision`` row of fitrl/core/model_types.py) is claimed by a
   model family (fitrl/models/families/) that describes its vision tower (tensors and FLOPs: what
   the memory plan and the FLOP counter read, ``ModelFamily.vision_tower``) and its media
   processing (what the data path and the engines call, ``ModelFamily.media_spec``); every type a
   family claims is a row of the table.
+- Every model type (text or vision-language) has its decoder described by the family that claims
+  it (``ModelFamily.decoder_layout``: the layers' tensors, KV cache and FLOPs per token), of the
+  kind its row declares (``dense`` or ``moe``, fitrl/models/decoder.py): without one the memory
+  plan refuses the type, where it would otherwise have to guess a dense model.
 - A model-holding role is registered twice as well: its workers in :data:`fitrl.roles.workers.ROLES`
   and its memory planner in :data:`fitrl.memory.roles.ROLE_PLANNERS`, under the same name (a role
   without a planner is also refused when a run builds it: fitrl/trainer/run.py, ``make_group``).
@@ -25,11 +32,13 @@ from __future__ import annotations
 
 def missing_counterparts() -> list[str]:
     """One line per registered name that lacks a counterpart (empty: every extension is complete)."""
-    return _engine_gaps() + _family_gaps() + _role_gaps()
+    return _engine_gaps() + _family_gaps() + _decoder_gaps() + _role_gaps()
 
 
 def _engine_gaps() -> list[str]:
     import fitrl.rollout  # noqa: F401  (registers the built-in engines and their planners)
+    from fitrl.config.rollout import DEFAULT_ENGINE
+    from fitrl.core.engines import ENGINE_CAPABILITIES
     from fitrl.memory.engines import ENGINE_PLANNERS
     from fitrl.rollout.engine import ROLLOUT_ENGINES
 
@@ -40,6 +49,16 @@ def _engine_gaps() -> list[str]:
     for name in ENGINE_PLANNERS:
         if name not in ROLLOUT_ENGINES:
             out.append(f"engine planner {name!r} plans an engine that is not registered (ROLLOUT_ENGINES)")
+    for name in ROLLOUT_ENGINES:  # (ROLLOUT_ENGINES.add enters them: a gap here is a table written by hand)
+        if name not in ENGINE_CAPABILITIES or ENGINE_CAPABILITIES.get(name) != ROLLOUT_ENGINES.get(name).capabilities:
+            out.append(f"rollout engine {name!r}: its capabilities in fitrl/core/engines.py (ENGINE_CAPABILITIES) are "
+                       f"not the ones its class declares")
+    for name in ENGINE_CAPABILITIES:
+        if name not in ROLLOUT_ENGINES:
+            out.append(f"engine capabilities {name!r} describe an engine that is not registered (ROLLOUT_ENGINES)")
+    if DEFAULT_ENGINE in ENGINE_CAPABILITIES and ENGINE_CAPABILITIES.get(DEFAULT_ENGINE).holds_own_weights:
+        out.append(f"the default rollout engine {DEFAULT_ENGINE!r} holds weights of its own; it must compute with "
+                   f"the trained module (fitrl/config/rollout.py, RolloutConfig.trainer_engine)")
     return out
 
 
@@ -65,6 +84,21 @@ def _family_gaps() -> list[str]:
         for kind in sorted(MODEL_FAMILIES.get(name).model_types - set(MODEL_TYPES)):
             out.append(f"model family {name!r} claims model type {kind!r}, which has no row in "
                        f"fitrl/core/model_types.py")
+    return out
+
+
+def _decoder_gaps() -> list[str]:
+    from fitrl.core.model_types import MODEL_TYPES
+    from fitrl.models.families import family_of_type
+
+    out = []
+    for row in MODEL_TYPES.values():
+        family = family_of_type(row.name)
+        layout = family.decoder_layout(row.name)
+        if layout is None or layout.kind != row.kind:
+            described = "none" if layout is None else f"a {layout.kind} one"
+            out.append(f"model type {row.name!r} has a {row.kind} decoder (fitrl/core/model_types.py) and model family "
+                       f"{family.name!r} describes {described} (ModelFamily.decoder_layout, fitrl/models/decoder.py)")
     return out
 
 

@@ -69,9 +69,10 @@ def detect_hardware(cfg: FitrlConfig) -> Hardware:
                     host_memory=host_memory, device=device)
 
 
-def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[Plan]:
+def preflight(cfg: FitrlConfig, console: Optional[Console] = None, supervised: bool = False) -> Optional[Plan]:
     """Plan ``cfg`` on this machine before any model loads; returns the :class:`~fitrl.memory.model.Plan`
-    (None with ``memory.plan=off`` or when the planner could not plan this run).
+    (None with ``memory.plan=off`` or when the planner could not plan this run). ``supervised``: a
+    ``fitrl sft`` run, planned with the processes it starts (fitrl/config/layout.py).
 
     Raises :class:`~fitrl.core.errors.RunStopped` with ``memory.plan=enforce`` when it does not fit.
     """
@@ -87,7 +88,8 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
         hardware = detect_hardware(cfg)
         # read before the key (plan.expected_prompt_length=auto samples the data): a changed dataset is a new key
         lengths = expected_lengths(cfg)
-        key = plan_cache.plan_key(cfg, hardware, extra=["preflight", dataclasses.asdict(lengths)])
+        sft = ["supervised"] if supervised else []  # (`fitrl sft` starts other processes than its config's RL run)
+        key = plan_cache.plan_key(cfg, hardware, extra=["preflight", dataclasses.asdict(lengths), *sft])
         cached = plan_cache.load(key)
         if cached is not None:  # the same config, models, hardware and code: the same plan
             plan, recs, combo = cached
@@ -95,7 +97,8 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None) -> Optional[P
         else:
             # the plan at expected lengths even when the caps fit: plan.json keeps it, and `fitrl report`
             # holds the run's measurements against it (0.2-0.3 s more on a first launch)
-            plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path), lengths=lengths)
+            plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path), lengths=lengths,
+                               supervised=supervised)
             # Recommendations re-plan the run once per candidate change: only worth it when it does not fit.
             recs, combo = ([], None) if plan.verdict == "fits" else recommend(plan, first_fit=True)
             plan_cache.store(key, (plan, recs, combo))

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config import ConfigError, FitrlConfig, save_config
-from fitrl.config.choices import algorithm_needs
+from fitrl.config.layout import RunLayout, run_layout
 from fitrl.config.schema import adjustments, check_critic_batch_sizes, derived_batch_numbers
 from fitrl.agents.tools import tool_schemas
 from fitrl.core.allocator import CUDA_ALLOC_CONF, cuda_alloc_env, preload_env, runtime_env_vars
@@ -180,10 +180,11 @@ def _run_devices(cfg: FitrlConfig, console: Console, supervised: bool = False):
 
 def check_gpu_count(cfg: FitrlConfig, gpus: int, supervised: bool = False) -> None:
     """One GPU per rank of the policy's group (the reference, critic and reward roles share its
-    slots) and per rollout worker of its own: more than ``gpus``, the cluster's, is a ConfigError."""
-    t, r = cfg.trainer, cfg.rollout
-    workers = r.workers if r.workers and not t.val_only and not supervised else 0
-    need = cfg.world_size + workers
+    slots) and per rollout worker of its own the run starts (fitrl/config/layout.py): more than
+    ``gpus``, the cluster's, is a ConfigError."""
+    t, layout = cfg.trainer, run_layout(cfg, supervised)
+    workers = layout.rollout.count if layout.rollout else 0
+    need = layout.devices
     if need > gpus:
         asked = f"trainer.nnodes={t.nnodes} x trainer.devices_per_node={t.devices_per_node}"
         asked += f" + rollout.workers={workers}" if workers else ""
@@ -212,7 +213,7 @@ def _device_allocator(cfg: FitrlConfig, console: Console) -> None:
     CUDA initialises, which has not happened yet) and so of every process it starts."""
     if resolve_device(cfg.trainer.device).type != "cuda":
         return
-    vllm_sleeps = cfg.rollout.engine == "vllm" and cfg.rollout.sleep_level != 0  # (auto: 1 or 2)
+    vllm_sleeps = cfg.rollout.capabilities.sleeps and cfg.rollout.sleep_level != 0  # (auto: 1 or 2)
     env, why = cuda_alloc_env(cfg.memory.expandable_segments, vllm_sleeps)
     os.environ.update(env)
     # (a Ray driver never initialises CUDA: its ranks start with the settings, fitrl/core/device.py)
@@ -229,6 +230,23 @@ def _worker_env(cfg: FitrlConfig) -> dict:
     return env
 
 
+def build_groups(cfg: FitrlConfig, layout: RunLayout, stack: ExitStack, run_dir) -> dict[str, RoleHandle]:
+    """The worker groups of the roles ``layout`` lists, in its order, by role name: the policy's
+    first (the others colocate on its bundles); a role another stands in for is that role's
+    handle (LoRA's reference: the policy with its adapters off)."""
+    if layout.builds("critic"):  # (a config check: before any model loads)
+        check_critic_batch_sizes(cfg, world_size=cfg.world_size)
+    first, *others = layout.roles
+    policy = make_group(first.name, cfg, first.group, stack)
+    if cfg.trainer.backend == "ray":  # ranks write their shards where they see run_dir: one directory for all
+        check_shared(run_dir, policy.group)
+    groups = {first.name: policy}
+    for role in others:
+        groups[role.name] = groups[role.model] if not role.own_model else make_group(
+            role.name, cfg, role.group, stack, colocate_with=policy if role.colocated else None)
+    return groups
+
+
 def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: dict | None = None,
                 supervised: bool = False) -> list[dict[str, float]]:
     _quiet_transformers()
@@ -243,7 +261,8 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         lock = stack.enter_context(open_run_dir(cfg.trainer, notice=lambda line: console.print(line, highlight=False)))
         run_dir = where["run_dir"] = lock.path
         check_model_configs(cfg)  # config.json of every model: what the memory plan reads
-        plan = preflight(cfg, console)  # memory.plan: stops a run predicted not to fit before anything loads
+        layout = run_layout(cfg, supervised)  # the groups built below: what preflight plans for this mode
+        plan = preflight(cfg, console, supervised)  # memory.plan: stops a run predicted not to fit before loading
         # Cheap checks before any model is loaded: a typo in the reward, a broken model directory
         # or bad data fails in seconds.
         agent = cfg.rollout.agent
@@ -270,23 +289,9 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         elif not cfg.trainer.val_only:  # step 0 in a directory that may hold an earlier run's metrics
             checkpoints.restart_metrics()
 
-        needs = algorithm_needs(cfg)
-        policy = make_group("actor", cfg, "policy", stack)
-        if cfg.trainer.backend == "ray":  # ranks write their shards where they see run_dir: one directory for all
-            check_shared(run_dir, policy.group)
-        ref = None
-        if needs.reference:  # with LoRA the policy's frozen base is the reference: no second model
-            ref = policy if cfg.actor.lora.enabled else make_group("ref", cfg, "ref", stack, colocate_with=policy)
-        critic = None
-        if needs.critic:
-            check_critic_batch_sizes(cfg, world_size=cfg.world_size)
-            critic = make_group("critic", cfg, "critic", stack, colocate_with=policy)
-        reward.attach(make_group("reward_model", cfg, "reward_model", stack, colocate_with=policy)
-                      if reward.needs("model") else None,
-                      make_group("judge", cfg, "judge", stack, colocate_with=policy) if reward.needs("judge") else None)
-        rollout = None
-        if cfg.rollout.workers and not cfg.trainer.val_only and not supervised:
-            rollout = make_group("rollout", cfg, "rollout", stack)
+        groups = build_groups(cfg, layout, stack, run_dir)
+        policy, ref, critic, rollout = (groups.get(name) for name in ("actor", "ref", "critic", "rollout"))
+        reward.attach(groups.get("reward_model"), groups.get("judge"))
 
         numbers = derived_batch_numbers(cfg, world_size=cfg.data_parallel_size)
         console.print(f"[bold]fitrl[/] run dir: {run_dir}")

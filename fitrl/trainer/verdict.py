@@ -1,15 +1,19 @@
-"""The demo's verdicts on a finished run (``fitrl demo``, fitrl/cli.py): did the reward rise beyond
-noise, did validation accuracy rise, did the policy collapse. Pure functions of the run's metrics;
-standard library only (the CLI imports them before anything heavy)."""
+"""The demo's verdicts on a finished run (``fitrl demo``, fitrl/trainer/demo.py): did the reward rise
+beyond noise, did validation accuracy rise, did the policy collapse. Pure functions of the run's
+metrics; standard library only (the CLI imports the demo before anything heavy)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def accuracy_gain(metrics_file: Path) -> dict | None:
+def accuracy_gain(metrics_file: Path, prompts: int = 0) -> dict | None:
     """Validation accuracy (the reward's ``exact`` component, else the mean reward) at the first
-    and the last validation of a run: what GRPO did to the policy it started from."""
+    and the last validation of a run: what GRPO did to the policy it started from. With the
+    number of validation ``prompts``, an accuracy's rise is also judged against noise: it must
+    exceed 2 standard errors of the difference of two proportions over that many prompts
+    (binomial, the two validations treated as independent: conservative, since they score the
+    same prompts)."""
     import json
 
     vals = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if "val/reward/mean" in r]
@@ -18,10 +22,19 @@ def accuracy_gain(metrics_file: Path) -> dict | None:
     key = "val/reward/exact" if "val/reward/exact" in vals[0] else "val/reward/mean"
     name = "exact-match accuracy" if key.endswith("exact") else "mean reward"
     before, after = vals[0][key], vals[-1][key]
-    ratio = f" ({after / before:.2f}x)" if before > 0 else ""
-    return {"before": before, "after": after, "message":
+    parts = [f"{after / before:.2f}x"] if before > 0 else []
+    said = "GRPO raised it" if after > before else "GRPO did NOT raise it"
+    beyond = None
+    if prompts > 0 and key.endswith("exact"):  # a proportion of prompts answered exactly
+        se = ((before * (1 - before) + after * (1 - after)) / prompts) ** 0.5
+        beyond = after - before > 2 * se
+        parts.append(f"{after - before:+.3f}, 2 std-errors over {prompts} prompts = {2 * se:.3f}")
+        if after > before:
+            said += " beyond noise" if beyond else ", but within noise"
+    detail = f" ({'; '.join(parts)})" if parts else ""
+    return {"before": before, "after": after, "beyond_noise": beyond, "message":
             f"validation {name}: {before:.3f} at step {vals[0]['step']}, {after:.3f} at step {vals[-1]['step']}"
-            f"{ratio}: " + ("GRPO raised it" if after > before else "GRPO did NOT raise it")}
+            f"{detail}: {said}"}
 
 
 def collapsed(history: list[dict], max_response_length: int, window: int = 10) -> str | None:

@@ -8,6 +8,9 @@ A family knows, for the checkpoints it claims (by ``config.json``'s ``model_type
 - what a model instance takes besides ids and mask (:class:`ModelInputs`: position ids and extra
   inputs; a causal LM counts real tokens, a Qwen-VL family computes multimodal rope indices from
   the image grids and passes the pixel values);
+- its text decoder, per model type it claims (:class:`fitrl.models.decoder.DecoderLayout`: the
+  layers' tensors, the KV cache and FLOPs per token, dense or mixture of experts), what the memory
+  plan and the FLOP counter read;
 - for a vision-language family, its vision tower (tensors, FLOPs, image geometry: what the memory
   plan and the FLOP counter read) and its media processing (what the data path and the engines
   call), each from the model directory.
@@ -29,6 +32,7 @@ from fitrl.config.schema import ModelConfig
 from fitrl.core.padding import position_ids_from_mask
 from fitrl.core.registry import Registry
 from fitrl.data.media import MediaSpec
+from fitrl.models.decoder import DecoderLayout
 from fitrl.models.shape import VisionTower
 
 HEADS = ("causal_lm", "value", "reward")
@@ -62,6 +66,13 @@ class ModelFamily(ABC):
         """What this model instance takes besides ids and mask: its positions and extra inputs
         (a vision-language model's image tensors). Text families: :data:`TEXT_INPUTS`."""
         return TEXT_INPUTS
+
+    def decoder_layout(self, model_type: str) -> Optional[DecoderLayout]:
+        """The text decoder of ``model_type`` (a row of fitrl/core/model_types.py this family
+        claims), of the row's kind: what the memory plan and the FLOP counter size from
+        ``config.json``. None: this family describes none, so the planner refuses the type
+        (fitrl/trainer/complete.py reports it)."""
+        return None
 
     def vision_tower(self, config: dict[str, Any]) -> Optional[VisionTower]:
         """The vision tower of a ``config.json`` (as a dict) this family claims: its tensors, FLOPs

@@ -1,14 +1,28 @@
 """The text-only causal-LM family: every Hugging Face decoder (Qwen2, Llama, ...); positions
-count real tokens and there are no extra inputs (the base :class:`ModelInputs`)."""
+count real tokens and there are no extra inputs (the base :class:`ModelInputs`). Its decoders'
+layouts (:data:`DECODERS`) are also the language models of the vision-language families."""
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
+
 import torch
 from torch import nn
 
 from fitrl.config.schema import ModelConfig
+from fitrl.core.model_types import decoder_family
+from fitrl.models.decoder import DecoderLayout, DenseLayout
 from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, ModelFamily, auto_builders
+
+DECODERS: dict[str, DecoderLayout] = {
+    "qwen2": DenseLayout(qkv_bias=True),             # q, k, v always biased
+    "qwen3": DenseLayout(qk_norm=True),              # q/k RMSNorm per head
+    "llama": DenseLayout(o_bias_from_config=True),   # attention_bias biases o_proj too
+    "mistral": DenseLayout(o_bias_from_config=True),
+}
+"""Each decoder family's layout (the ``decoder`` of a row of fitrl/core/model_types.py): what the
+memory plan and the FLOP counter add to its ``config.json`` (fitrl/models/decoder.py)."""
 
 
 class CausalLMFamily(ModelFamily):
@@ -32,6 +46,9 @@ class CausalLMFamily(ModelFamily):
         if layers is None:
             raise ValueError(f"cannot find decoder layers in {type(model).__name__}: FSDP needs one unit per layer")
         return list(layers)
+
+    def decoder_layout(self, model_type: str) -> Optional[DecoderLayout]:
+        return DECODERS.get(decoder_family(model_type))
 
 
 CAUSAL_LM = CausalLMFamily()

@@ -34,7 +34,9 @@ from torch import nn
 
 from fitrl.config.schema import ModelConfig
 from fitrl.core.padding import position_ids_from_mask
+from fitrl.models.decoder import DecoderLayout
 from fitrl.models.families.base import HEADS, MODEL_FAMILIES, Builder, ModelFamily, ModelInputs, auto_builders
+from fitrl.models.families.causal_lm import CAUSAL_LM
 from fitrl.models.families.qwen_vl.mrope import rope_index
 from fitrl.models.families.qwen_vl.media import VisionSpec
 from fitrl.models.families.qwen_vl.tower import VisionShape, tower_from_config
@@ -174,6 +176,10 @@ class QwenVLFamily(ModelFamily):
 
     def inputs_for(self, model: nn.Module) -> ModelInputs:
         return QwenVLInputs(model)
+
+    def decoder_layout(self, model_type: str) -> Optional[DecoderLayout]:
+        # the language model is its text family's decoder (qwen2_5_vl's is Qwen2's, under text_config)
+        return CAUSAL_LM.decoder_layout(model_type)
 
     def vision_tower(self, config: dict[str, Any]) -> VisionShape:
         return tower_from_config(config)

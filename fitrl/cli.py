@@ -93,7 +93,11 @@ def cmd_import_config(args: argparse.Namespace) -> int:
         raise ConfigError(f"the imported config does not load: {e}") from None
     text = imported.yaml(source or "command-line overrides")
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as e:  # a missing folder, no permission, a full disk: the user's path
+            raise ConfigError(f"-o {args.output}: cannot write the translated config ({e.strerror or e}): "
+                              f"name a file in a folder that exists and you can write to") from None
         print(f"wrote {args.output}: check the approximated and untranslated keys above, then "
               f"`fitrl plan {args.output}`", file=sys.stderr)
     else:

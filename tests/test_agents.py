@@ -408,8 +408,9 @@ def test_a_machine_without_namespaces_is_warned_about_once(tokenizer, caplog):
     finally:
         agent.close()
     warned = [r.message for r in caplog.records if "tool sandbox" in r.message]
-    assert warned == ["tool sandbox: this machine refused network namespace and read-only mounts (no root and no "
-                      "unprivileged user namespaces); tools are isolated by rlimits, audit hook"]
+    assert warned == ["tool sandbox: this machine refused the pid namespace, filesystem view, network namespace (no "
+                      "user namespaces); tools are bounded by rlimits, audit hook only, and a program one starts can "
+                      "read and write what this user can"]
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ from fitrl.models.families import CAUSAL_LM, MODEL_FAMILIES, QWEN_VL, ModelFamil
 from fitrl.models.flops import FlopsShape
 from fitrl.memory.roles import ROLE_PLANNERS, RolePlanner
 from fitrl.memory.states import States
-from fitrl.models.shape import ModelShape, VisualInput, numel
+from fitrl.models.shape import ModelShape, numel
+from fitrl.models.vision import VisualInput
 from fitrl.roles.workers import ROLES
 from fitrl.trainer.run import make_group
 from helpers import toy_config

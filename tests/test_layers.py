@@ -30,3 +30,17 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     result = lint_imports(copy)
     assert result.returncode != 0
     assert "fitrl.core.errors -> fitrl.trainer.loop" in result.stdout, result.stdout
+
+
+def test_no_import_circle():
+    """No circle between fitrl's modules (bench/import_cycles.py), counting function-level and
+    ``TYPE_CHECKING`` imports: e.g. the plan's vocabulary (fitrl/memory/model.py) asks no planner,
+    a Run (fitrl/memory/run.py) is below the role and engine planners that take it, and
+    config.json is read below the validator and the families (fitrl/models/config_json.py)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from import_cycles import arrows, circles
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    found = circles()
+    assert found == [], "\n".join(a for group in found for a in ["circle:"] + arrows(group))

@@ -12,7 +12,8 @@ from fitrl.config.choices import algorithm_needs
 from fitrl.config.schema import FSDPConfig, LoRAConfig, ModelConfig, OptimConfig
 from fitrl.planner import Hardware, plan_config
 from fitrl.memory import calibration as C
-from fitrl.memory.run import Run, resident, role_states
+from fitrl.memory.roles import resident, role_states
+from fitrl.memory.run import Run
 from fitrl.planner.recommend import candidates, recommend
 from fitrl.models.shape import ModelShape, numel
 from fitrl.memory.states import lora_layer_params, lora_states, trained_states

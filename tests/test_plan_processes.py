@@ -1,4 +1,4 @@
-"""Every process counted (fitrl/memory/model.py, ``process_roles``; fitrl/memory/services.py): under
+"""Every process counted (fitrl/memory/roles.py, ``process_roles``; fitrl/memory/services.py): under
 Ray the reference's and the critic's ranks are Ray actors of their own on the policy's bundles,
 each with a process runtime on the host and a CUDA context on its device; with LoRA the
 reference is the policy (no process); in one process everything is the trainer's. A device sums

@@ -9,7 +9,7 @@ from pathlib import Path
 from fitrl.config import load_config
 from fitrl.memory import calibration as C
 from fitrl.memory.gpu_terms import NCCL
-from fitrl.memory.services import WEIGHT_CHANNEL
+from fitrl.memory.states import WEIGHT_CHANNEL
 from fitrl.memory.states import full_weights
 from fitrl.models.shape import numel
 from fitrl.planner import Hardware, plan_config

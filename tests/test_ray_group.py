@@ -312,5 +312,7 @@ def test_shutdown_kills_actors_and_frees_bundles(cluster):
 
 @pytest.mark.slow
 def test_placement_that_cannot_fit_fails_with_resources(cluster):
-    with pytest.raises(RuntimeError, match=r"could not place big: 1 node\(s\) x 2 bundle\(s\) of \{'CPU': 10000\}"):
+    from fitrl.core.errors import ClusterError
+
+    with pytest.raises(ClusterError, match=r"could not place big: asked for 2 bundle\(s\) of \{'CPU': 10000\}"):
         RayWorkerGroup(ToyWorker, world_size=2, num_cpus_per_worker=10_000, name="big", placement_timeout_s=1)

@@ -107,11 +107,57 @@ def _one_call(body: str, closed: bool, k: int, tool_names: list[str]) -> ToolCal
 
 def reply_text(value: Any, limit: int) -> str:
     """A tool's return value as the text the model reads, cut to ``limit`` characters (a tool's
-    output is unbounded; the trajectory is not)."""
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    output is unbounded; the trajectory is not), every code point encodable."""
+    text = printable(value if isinstance(value, str) else json.dumps(value, default=str))
     if len(text) > limit:
         text = text[:limit] + f"... [{len(text) - limit} more characters cut]"
     return text
+
+
+def printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate, as ``print('\\udcff')`` or a
+    file name of undecodable bytes gives) written as its escape: the tokenizer, the chat template
+    and generations.jsonl all need valid UTF-8.
+
+    >>> printable("ok \\udcff")
+    'ok \\\\udcff'
+    """
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def added_strings(tokenizer: Any) -> list[str]:
+    """The strings the tokenizer turns into one added token wherever they occur in a text: its
+    control tokens (``<|im_end|>``, ``<|im_start|>``) and the other added ones (Qwen's
+    ``<tool_call>``), which ``split_special_tokens`` leaves whole."""
+    return [s for s in getattr(tokenizer, "get_added_vocab", dict)() if len(s) > 1]
+
+
+def plain_ids(tokenizer: Any, text: str, added: list[str]) -> list[int]:
+    """``text``'s token ids as plain text: no string of ``added`` becomes its token, so a tool that
+    prints ``<|im_end|>`` cannot end its turn in the trajectory. Text holding none is tokenized as
+    it always is; else it is tokenized in pieces cut one character into each occurrence."""
+    cuts = sorted({i + 1 for s in added for i in _occurrences(text, s)})
+    if not cuts:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    bounds = [0] + cuts + [len(text)]
+    return [t for a, b in zip(bounds, bounds[1:]) if b > a
+            for t in tokenizer(text[a:b], add_special_tokens=False)["input_ids"]]
+
+
+def _occurrences(text: str, s: str) -> list[int]:
+    found, i = [], text.find(s)
+    while i >= 0:
+        found.append(i)
+        i = text.find(s, i + 1)
+    return found
+
+
+def cut_to_tokens(tokenizer: Any, text: str, limit: int, added: list[str]) -> str:
+    """``text`` cut to ``limit`` tokens as plain text (:func:`plain_ids`), saying how many were cut."""
+    ids = plain_ids(tokenizer, text, added)
+    if len(ids) <= limit:
+        return text
+    return printable(tokenizer.decode(ids[:limit])) + f"... [{len(ids) - limit} more tokens cut]"
 
 
 def rendered_tools_missing(tokenizer: Any, schemas: list[dict]) -> Optional[str]:

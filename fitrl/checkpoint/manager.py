@@ -33,10 +33,10 @@ import torch
 import yaml
 from rich.console import Console
 
-from fitrl.checkpoint import layout, ranks, rng
+from fitrl.checkpoint import disk, layout, ranks, rng
 from fitrl.checkpoint.layout import Checkpoint, CheckpointError
 from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
-from fitrl.core.errors import CheckpointUsageError, RunDirError
+from fitrl.core.errors import CheckpointUsageError, Hung, Interrupted, RunDirError, RunStopped, UserError, WorkerFailed
 from fitrl.core.nested import flatten
 from fitrl.config.schema import LoRAConfig, RolloutCorrectionConfig
 
@@ -58,6 +58,8 @@ RESUME_SAFE = [
 ]  # actor.lora.* is not here: adapters of another rank, targets or scale are another model
 # Sections added after checkpoints were written: a checkpoint without one was saved with its defaults.
 ADDED_SECTIONS = {"actor.lora": LoRAConfig, "algorithm.rollout_correction": RolloutCorrectionConfig}
+NOT_STORAGE = (UserError, RunStopped, WorkerFailed, Interrupted, Hung, KeyboardInterrupt, SystemExit)
+"""Errors of a save that say what happened themselves: never read as the storage's fault."""
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.index.json")
 
 
@@ -276,10 +278,14 @@ class CheckpointManager:
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "metrics": {best: metrics[best]} if best and best in metrics else {}}
             final = layout.finalize(tmp, meta)
-        except BaseException:
-            # An exception (not a kill): remove the partial save now rather than at the next start.
+        except BaseException as e:
+            # An exception (not a kill): remove the partial save now rather than at the next start;
+            # a full disk is told from the directory's free space before that frees it (disk.py).
+            storage = None if isinstance(e, NOT_STORAGE) else disk.storage_failure(e, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if storage is None:
+                raise
+            raise RunDirError(self._not_saved(step, storage)) from e
         pruned = layout.prune(self.root, self.ckpt.save_limit, self.ckpt.keep_best, self.ckpt.keep_best_mode, final)
         size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 2**20
         note = f"; removed {', '.join(p.name for p in pruned)}" if pruned else ""
@@ -287,6 +293,17 @@ class CheckpointManager:
         self.console.print(f"checkpoint: {final} ({size:.1f} MiB in {self.last_save_s:.2f} s){note}",
                            highlight=False)
         return final
+
+    def _not_saved(self, step: int, storage: str) -> str:
+        """The one line of a save the storage refused: what it did, that nothing was lost, the fix."""
+        previous = layout.list_complete(self.root)
+        kept = (f"the newest checkpoint is still {previous[-1].path}, untouched (run the same command again to resume "
+                f"from it)" if previous else "no earlier checkpoint exists")
+        size = (f" (a checkpoint of this run takes {sum(previous[-1].meta.get('files', {}).values()) / 2**20:.1f} "
+                f"MiB)" if previous else "")
+        fewer = "" if self.ckpt.save_limit or len(previous) < 2 else ", or keep fewer with checkpoint.save_limit"
+        return (f"checkpoint of step {step} not saved: {storage} in {self.root}; the partial save was removed and "
+                f"{kept}. Free space there{size}{fewer}, or set trainer.run_dir to a disk with room")
 
     def _check_ranks(self, step: int, tmp: Path, roles: dict[str, Any]) -> None:
         """Every rank of every role left its files in ``tmp``, the directory this driver (and a

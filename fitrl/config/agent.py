@@ -41,13 +41,22 @@ class AgentConfig:
     """Sandbox worker processes per policy rank (~60 MB of host memory each, plus what a call allocates up to ``tool_memory``)."""
     tool_network: bool = False
     """Let tools open network connections (a search tool); off, every socket is refused."""
+    allow_unconfined_tools: bool = False
+    """Run tools that run code (the built-in ``python`` and every tool of your own) on a machine whose
+    kernel refuses the sandbox's namespaces. There nothing confines a program a tool starts to the
+    sandbox: only rlimits, a process group and Python's audit hook bound it, and the run warns once.
+    False: such a run is refused at start (docs/agents.md, "The sandbox")."""
     overlap: bool = True
     """Episodes whose tool calls are back take their next turn while other episodes' tools still
     run (a slow tool holds up only its own episode). False: rounds, every live episode's turn and
     then every tool call of the round; the batches the engine samples then do not depend on how
     long tools take, so a seed reproduces a run exactly."""
     max_tool_output_chars: int = 2000
-    """A tool's reply is cut to this many characters before it is tokenized into the trajectory."""
+    """A tool's reply is cut to this many characters in its worker, before it is sent back (what a
+    tool may print is unbounded); ``max_tool_output_tokens`` bounds what enters the trajectory."""
+    max_tool_output_tokens: int = 512
+    """A tool's reply (or error) is cut to this many tokens of the policy's tokenizer before it enters
+    the trajectory; 200 emoji are 200 characters and ~800 tokens."""
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +73,8 @@ class AgentConfig:
             raise ConfigError(f"rollout.agent.tool_workers must be >= 1, got {self.tool_workers}")
         if self.max_tool_output_chars < 1:
             raise ConfigError(f"rollout.agent.max_tool_output_chars must be >= 1, got {self.max_tool_output_chars}")
+        if self.max_tool_output_tokens < 1:
+            raise ConfigError(f"rollout.agent.max_tool_output_tokens must be >= 1, got {self.max_tool_output_tokens}")
         if parse_bytes(self.tool_memory, "rollout.agent.tool_memory") < (256 << 20):
             raise ConfigError("rollout.agent.tool_memory must be at least 256MiB (the interpreter itself needs ~100MiB)")
         if self.tools and not self.env:

@@ -20,7 +20,8 @@ import yaml
 
 from fitrl.config.import_maps import (APPROXIMATED, EASYR1, HUB, NOT_TRANSLATED, REWARD_FILES, SPECIAL, TRANSLATED,
                                       VERL, VERL_DEFAULTS, VERL_PREFIXES, EASYR1_PREFIXES, Rule, expand_dict_values)
-from fitrl.config.shell import Arg, Launch, explain, read_launch
+from fitrl.config.shell import SOURCE, Arg, Launch, explain, read_launch
+from fitrl.config.text_file import read_text
 from fitrl.core.errors import ConfigError
 from fitrl.core.nested import flatten, nest
 
@@ -62,8 +63,8 @@ def import_config(source: Optional[str], overrides: list[str] = (), fmt: str = "
     notes: list[str] = []
     if source is not None:
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"{source}: no such file (give a veRL/EasyR1 YAML config or launch script)")
+        if not path.exists():
+            raise ConfigError(f"{source}: no such file (give {SOURCE})")
         if path.suffix in (".yaml", ".yml"):
             flat.update(flatten(_read_yaml(path)))
         else:
@@ -195,7 +196,8 @@ def _special(out: Imported, fmt: str, flat: dict, script_dir: Optional[Path]) ->
                               "file not found here: set data.prompt_template to its text"))
         else:
             prompt_key = out.config.get("data.prompt_key", "prompt")
-            text = re.sub(r"\bcontent\b", prompt_key, found.read_text())  # EasyR1 renders the prompt as `content`
+            # EasyR1 renders the prompt as `content`
+            text = re.sub(r"\bcontent\b", prompt_key, read_text(found, "a prompt template"))
             out.config["data.prompt_template"] = text
             out.lines.append((TRANSLATED, f"data.format_prompt={template}",
                               f"data.prompt_template=<{found.name}, its `content` read as the {prompt_key!r} column>"))
@@ -274,7 +276,7 @@ def _find(name: str, start: Optional[Path]) -> Optional[Path]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_text(path, SOURCE))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

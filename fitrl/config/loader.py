@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 import yaml
 
 from .schema import ConfigError, FitrlConfig
+from .text_file import read_text
 from .trl_names import fitrl_keys
 
 __all__ = ["load_config", "config_from_dict", "config_to_dict", "save_config", "describe_fields"]
@@ -91,13 +92,11 @@ def _read_file_chain(path: str, seen: tuple[str, ...]) -> list[tuple[str, dict]]
     if real in seen:
         chain = " -> ".join([*seen[seen.index(real):], real])
         raise ConfigError(f"config files include each other through 'base:' in a cycle: {chain}")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    text = read_text(path, "a fitrl YAML config")  # (binary, UTF-16 or not UTF-8: one line)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_error_text(e)}") from None
     if data is None:

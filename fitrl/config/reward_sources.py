@@ -4,7 +4,9 @@ docstrings are what ``fitrl config --doc`` prints."""
 
 from __future__ import annotations
 
+import difflib
 import re
+import string
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -46,7 +48,7 @@ class RewardSourceConfig:
     normalize: Literal["none", "batch"] = "none"
     """``batch``: the source's scores standardised over each scoring call (mean 0, std 1) before weighting."""
     template: str = DEFAULT_JUDGE_TEMPLATE
-    """``kind: judge``: the grading prompt, sent as the user turn through the judge's chat template; ``{prompt}``, ``{response}`` and ``{answer}`` (the row's answer, optional) are filled in."""
+    """``kind: judge``: the grading prompt, sent as the user turn through the judge's chat template; ``{prompt}``, ``{response}`` and ``{answer}`` (the row's answer, optional) are filled in (Python's ``str.format``: a literal brace is written doubled, ``{{"score": N}}``)."""
     pattern: str = DEFAULT_JUDGE_PATTERN
     """``kind: judge``: a regular expression whose first group, in the judge's reply, is the grade (its first match)."""
     max_score: float = 10.0
@@ -77,15 +79,54 @@ class RewardSourceConfig:
         if pattern.groups < 1:
             raise ConfigError(f"{key}.pattern {self.pattern!r} has no group: put the grade in parentheses, "
                               f"e.g. 'Score: (\\d+)'")
-        unknown = [f for f in re.findall(r"\{(\w*)\}", self.template) if f not in TEMPLATE_FIELDS]
-        if unknown or "{response}" not in self.template:
-            raise ConfigError(f"{key}.template must contain {{response}} and may use only "
-                              f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}; it has "
-                              f"{', '.join('{' + f + '}' for f in unknown) or 'no {response}'}")
+        check_template(self.template, f"{key}.template")
         if not self.max_score > 0:
             raise ConfigError(f"{key}.max_score must be > 0, got {self.max_score}")
         if self.max_tokens < 1:
             raise ConfigError(f"{key}.max_tokens must be >= 1, got {self.max_tokens}")
+
+
+def check_template(template: str, key: str) -> None:
+    """Refuse a grading template that ``str.format`` would fail on while scoring, naming the
+    fix: ``{prompt}``, ``{response}`` (required) and ``{answer}`` are its only fields, and a
+    literal brace (JSON in the template) is written doubled, ``{{`` and ``}}``.
+
+    >>> check_template('Reply as JSON: {{"score": <0-10>}}. Response: {response}', "t")
+    >>> check_template('Reply as JSON: {"score": <0-10>}. Response: {response}', "t")
+    Traceback (most recent call last):
+    ...
+    fitrl.core.errors.ConfigError: t has '{"score": <0-10>}', which str.format reads as a field: write a literal brace doubled, '{{"score": <0-10>}}' (its only fields are {prompt}, {response}, {answer})
+    """
+    fields = ", ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:  # a lone '{' or '}'
+        raise ConfigError(f"{key}: {e} (str.format fills it in): write a literal brace doubled, {{{{ or }}}} "
+                          f"(its only fields are {fields})") from None
+    names = set()
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        inner = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")  # as written
+        if name in TEMPLATE_FIELDS:
+            try:  # a format or conversion ({response:.2000}) must take text: the fields are strings
+                ("{" + inner + "}").format(**{name: "text"})
+            except (ValueError, TypeError, KeyError, IndexError) as e:
+                raise ConfigError(f"{key} has {'{' + inner + '}'!r}, whose format does not take text ({e}); write "
+                                  f"{{{name}}} (a literal brace is written doubled, {{{{ and }}}})") from None
+            names.add(name)
+            continue
+        if re.fullmatch(r"\w+", name) and name not in TEMPLATE_FIELDS:
+            near = difflib.get_close_matches(name, TEMPLATE_FIELDS, n=1)
+            hint = f" (did you mean {{{near[0]}}}?)" if near else ""
+            raise ConfigError(f"{key} may use only {fields}; it has {{{inner}}}{hint} (a literal brace is written "
+                              f"doubled, {{{{ and }}}})")
+        raise ConfigError(f"{key} has {'{' + inner + '}'!r}, which str.format reads as a field: write a literal "
+                          f"brace doubled, {'{{' + inner.replace('{', '{{').replace('}', '}}') + '}}'!r} (its only "
+                          f"fields are {fields})")
+    if "response" not in names:
+        raise ConfigError(f"{key} must contain {{response}}, the response the judge grades (its fields are "
+                          f"{fields})")
 
 
 def check_sources(sources: dict[str, RewardSourceConfig]) -> None:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from fitrl.core.driver_phases import DRIVER_PHASES, suggest
 from fitrl.core.errors import ConfigError
 
 @dataclass
@@ -53,7 +54,9 @@ class TrainerConfig:
     devices_per_node: int = 1
     """Ranks per node (GPUs per node, or worker processes per node on CPU); world size = nnodes x devices_per_node."""
     ray_address: Optional[str] = None
-    """Address of a running Ray cluster (``auto`` or ``HOST:6379``); unset starts a local one."""
+    """Address of a running Ray cluster (``auto`` or ``HOST:6379``); unset starts a local one. One that does not answer stops the run in one line within seconds (exit 2)."""
+    placement_timeout_s: float = 300.0
+    """The longest wait, per worker group, for the Ray cluster to give its CPUs and GPUs (``nnodes`` > 1: on distinct nodes) while other jobs hold them, or for nodes to join a joined cluster that cannot hold them (a restart after a lost node waits this long for one to come back); then the run stops in one line naming what was asked and each node's free CPUs and GPUs (exit 2). A request a cluster started by this run can never give is refused at once."""
     num_threads: int = 0
     """torch intra-op threads on CPU (0 keeps torch's default)."""
     output_dir: str = "runs"
@@ -93,7 +96,7 @@ class TrainerConfig:
     max_restarts: int = 0
     """After a dead worker (a Ray rank killed or crashed) or a hang, start again up to this many times: the worker groups rebuilt, the run resumed from its newest complete checkpoint in the same run directory (``metrics.jsonl`` reads as one run, with a ``restart`` event). A config, data or reward error, a divergence or a memory-guard stop is never retried."""
     hang_timeouts: dict[str, float] = field(default_factory=dict)
-    """Per-phase limits over ``hang_timeout_s``, e.g. ``{checkpoint_save: 3600}`` (0 turns one phase's watchdog off)."""
+    """Per-phase limits over ``hang_timeout_s``, e.g. ``{checkpoint_save: 3600}`` (0 turns one phase's watchdog off). The phases: ``data``, ``rollout``, ``baseline_rollout``, ``reward``, ``old_logprob``, ``ref``, ``values``, ``advantage``, ``critic_update``, ``update``, ``weight_sync``, ``validation``, ``checkpoint_save``; another key is refused."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for ``perf/mfu`` (e.g. ``989e12``); 0: the GPU's datasheet figure from a table, or on CPU a matmul benchmark measured once and cached in fitrl's cache directory (``$FITRL_CACHE_DIR``, default ``~/.cache/fitrl``)."""
 
@@ -107,8 +110,18 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.signal_grace_s) and self.signal_grace_s >= 0):
             raise ConfigError(f"trainer.signal_grace_s must be a number of seconds >= 0, got {self.signal_grace_s}")
+        if isinstance(self.placement_timeout_s, bool) or not isinstance(self.placement_timeout_s, (int, float)) \
+                or not (math.isfinite(self.placement_timeout_s) and self.placement_timeout_s > 0):
+            raise ConfigError(f"trainer.placement_timeout_s must be a number of seconds > 0, got "
+                              f"{self.placement_timeout_s!r}")
         if self.max_restarts < 0:
             raise ConfigError(f"trainer.max_restarts must be >= 0, got {self.max_restarts}")
+        for phase in self.hang_timeouts:
+            if phase not in DRIVER_PHASES:
+                near = suggest(str(phase))
+                hint = f"; did you mean {near!r}?" if near else ""
+                raise ConfigError(f"trainer.hang_timeouts.{phase}: no phase is called {phase!r}{hint} (the phases: "
+                                  f"{', '.join(DRIVER_PHASES)})")
         for key, value in [("hang_timeout_s", self.hang_timeout_s),
                            *((f"hang_timeouts.{k}", v) for k, v in self.hang_timeouts.items())]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from fitrl.config.shell_lex import _Lexer, _Word, _arith_eval, _literal
+from fitrl.config.text_file import read_text
 from fitrl.core.errors import ConfigError
 
 
@@ -63,6 +64,8 @@ NOT_TRAINING = {"main_generation": "generates, it does not train", "main_eval": 
                 "main_generation_server": "generates, it does not train",
                 "fsdp_sft_trainer": "is supervised fine-tuning", "sft_trainer": "is supervised fine-tuning",
                 "model_merger": "merges checkpoints, it does not train"}
+SOURCE = "a veRL/EasyR1 YAML config or launch script"
+"""What ``fitrl import-config`` reads, for the one line about a file that is not one."""
 TRAINING = "verl.trainer.main_ppo, verl.trainer.main (EasyR1), a recipe's main_* (recipe.dapo.main_dapo)"
 
 
@@ -98,7 +101,7 @@ def read_launch(path: Path) -> Launch:
 class _Reader:
     def __init__(self, path: Path):
         self.path = path
-        self.lexer = _Lexer(path.read_text(), str(path))
+        self.lexer = _Lexer(read_text(path, SOURCE), str(path))
         self.vars: dict[str, Value] = {}
         self.defaulted: list[str] = []  # variables the script does not set whose ${A:-default} was used
         self.passes_args = False  # "$@" in the command being read

@@ -19,6 +19,7 @@ Standard library only: the CLI calls this before torch is imported.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -69,6 +70,8 @@ def loaded(allocator: str, pid: str = "self") -> bool:
 
 
 def library_or_error(allocator: str) -> Path:
+    """``allocator``'s library, found and loadable, or a :class:`ConfigError` naming where it was
+    looked for (or the file the dynamic loader refused, and why) and the fix."""
     lib = find_library(allocator)
     if lib is None:
         where = ", ".join(str(d) for d in search_dirs())
@@ -76,7 +79,49 @@ def library_or_error(allocator: str) -> Path:
             f"memory.host_allocator={allocator}: none of {', '.join(LIBRARIES[allocator])} in {where}; "
             f"`make allocators` unpacks it into .cache/allocators (or install the distribution's package, or "
             f"point FITRL_ALLOCATOR_DIR at a directory holding it), or set memory.host_allocator=glibc")
+    why = _unloadable(lib)
+    if why:
+        raise ConfigError(
+            f"memory.host_allocator={allocator}: {lib} cannot be preloaded ({why}); replace it with a library built "
+            f"for this machine (`make allocators` unpacks the distribution's package into .cache/allocators; "
+            f"FITRL_ALLOCATOR_DIR, looked in first, may point elsewhere), or set memory.host_allocator=glibc")
     return lib
+
+
+_LOADABLE: dict[str, str] = {}  # library path -> "" or why the loader refused it, once per process
+
+
+def _unloadable(lib: Path) -> str:
+    """Why the dynamic loader refuses to preload ``lib`` ("" when it loads): a child process (this
+    Python, without site) started with it in ``LD_PRELOAD`` says whether it is mapped. The loader
+    does not fail a process over a bad preload, it prints a line and goes on without it: so the
+    re-executed fitrl would run on glibc, or every worker print that line. Already mapped in this
+    process: loadable. Not Linux (no ``/proc``): not checked. Costs one Python start (~20 ms)."""
+    key = str(lib)
+    if key not in _LOADABLE:
+        if not Path("/proc/self/maps").is_file() or key in Path("/proc/self/maps").read_text():
+            _LOADABLE[key] = ""
+        else:
+            probe = f"import sys; sys.exit(0 if {key!r} in open('/proc/self/maps').read() else 3)"
+            env = {**os.environ, "LD_PRELOAD": key}
+            env.pop(REEXEC_MARK, None)
+            try:
+                done = subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True,
+                                      timeout=60)
+                said = [line for line in done.stderr.splitlines() if "LD_PRELOAD" in line or "ld.so" in line]
+                why = "" if done.returncode == 0 else (said[0] if said else f"a process started with it exited "
+                                                                            f"{done.returncode}")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                why = f"a process started with it failed: {e}"
+            _LOADABLE[key] = _loader_reason(why)
+    return _LOADABLE[key]
+
+
+def _loader_reason(line: str) -> str:
+    """The reason in ld.so's line, ``ERROR: ld.so: object 'X' from LD_PRELOAD cannot be preloaded
+    (invalid ELF header): ignored.`` -> ``invalid ELF header``; other text as it is."""
+    start, end = line.find("("), line.rfind(")")
+    return line[start + 1:end] if "cannot be preloaded" in line and 0 <= start < end else line.strip()
 
 
 def preload_env(allocator: str, env: Optional[dict] = None) -> dict:

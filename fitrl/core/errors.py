@@ -4,8 +4,9 @@ Import-light on purpose (standard library only): the CLI catches these before an
 loads. Which exit status each one gets is decided in :mod:`fitrl.cli`:
 
 - :class:`UserError` and every subclass: a mistake the user can fix, in the config, the data, the
-  model directory, the reward file, the run directory or the checkpoint they named (exit 2). The
-  CLI catches the base class once, so a new kind of user error is a subclass, not a new except;
+  model directory, the reward file, the run directory, the checkpoint they named or the Ray
+  cluster they asked for (exit 2). The CLI catches the base class once, so a new kind of user
+  error is a subclass, not a new except;
 - :class:`RunStopped` and its :class:`CheckpointError`: the run cannot go on as configured (exit 1);
 - :class:`WorkerFailed`: a worker process died (exit 1), naming role, rank, node, phase and cause.
 - :class:`Interrupted`: SIGINT or SIGTERM (exit 130 or 143).
@@ -49,6 +50,14 @@ class RunDirError(UserError):
     """The run directory cannot be created or written, or another run holds its lock."""
 
     kind = "run directory"
+
+
+class ClusterError(UserError):
+    """The Ray cluster cannot serve the run as asked: its address does not answer, or it has not
+    (and, within ``trainer.placement_timeout_s``, did not come to have) the nodes, CPUs or GPUs
+    the worker groups ask for. The message names what was asked and what the cluster has."""
+
+    kind = "ray cluster"
 
 
 class RunStopped(RuntimeError):

@@ -12,8 +12,10 @@ rank 0).
 
 ``FITRL_INJECT_OWN_DISK=<role>:<rank>:<what>:<dir>`` gives that rank a disk of its own: the
 paths it writes or reads for ``<what>`` (``checkpoint``: its shards, ``run_dir``: the start-up
-check of the run directory, ``all``: both) lie under ``<dir>`` instead, as on a node whose
-``trainer.run_dir`` is a local directory of the same name (tests/test_checkpoint_nodes.py).
+check of the run directory, ``all``: both; ``model``: the model and tokenizer directories it
+checks before loading, fitrl/models/loading.py) lie under ``<dir>`` instead, as on a node whose
+``trainer.run_dir`` is a local directory of the same name (tests/test_checkpoint_nodes.py), or
+that lacks the model directory the driver has (tests/test_ray_placement.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ INJECT_FAULT = "FITRL_INJECT_FAULT"
 INJECT_OWN_DISK = "FITRL_INJECT_OWN_DISK"
 _CALLS: dict[str, int] = {}
 _WHO = {"role": "policy", "rank": 0}
+_ALL = {"checkpoint": "all", "run_dir": "all"}  # what ``all`` stands for (not ``model``)
 
 
 def identify(role: str, rank: int) -> None:
@@ -63,6 +66,6 @@ def own_disk(path: str | Path, what: str) -> Path:
     if not spec:
         return path
     want_role, want_rank, want_what, root = spec.split(":", 3)
-    if (_WHO["role"], str(_WHO["rank"])) != (want_role, want_rank) or want_what not in (what, "all"):
+    if (_WHO["role"], str(_WHO["rank"])) != (want_role, want_rank) or want_what not in (what, _ALL.get(what)):
         return path
     return Path(root) / path.absolute().relative_to("/")

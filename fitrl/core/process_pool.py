@@ -19,6 +19,9 @@ the driver's ``__main__`` in every worker: with a training script that imports t
 closes; on Linux the kernel also kills them when the driver dies (``PR_SET_PDEATHSIG``), even in
 the middle of a hung call. That signal follows the *thread* that started the worker: call from
 threads that live as long as the pool (the main thread, or a long-lived executor thread).
+Each worker leads a process group of its own (a new session), and a worker stopped or replaced
+takes its whole group with it (``killpg``): a program that user code started and left running
+ends with its worker (the tool sandbox confines them further, fitrl/agents/confine.py).
 
 Calls are submitted and collected by key (:meth:`ProcessPool.submit`, :meth:`ProcessPool.collect`),
 so a caller can go on while they run (the agents' tools, fitrl/rollout/agent.py); ``run()`` is
@@ -92,7 +95,7 @@ class ProcessPool:
         parent, child = Pipe(duplex=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_FITRL_ROOT, os.environ.get("PYTHONPATH")])))
         proc = subprocess.Popen([sys.executable, "-c", self.worker_code, str(child.fileno()), str(os.getpid())],
-                                pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
+                                pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         child.close()                          # the worker holds the only other end: EOF when it dies
         parent.send((list(sys.path), *self._init))
         return _Worker(proc, parent)
@@ -158,7 +161,7 @@ class ProcessPool:
         """Queued calls to the idle workers, oldest first."""
         for w in list(self._workers):
             if w.ready and w.call is None and self._queue:
-                if w.proc.poll() is not None:            # died while idle: costs no call anything
+                if _dead(w.proc):                        # died while idle: costs no call anything
                     self._replace(w)
                     continue
                 key, args, kw = self._queue[0]
@@ -174,7 +177,7 @@ class ProcessPool:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            why = f"{self.what} worker process died (exit code {_reap(w.proc)})"
+            why = f"{self.what} worker process died (exit code {_end(w.proc, grace=1.0)})"
             if not w.ready:
                 raise self.error(f"{why} while loading {self.spec}") from None
             if w.call is not None:
@@ -204,10 +207,45 @@ def _reap(proc: subprocess.Popen) -> Optional[int]:
 
 
 def _stop(w: _Worker, kill: bool) -> None:
-    if kill and w.proc.poll() is None:
-        w.proc.kill()
     w.conn.close()                             # an idle worker reads EOF and exits
-    _reap(w.proc)
+    _end(w.proc, grace=0.0 if kill else 1.0)
+
+
+def _end(proc: subprocess.Popen, grace: float) -> Optional[int]:
+    """``proc``'s exit code once it and its whole process group are gone; it has ``grace``
+    seconds to exit by itself first (and to report a crash's signal as its own)."""
+    if grace:
+        _exited(proc, grace)
+    _kill_group(proc)                          # the worker, if still there, and what it started
+    return _reap(proc)
+
+
+def _exited(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait up to ``timeout`` for ``proc`` to exit, without reaping it (:func:`_dead`)."""
+    until = time.monotonic() + timeout
+    while not _dead(proc) and time.monotonic() < until:
+        time.sleep(0.01)
+
+
+def _dead(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has exited, left unreaped where the OS allows: while it is, its pid, which
+    is its group's id, cannot be given to another process, so killpg hits only its group."""
+    waitid = getattr(os, "waitid", None)
+    if waitid is None or proc.returncode is not None:  # (macOS: a check that reaps)
+        return proc.poll() is not None
+    try:
+        return waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:                  # reaped already
+        return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.returncode is not None:            # reaped: its group id may belong to someone else now
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _shutdown(workers: list[_Worker]) -> None:

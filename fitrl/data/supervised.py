@@ -11,6 +11,7 @@ chunks and FSDP2 passes serve supervised steps unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,17 +42,20 @@ class ChatTarget:
 
 def conversation_format(row: dict, prompt_key: str, answer_key: str) -> Optional[str]:
     """The TRL format a row is in, from its columns: ``messages`` (a ``messages`` column and no
-    prompt column), ``completion`` (a ``completion`` column and no answer column), or None
-    (fitrl's prompt/answer rows).
+    prompt column), ``completion`` (a ``completion`` column and no answer column; or the answer
+    column is ``completion`` and holds messages), or None (fitrl's prompt/answer rows).
 
     >>> conversation_format({"messages": []}, "prompt", "answer"), conversation_format({"prompt": "", "completion": ""}, "prompt", "answer")
     ('messages', 'completion')
+    >>> conversation_format({"prompt": "", "completion": [{"role": "assistant", "content": "5"}]}, "prompt", "completion")
+    'completion'
     """
     if not answer_key:  # rows without answers (fitrl.train with rewards that read none): prompts, not targets
         return None
     if MESSAGES in row and prompt_key not in row:
         return MESSAGES
-    if COMPLETION in row and answer_key not in row and prompt_key in row:
+    if COMPLETION in row and prompt_key in row and (
+            answer_key not in row or answer_key == COMPLETION and isinstance(row[COMPLETION], list)):
         return COMPLETION
     return None
 
@@ -60,7 +64,7 @@ def _checked_messages(source: str, column: str, value: Any) -> list[dict]:
     """``value`` as a list of ``{'role', 'content'}`` messages with string content."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{source}: {column!r} is {kind_of(value) if value != [] else 'an empty list'}; "
-                        f"expected a list of {{'role', 'content'}} messages")
+                        f"expected text or a list of {{'role', 'content'}} messages; fix or remove the row")
     for m in value:
         if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
                 and isinstance(m.get("content"), str)):
@@ -150,11 +154,13 @@ def bad_target(answer: Any) -> Optional[str]:
     would train on the text ``None`` or on the end token alone, and a list or a mapping on its
     Python repr.
 
-    >>> bad_target(8), bad_target(None), bad_target(""), bad_target({"a": 1})
-    (None, 'is null', 'is empty', 'is an object, not text or a number')
+    >>> bad_target(8), bad_target(None), bad_target(""), bad_target({"a": 1}), bad_target(float("nan"))
+    (None, 'is null', 'is empty', 'is an object, not text or a number', 'is nan, not a finite number')
     """
-    if isinstance(answer, ChatTarget) or isinstance(answer, (int, float)) and not isinstance(answer, bool):
+    if isinstance(answer, ChatTarget):
         return None
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):  # (JSON's NaN and Infinity: no sum)
+        return None if math.isfinite(answer) else f"is {answer}, not a finite number"
     if answer is None:
         return "is null"
     if isinstance(answer, str):

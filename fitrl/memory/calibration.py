@@ -79,7 +79,7 @@ CPU_RANK_EXTRA = int(0.07 * GIB)
 Ray actor (Ray's core worker and ``ray`` imported), in a gloo process group with FSDP2 (which
 alone adds nothing visible: tiny model, 0.363 GiB per rank of 2, 0.360 GiB alone). Every role's
 rank is such a process: the policy's, and the reference's and the critic's, actors of their own
-(fitrl/memory/run.py, ``process_roles``). ``.venv/bin/python bench/process_memory.py`` (PPO with
+(fitrl/memory/roles.py, ``process_roles``). ``.venv/bin/python bench/process_memory.py`` (PPO with
 a KL loss, 2 ranks per role, the tiny model: 0.6 MiB of weights, so the RSS is the runtime;
 telemetry ``mem/<role>.rank<i>/<phase>/host_rss_gib`` at step 2): reference ranks 0.430-0.432
 GiB, critic ranks 0.436-0.440, policy ranks 0.443-0.446 (tokenizer, rollout), 0.07-0.08 over the

@@ -14,6 +14,9 @@ A planner answers, for a :class:`~fitrl.memory.run.Run`:
 - its lines in the plan's notes, and whether its load maps the checkpoint's pages;
 - the changes the recommender may try on it (:meth:`EnginePlanner.candidates`), in the
   recommender's speed tiers (:data:`TIERS`).
+
+:func:`active_phases` (the phases a run has) lives here, above the plan's types in
+:mod:`.model`, because one of them is the engine's to say.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import TYPE_CHECKING, Optional
 from fitrl.core.errors import ConfigError
 from fitrl.core.registry import Registry
 from fitrl.memory.change import Change
-from fitrl.memory.model import ProcessPlan, Usage
+from fitrl.memory.model import PHASES, ProcessPlan, Usage
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (fitrl.algo imports torch; the planner only holds its spec)
+    from fitrl.algo import AlgorithmSpec
+    from fitrl.config import FitrlConfig
     from fitrl.memory.model import Plan
     from fitrl.memory.run import Run
 
@@ -110,3 +115,17 @@ def unused_engine_emulation(run: "Run", notes: list[str], where: str) -> None:
     if keys:
         notes.append(f"{', '.join('plan.emulate.' + k for k in keys)} ignored with {where}: they emulate another "
                      "framework's vLLM engine on GPUs")
+
+
+def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
+    """The phases a run has (no reference phase without KL, no weight sync for an engine without
+    weights of its own ...), in :data:`~fitrl.memory.model.PHASES` order."""
+    ck = getattr(cfg, "checkpoint", None)
+    reward = getattr(cfg, "reward", None)  # a reward model's or a judge's phase: only with one
+    skip = {"reward": reward is None or not any(s.kind != "function" for s in reward.sources.values()),
+            "ref_logprob": not spec.reference,
+            "old_logprob": cfg.old_logprob_source != "pass",
+            "weight_sync": not (engine_planner(cfg).syncs_weights(cfg) or getattr(cfg.rollout, "workers", 0)),
+            "validation": not cfg.data.val_files,
+            "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
+    return [ph for ph in PHASES if not skip.get(ph, False)]

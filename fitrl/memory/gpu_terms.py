@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from fitrl.memory import calibration as C
+from fitrl.memory.roles import ROLE_PLANNERS
 
 if TYPE_CHECKING:
     from fitrl.memory.model import Usage
@@ -57,8 +58,6 @@ def communicators(run: Run, roles: Iterable[tuple[str, object]]) -> int:
     default group (torch's ``DeviceMesh``). Beside them, with any number of ranks, the weight
     channel's to rollout workers of their own (:meth:`~fitrl.memory.roles.RolePlanner.channel_communicators`:
     the policy's rank and each worker). ``roles``: (name, fsdp config) of the process's roles."""
-    from fitrl.memory.roles import ROLE_PLANNERS  # (roles imports the model's phases)
-
     if not (run.cuda and run.fsdp):
         return 0
     planners = [(ROLE_PLANNERS.get(name), fsdp) for name, fsdp in roles]

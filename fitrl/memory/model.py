@@ -4,7 +4,7 @@ and the plan with its verdict (a run's derived numbers and its roles' states: :m
 Processes: ``trainer`` (one per device: the policy's shard and the rollout engine in the same
 process: the HF engine, or vLLM's on CPU; in one process, the in-process backend, the reference
 and the critic too), ``ref`` and ``critic`` (under Ray the reference's and the critic's ranks are
-Ray actors of their own, one per device on the policy's bundle: :func:`.run.process_roles`),
+Ray actors of their own, one per device on the policy's bundle: :func:`.roles.process_roles`),
 ``engine`` (a vLLM engine on CUDA, ``rollout.engine=vllm``: host entries per engine, device
 entries per device), ``driver`` (node 0), ``node`` (what belongs to no rank: Ray, the object
 store, reward workers) and ``rank0`` (rank 0's extra load and save copies). Phases follow one RL step plus load,
@@ -40,24 +40,8 @@ ACTOR_PHASES = {"rollout", "weight_sync", "old_logprob", "update", "validation",
 
 
 DEVICE_KINDS = ("trainer", "engine")
-"""Process kinds with one process per device: their device entries are that device's; so are
-those of a role with a process of its own (the reference's and the critic's ranks:
-:func:`per_device`)."""
-
-
-def per_device(kind: str) -> bool:
-    """Whether a process of ``kind`` is one per device (so its device entries are that device's)."""
-    from fitrl.memory.roles import ROLE_PLANNERS  # (roles imports this module's phases)
-
-    return kind in DEVICE_KINDS or (kind in ROLE_PLANNERS and ROLE_PLANNERS.get(kind).own_process)
-
-
-def own_device(kind: str) -> bool:
-    """Whether processes of ``kind`` sit on devices of their own, not the trainer ranks' (rollout
-    workers under Ray): a device's peak is then theirs alone."""
-    from fitrl.memory.roles import ROLE_PLANNERS
-
-    return kind in ROLE_PLANNERS and ROLE_PLANNERS.get(kind).own_device
+"""Process kinds with one process per device whatever the run (the trainer rank, a vLLM engine);
+what a plan reads is each process's own :attr:`ProcessPlan.per_device`, set where it is planned."""
 
 
 def machine_ram() -> int:
@@ -126,6 +110,13 @@ class ProcessPlan:
     kind: str
     per_node: int                      # processes of this kind on the busiest node
     phases: dict[str, Usage]
+    per_device: bool = False
+    """One process per device, so its device entries are that device's: the trainer rank, a vLLM
+    engine, and under Ray a role's ranks of their own (set by the planner of the process:
+    fitrl/memory/trainer.py from the role's planner, an engine's planner for its processes)."""
+    own_device: bool = False
+    """Its processes sit on devices of their own, not the trainer ranks' (rollout workers under
+    Ray, :attr:`fitrl.memory.roles.RolePlanner.own_device`): a device's peak is then theirs alone."""
 
     def host_peak(self, phase: Optional[str] = None) -> int:
         return max(sum(self.phases[p].host.values()) for p in ([phase] if phase else self.phases))
@@ -149,22 +140,6 @@ class Problem:
     def short(self) -> int:
         """Bytes the peak must come down by for the verdict to be ``fits`` (its band's top at the limit)."""
         return int(self.need * (1 + self.band)) - self.limit
-
-
-def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
-    """The phases a run has (no reference phase without KL, no weight sync for an engine without
-    weights of its own ...)."""
-    from fitrl.memory.engines import engine_planner  # (engines imports this module's types)
-
-    ck = getattr(cfg, "checkpoint", None)
-    reward = getattr(cfg, "reward", None)  # a reward model's or a judge's phase: only with one
-    skip = {"reward": reward is None or not any(s.kind != "function" for s in reward.sources.values()),
-            "ref_logprob": not spec.reference,
-            "old_logprob": cfg.old_logprob_source != "pass",
-            "weight_sync": not (engine_planner(cfg).syncs_weights(cfg) or getattr(cfg.rollout, "workers", 0)),
-            "validation": not cfg.data.val_files,
-            "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
-    return [ph for ph in PHASES if not skip.get(ph, False)]
 
 
 def _on_node_0(p: ProcessPlan) -> int:
@@ -207,6 +182,7 @@ class Plan:
     hardware: Hardware
     shape: ModelShape
     spec: AlgorithmSpec                # the roles the algorithm builds (critic, reference)
+    phases: list[str]                  # the phases the run has (fitrl/memory/engines.py, ``active_phases``)
     processes: list[ProcessPlan]
     notes: list[str]
     growth_per_step: int = 0           # host bytes per node added every step (anchor behaviours)
@@ -220,17 +196,18 @@ class Plan:
 
     def device(self, phase: str) -> dict[str, int]:
         """One device's memory in ``phase``: everything that shares it, by component: one process
-        of each per-device kind (:func:`per_device`: the trainer rank, under Ray the reference and
-        critic ranks on its bundle, the engine). The engine's entries are per device already: a vLLM
-        engine with tensor parallelism takes ``gpu_memory_utilization`` of every device in its
-        group, not 1/tp of it. Processes on devices of their own (:func:`own_device`) are not
+        of each per-device kind (:attr:`ProcessPlan.per_device`: the trainer rank, under Ray the
+        reference and critic ranks on its bundle, the engine). The engine's entries are per device
+        already: a vLLM engine with tensor parallelism takes ``gpu_memory_utilization`` of every
+        device in its group, not 1/tp of it. Processes on devices of their own
+        (:attr:`ProcessPlan.own_device`) are not
         on it: :meth:`peaks` takes theirs apart. The driver's device entries (its CUDA context,
         which would sit on GPU 0 of node 0: fitrl/memory/gpu_terms.py) count on it too, and so
         do rank 0's (its weight-channel bucket: fitrl/memory/services.py): the device planned is
         the fullest one."""
         out: dict[str, int] = {}
         for p in self.processes:
-            on_it = (per_device(p.kind) and not own_device(p.kind)) or p.kind in ("driver", "rank0")
+            on_it = (p.per_device and not p.own_device) or p.kind in ("driver", "rank0")
             if on_it and phase in p.phases:
                 for k, v in p.phases[phase].gpu.items():
                     out[k] = out.get(k, 0) + v
@@ -245,14 +222,10 @@ class Plan:
                     out[k] = out.get(k, 0) + v * _on_node_0(p)
         return out
 
-    @property
-    def phases(self) -> list[str]:
-        return active_phases(self.cfg, self.spec)
-
     def peaks(self) -> dict[str, tuple[int, int]]:
         """Per phase: (the fullest device's bytes, node 0's host bytes)."""
         def fullest(ph: str) -> int:
-            alone = [p.gpu_peak(ph) for p in self.processes if own_device(p.kind) and ph in p.phases]
+            alone = [p.gpu_peak(ph) for p in self.processes if p.own_device and ph in p.phases]
             return max([sum(self.device(ph).values())] + alone)
         return {ph: (fullest(ph), sum(self.node_host(ph).values())) for ph in self.phases}
 

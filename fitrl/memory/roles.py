@@ -7,8 +7,8 @@ gradients, optimizer, sharded as its ``fsdp`` section says), the phases in which
 weights on the device when ``offload_params`` moves them out between phases), the passes whose
 traced transients are its process's (:mod:`.trainer`), and whether under Ray it is a worker group
 of its own (a process per device, colocated rank by rank on the policy's bundles). The phase
-modules read these through :func:`fitrl.memory.run.role_states`, ``process_roles`` and
-``resident``: nothing in ``fitrl/memory/`` branches on a role's name besides this module.
+modules read these through :func:`role_states`, :func:`process_roles` and :func:`resident` (at
+the end of this module): nothing in ``fitrl/memory/`` branches on a role's name besides it.
 ``fitrl/trainer/complete.py`` checks that every role has its planner and every planner its role.
 """
 
@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitrl.core.registry import Registry
-from fitrl.memory.model import ACTOR_PHASES
-from fitrl.memory.states import (DTYPE_BYTES, States, frozen_states, layer_bytes, lora_states, root_bytes,
-                                 trained_states)
+from fitrl.memory.engines import engine_planner
+from fitrl.memory.model import ACTOR_PHASES, Usage
+from fitrl.memory.states import (DTYPE_BYTES, WEIGHT_CHANNEL, States, frozen_states, layer_bytes, lora_states,
+                                 root_bytes, trained_states)
 from fitrl.memory.trace import model_transient
-from fitrl.models.check import read_config_json
+from fitrl.models.config_json import read_config_json
 from fitrl.models.shape import ModelShape
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (fitrl/memory/run.py imports no planner: a Run is below the roles)
     from fitrl.memory.run import Run
 
 
@@ -311,14 +312,9 @@ class RolloutPlanner(RolePlanner):
         return {"rollout"} if run.cfg.rollout.mode == "sync" else OVERLAPPED_PHASES
 
     def own_pass(self, run: Run, phase: str) -> dict[str, int]:
-        from fitrl.memory.engines import engine_planner
-        from fitrl.memory.model import Usage
-
         u = Usage()
         dev = "gpu" if run.cuda else "host"
         if phase == "weight_sync" and run.cuda and run.weight_channel:  # (gloo on CPU: the buckets are the mailbox's)
-            from fitrl.memory.services import WEIGHT_CHANNEL
-
             u.add("gpu", WEIGHT_CHANNEL, run.channel_bytes("worker"))
         if phase not in self.active_phases(run):
             return u.gpu
@@ -326,8 +322,6 @@ class RolloutPlanner(RolePlanner):
         return u.gpu if run.cuda else u.host
 
     def own_host(self, run: Run, phase: str) -> dict[str, int]:
-        from fitrl.memory.engines import engine_planner
-
         held = dict(engine_planner(run.cfg, "worker").worker_host(run))
         # a version waits in the mailbox until the worker loads it (sync: between the push and the next rollout)
         waiting = phase == "weight_sync" or (run.cfg.rollout.mode != "sync" and phase in OVERLAPPED_PHASES)
@@ -344,11 +338,38 @@ class RolloutPlanner(RolePlanner):
 
 def _engine_copy(run: Run) -> int | None:
     """What a rollout worker's engine holds of its own (None: the worker's module is the copy)."""
-    from fitrl.memory.engines import engine_planner
-
     return engine_planner(run.cfg, "worker").worker_copy(run)
 
 
 for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner(), RewardModelPlanner(), JudgePlanner(),
                  RolloutPlanner()):
     ROLE_PLANNERS.add(_planner.name, _planner)
+
+
+def role_states(run: Run) -> dict[str, tuple[States, object]]:
+    """Per-rank states of each role the run builds, with its fsdp config (the roles' planners, in
+    their registration order)."""
+    return {p.name: p.states(run) for p in ROLE_PLANNERS.in_order() if p.built(run)}
+
+
+def process_roles(run: Run) -> dict[str, tuple[str, ...]]:
+    """The roles (keys of :func:`role_states`) each per-device process kind holds. In one process
+    (``trainer.backend=inprocess``) the trainer holds every role. Under Ray each role is a
+    ``RayWorkerGroup`` of its own (fitrl/trainer/run.py, ``make_group``): a role with a process of
+    its own (the reference's and the critic's ranks) is a Ray actor colocated rank by rank on the
+    policy's bundles (same node, same device), a process with its own runtime (and CUDA context);
+    with LoRA the reference is the policy with its adapters off, no process of its own
+    (:func:`role_states` has no "ref")."""
+    roles = tuple(role_states(run))
+    if not run.fsdp:
+        return {"trainer": roles}
+    own = [r for r in roles if ROLE_PLANNERS.get(r).own_process]
+    return {"trainer": tuple(r for r in roles if r not in own), **{r: (r,) for r in own}}
+
+
+def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
+    """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
+    if not run.cuda or (fsdp.cpu_offload and run.fsdp):
+        return False, False
+    on = phase in ROLE_PLANNERS.get(role).active_phases(run) or not fsdp.offload_params
+    return on, phase == "update" or not fsdp.offload_optimizer

@@ -1,8 +1,8 @@
-"""A run's numbers as the planner derives them once from the config and hardware (:class:`Run`),
-its roles' states per rank (:func:`role_states`), which process holds which role
-(:func:`process_roles`) and what is on the device in each phase (:func:`resident`). The phase
-modules (:mod:`.trainer`, :mod:`.services`) read these to build :class:`~.model.ProcessPlan`
-objects (docs/architecture.md, "Memory model")."""
+"""A run's numbers as the planner derives them once from the config and hardware (:class:`Run`).
+The phase modules (:mod:`.trainer`, :mod:`.services`) read them, with the roles' states and
+processes (fitrl/memory/roles.py: ``role_states``, ``process_roles``, ``resident``), to build
+:class:`~.model.ProcessPlan` objects (docs/architecture.md, "Memory model"). This module imports
+neither the roles' nor the engines' planners: both take a :class:`Run`, so they sit above it."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from fitrl.config.layout import RunLayout, run_layout
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
-from fitrl.memory.model import Hardware, active_phases
-from fitrl.memory.roles import ROLE_PLANNERS
-from fitrl.models.shape import ModelShape, VisualInput
+from fitrl.memory.model import Hardware
+from fitrl.models.shape import ModelShape
+from fitrl.models.vision import VisualInput
 from fitrl.ops.sharing import full_attention
 from fitrl.memory.states import DTYPE_BYTES, States, channel_payloads
 
@@ -59,10 +59,6 @@ class Run:
         corpus under each, bench/RESULTS.md "Host allocators"), so the plan counts those."""
         return (not self.cuda and self.cfg.plan.host_malloc == "glibc"
                 and self.cfg.memory.host_allocator == "glibc")
-
-    @property
-    def phases(self) -> list[str]:
-        return active_phases(self.cfg, self.spec)
 
     @property
     def lora(self):
@@ -274,32 +270,3 @@ class Run:
         if phase in ("old_logprob", "ref_logprob", "update"):
             return min(self.seqs_per_rank, d.rollout_batch_size)
         return 0
-
-
-def role_states(run: Run) -> dict[str, tuple[States, object]]:
-    """Per-rank states of each role the run builds, with its fsdp config (the roles' planners,
-    fitrl/memory/roles.py, in their registration order)."""
-    return {p.name: p.states(run) for p in ROLE_PLANNERS.in_order() if p.built(run)}
-
-
-def process_roles(run: Run) -> dict[str, tuple[str, ...]]:
-    """The roles (keys of :func:`role_states`) each per-device process kind holds. In one process
-    (``trainer.backend=inprocess``) the trainer holds every role. Under Ray each role is a
-    ``RayWorkerGroup`` of its own (fitrl/trainer/run.py, ``make_group``): a role with a process of
-    its own (the reference's and the critic's ranks) is a Ray actor colocated rank by rank on the
-    policy's bundles (same node, same device), a process with its own runtime (and CUDA context);
-    with LoRA the reference is the policy with its adapters off, no process of its own
-    (:func:`role_states` has no "ref")."""
-    roles = tuple(role_states(run))
-    if not run.fsdp:
-        return {"trainer": roles}
-    own = [r for r in roles if ROLE_PLANNERS.get(r).own_process]
-    return {"trainer": tuple(r for r in roles if r not in own), **{r: (r,) for r in own}}
-
-
-def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
-    """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
-    if not run.cuda or (fsdp.cpu_offload and run.fsdp):
-        return False, False
-    on = phase in ROLE_PLANNERS.get(role).active_phases(run) or not fsdp.offload_params
-    return on, phase == "update" or not fsdp.offload_optimizer

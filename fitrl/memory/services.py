@@ -9,13 +9,7 @@ from fitrl.memory.engines import engine_planner
 from fitrl.memory.gpu_terms import DRIVER_CONTEXT
 from fitrl.memory.model import PHASES, ProcessPlan, Usage
 from fitrl.memory.run import Run
-from fitrl.memory.states import DTYPE_BYTES, full_weights, tensors_bytes
-
-WEIGHT_CHANNEL = "weight channel bucket"
-"""``rollout.weight_transport`` resolved to ``collective``: what a push over the weight channel
-holds beyond the weights (:meth:`~fitrl.memory.run.Run.channel_bytes`), on rank 0's device (the
-"rank0" process, counted on the device planned: :meth:`~fitrl.memory.model.Plan.device`) and each
-rollout worker's, in ``weight_sync``."""
+from fitrl.memory.states import DTYPE_BYTES, WEIGHT_CHANNEL, full_weights, tensors_bytes
 
 
 def driver_images(run: Run, phase: str) -> int:

@@ -121,6 +121,13 @@ CHANNEL_ALIGN = 16
 """Bytes: where each tensor starts in a weight-channel bucket (fitrl/distributed/weight_sync.py, ``ALIGN``)."""
 
 
+WEIGHT_CHANNEL = "weight channel bucket"
+"""``rollout.weight_transport`` resolved to ``collective``: what a push over the weight channel
+holds beyond the weights (:meth:`~fitrl.memory.run.Run.channel_bytes`), on rank 0's device (the
+"rank0" process, counted on the device planned: :meth:`~fitrl.memory.model.Plan.device`) and each
+rollout worker's, in ``weight_sync``."""
+
+
 def channel_payloads(shape: ModelShape, dtype_bytes: int, bucket_bytes: int) -> tuple[bool, list[int], int]:
     """One version over the weight channel (``WeightChannel.send``, fitrl/distributed/weight_sync.py)
     in the shape's tensor order: whether rank 0 makes its bucket (``bucket_bytes``, allocated whole

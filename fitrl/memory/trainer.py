@@ -11,13 +11,13 @@ LoRA the reference log-probs come from the policy itself, adapters off (fitrl/ro
 from __future__ import annotations
 
 from fitrl.memory import calibration as C
-from fitrl.memory.engines import engine_planner
+from fitrl.memory.engines import active_phases, engine_planner
 from fitrl.memory.gpu_terms import NCCL, OUTSIDE_ALLOCATOR, nccl_buffers, pinned_optimizer
 from fitrl.memory.model import ProcessPlan, Usage
 from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening, micro_images, pass_transient,
                                  traced_transient, vision_activations)
-from fitrl.memory.roles import ROLE_PLANNERS
-from fitrl.memory.run import Run, process_roles, resident, role_states
+from fitrl.memory.roles import ROLE_PLANNERS, process_roles, resident, role_states
+from fitrl.memory.run import Run
 from fitrl.models.shape import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
 
@@ -29,7 +29,7 @@ def _logits_part(run: Run, batch: int, grad: bool) -> int:
 
 
 def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
-    """The per-device processes (:func:`~fitrl.memory.run.process_roles`): the trainer rank, and
+    """The per-device processes (:func:`~fitrl.memory.roles.process_roles`): the trainer rank, and
     under Ray the reference's and the critic's ranks beside it. Each holds its own roles' states
     in every phase (where the offload settings put them) and its own runtime and CUDA context; the
     traced transients of a log-prob pass or an update are the process's that runs it: the
@@ -61,7 +61,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
     # frees its gradients when it ends, so a process holding both has one role's gradients at once
     updating = max((r for r in roles if roles[r][0].grads), key=lambda r: roles[r][0].grads, default=None)
     nccl = nccl_buffers(run, [(r, fsdp) for r, (_, fsdp) in roles.items()])  # (assumed: 0 off CUDA, in one process)
-    for ph in run.phases:  # only the phases this run has: an absent one's traces would be wasted start-up
+    # only the phases this run has: an absent one's traces would be wasted start-up
+    for ph in active_phases(run.cfg, run.spec):
         u = Usage()
         # a Ray role actor of its own (reference, critic) costs a process runtime like a trainer rank's
         u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.fsdp)
@@ -175,8 +176,11 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
         _cpu_retention(phases, unretained, trimmed=run.cfg.memory.trim_heap)
     elif not cuda and run.cfg.memory.host_allocator in C.CPU_CACHED_AFTER_UPDATE:
         _cached_after_update(phases, C.CPU_CACHED_AFTER_UPDATE[run.cfg.memory.host_allocator])
-    own = ROLE_PLANNERS.get(kind).per_node(run) if kind in ROLE_PLANNERS else None  # (rollout workers: their count)
-    return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.fsdp else 1, phases)
+    planner = ROLE_PLANNERS.get(kind) if kind in ROLE_PLANNERS else None  # (None: the trainer rank)
+    own = planner.per_node(run) if planner else None  # (rollout workers: their count)
+    # every process here is one per device: the trainer rank, or a role's ranks of their own
+    return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.fsdp else 1, phases, per_device=True,
+                       own_device=bool(planner and planner.own_device))
 
 
 def _critic_pass(run: Run, phase: str, u: Usage, dev: str) -> None:

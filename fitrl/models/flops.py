@@ -43,7 +43,7 @@ from fitrl.models.shape import ModelShape
 class FlopsShape(ModelShape):
     """A model's shape (:class:`~fitrl.models.shape.ModelShape`, the memory plan's too: one reading
     of ``config.json``) with the FLOPs formula over it; the vision tower's is
-    :meth:`~fitrl.models.shape.VisionTower.forward_flops`."""
+    :meth:`~fitrl.models.vision.VisionTower.forward_flops`."""
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "FlopsShape":

@@ -20,12 +20,15 @@ in torchtitan:
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fitrl.config.schema import FSDPConfig, ModelConfig
+from fitrl.core.errors import ModelDirError
+from fitrl.core.faults import own_disk
 from fitrl.distributed.collectives import distributed, rank
 from fitrl.distributed.fsdp import broadcast_from_rank0, shard
 from fitrl.models.check import load_local_tokenizer, read_model_config
@@ -39,13 +42,38 @@ FULL = ParameterSet()
 def check_model_dir(path: str, what: str = "actor.model.path") -> Path:
     """The quick check a worker repeats before it builds a model (the driver ran the full one,
     :func:`fitrl.models.check.check_run_models`, before anything loaded)."""
+    check_on_this_node(path, what)
     read_model_config(path, what)
     return Path(path)
 
 
-def load_tokenizer(model: ModelConfig):
-    # transformers imported on use: importing this module (the trainer's config checks) stays cheap
-    return load_local_tokenizer(model.tokenizer_path or model.path)
+def check_on_this_node(path: str, key: str) -> None:
+    """``path`` (the value of ``key``) is a directory where this process runs. The driver checked
+    it on its own node; a rank on another node may lack it (a local disk, a mount missing there):
+    a one-line :class:`ModelDirError` naming this host, which the driver re-raises as the same
+    type prefixed with the rank and the node's IP (fitrl/workers/ray_group.py), exit 2."""
+    if not path:
+        return  # (check_path names an empty setting)
+    here = own_disk(path, "model")  # (the path itself unless a test gives this rank a disk of its own)
+    if here.is_dir():
+        return
+    state = "is a file, not a directory," if here.exists() else "does not exist"
+    raise ModelDirError(f"{key}={path} {state} on host {socket.gethostname()}, where this process runs: every node "
+                        f"of a Ray cluster needs it at the same path (shared storage, or a copy on each node; "
+                        f"docs/distributed.md)")
+
+
+def load_tokenizer(model: ModelConfig, key: str = "actor.model"):
+    """The tokenizer of ``model`` (``key``: its config section, for messages), checked to be here first."""
+    where, setting = (model.tokenizer_path, f"{key}.tokenizer_path") if model.tokenizer_path else (model.path,
+                                                                                                   f"{key}.path")
+    check_on_this_node(where, setting)
+    try:  # transformers imported on use: importing this module (the trainer's config checks) stays cheap
+        return load_local_tokenizer(where)
+    except Exception as e:  # transformers raises OSError, ValueError, ... for a directory it cannot read
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ModelDirError(f"cannot load the tokenizer in {where} ({setting}) on host {socket.gethostname()}: "
+                            f"{type(e).__name__}: {first}") from None
 
 
 def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.device, *,

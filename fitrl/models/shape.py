@@ -11,89 +11,24 @@ The text decoder is described by its family too (:class:`~fitrl.models.decoder.D
 fitrl/models/families/causal_lm.py): its layers' tensors, its KV cache per token, its FLOPs per
 token, and whether it is dense or a mixture of experts. This module reads no family's name.
 
-A vision-language model's tower is described by its family (:class:`VisionTower`, from
+A vision-language model's tower is described by its family (:class:`~fitrl.models.vision.VisionTower`, from
 ``ModelFamily.vision_tower``; the Qwen-VL towers are in fitrl/models/families/qwen_vl/tower.py),
 so adding a family touches its own folder, not this module. Images go through the processor's
 geometry (``VisionTower.largest_image``): each side resized to a multiple of ``patch * merge``
 pixels within the pixel budget, cut into patches of ``temporal_patch x patch x patch`` pixels,
-``merge x merge`` patches per language-model token (:class:`VisualInput`).
+``merge x merge`` patches per language-model token (:class:`~fitrl.models.vision.VisualInput`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 from fitrl.core.model_types import MODEL_TYPES, ModelType, decoder_family
-from fitrl.models.check import read_config_json
+from fitrl.models.config_json import read_config_json
 from fitrl.models.decoder import PLAIN_DENSE, Decoder, experts_in
-
-
-class VisionTower(Protocol):
-    """What the memory plan and the FLOP counter ask of a vision tower (a family's description of
-    its ``vision_config``): its patch geometry, its parameter tensors and its forward FLOPs."""
-
-    kind: str             # the model type it belongs to
-    depth: int
-    hidden: int
-    patch: int
-    temporal_patch: int
-    merge: int
-    in_chans: int
-
-    @property
-    def factor(self) -> int:
-        """Pixels per side of one language-model token (``patch * merge``)."""
-
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every parameter of the tower (and its mergers), named as the model names them."""
-
-    def forward_flops(self, patches: int) -> int:
-        """Forward FLOPs over one image (or video) of ``patches`` patches."""
-
-    def activation_widths(self, grad: bool, checkpointing: bool) -> tuple[tuple[int, int], ...]:
-        """``(count, width)`` of the activations one pass holds at its peak, each ``patches x width``."""
-
-    def largest_image(self, max_pixels: int, min_pixels: int = 0) -> "VisualInput":
-        """The largest image the processor can emit within the pixel budget."""
-
-
-@dataclass(frozen=True)
-class VisualInput:
-    """One image (``frames=1``; a video has more) as the processor hands it to the model: frames of
-    ``height x width`` pixels (multiples of ``patch * merge``) cut into patches of
-    ``temporal_patch x patch x patch`` pixels. A still image is one frame repeated over the temporal
-    patch, so its ``pixel_values`` hold every pixel twice (Qwen2-VL's processor, ``patchify``)."""
-    vision: VisionTower
-    frames: int
-    height: int
-    width: int
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        """``image_grid_thw``: (frames / temporal patch, rounded up; rows; columns) of patches."""
-        v = self.vision
-        return -(-self.frames // v.temporal_patch), self.height // v.patch, self.width // v.patch
-
-    @property
-    def patches(self) -> int:
-        """Vision-tower tokens: the rows of ``pixel_values``."""
-        t, h, w = self.grid
-        return t * h * w
-
-    @property
-    def llm_tokens(self) -> int:
-        """Language-model tokens (image pad tokens in the prompt): patches merged ``merge x merge``."""
-        return self.patches // self.vision.merge**2
-
-    @property
-    def pixel_values_bytes(self) -> int:
-        """The processor's fp32 ``pixel_values``, (patches, C * t * p * p): for a still image
-        ``patches * 3 * 2 * 14 * 14 * 4`` bytes = 24 bytes per resized pixel (Qwen2/2.5-VL; the
-        same per pixel for Qwen3-VL's 16 x 16 patches)."""
-        v = self.vision
-        return self.patches * v.in_chans * v.temporal_patch * v.patch * v.patch * 4
+from fitrl.models.vision import VisionTower
 
 
 @dataclass(frozen=True)
@@ -117,7 +52,7 @@ class ModelShape:
     @staticmethod
     def read_config(path: str | Path) -> dict[str, Any]:
         """The ``config.json`` of a model directory (or that file itself), as a dict
-        (:func:`fitrl.models.check.read_config_json`: a ModelDirError when it cannot be read)."""
+        (:func:`fitrl.models.config_json.read_config_json`: a ModelDirError when it cannot be read)."""
         return read_config_json(path, what="model directory")
 
     @classmethod
@@ -170,29 +105,12 @@ class ModelShape:
 
     # ------------------------------------------------------------------ the decoder's dimensions
     # (read by the memory plan's activation and KV formulas; a decoder kind keeps their meaning)
-    @property
-    def hidden(self) -> int:
-        return self.decoder.hidden
-
-    @property
-    def layers(self) -> int:
-        return self.decoder.layers
-
-    @property
-    def heads(self) -> int:
-        return self.decoder.heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.decoder.kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.decoder.head_dim
-
-    @property
-    def intermediate(self) -> int:
-        return self.decoder.intermediate
+    hidden = property(lambda self: self.decoder.hidden)
+    layers = property(lambda self: self.decoder.layers)
+    heads = property(lambda self: self.decoder.heads)
+    kv_heads = property(lambda self: self.decoder.kv_heads)
+    head_dim = property(lambda self: self.decoder.head_dim)
+    intermediate = property(lambda self: self.decoder.intermediate)
 
     # ------------------------------------------------------------------ tensors
     def layer_tensors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:

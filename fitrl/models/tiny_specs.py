@@ -1,14 +1,12 @@
 """What a tiny model architecture is made of: the chat templates and ``ArchSpec`` (shared by
 the text archs in :mod:`fitrl.models.tiny` and the vision-language ones in
-:mod:`fitrl.models.tiny_vl`), and the decoder's rope and length settings."""
+:mod:`fitrl.models.tiny_vl`, whose vision side, ``TinyVisionArch``, is here too so that this
+module imports neither), and the decoder's rope and length settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fitrl.models.tiny_vl import TinyVisionArch
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 MAX_POSITION_EMBEDDINGS = 2048
 ROPE_PARAMETERS = {"rope_type": "default", "rope_theta": 10000.0}
@@ -75,6 +73,24 @@ _LLAMA3_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class TinyVisionArch:
+    """How a tiny vision-language arch is built (its processor, tower config, multimodal rope); the
+    vision side of a real model directory, as the data path reads it, is the family's
+    ``VisionSpec`` (fitrl/models/families/qwen_vl/media.py)."""
+
+    processor_class: str  # the transformers processor AutoProcessor builds for this model_type
+    video_processor: str  # its video processor class (torchvision only, in transformers 5.23)
+    patch_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    size_keys: str  # how the real preprocessor_config.json states the pixel budget: "pixels" (min/max_pixels) or "size"
+    vision_config: Callable[[dict[str, Any], int, int], dict[str, Any]]  # (VISION_SIZES row, text hidden, layers)
+    mrope_section: Callable[[int], list[int]]  # head_dim // 2 -> (t, h, w) rotary frequencies, summing to it
+    rope_extra: dict[str, Any] = field(default_factory=dict)  # more rope_parameters keys
+    states_head_dim: bool = False  # the text config has a head_dim key (Qwen3-VL's defaults to 128: set it)
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     config_class: str  # name in ``transformers``
     model_class: str
@@ -86,7 +102,7 @@ class ArchSpec:
     add_bos: bool  # whether plain ``tokenizer(text)`` prepends the BOS
     pretokenizer: str  # "qwen2": Qwen2's own split regex; "digits": Digits(individual) + ByteLevel regex
     tokenizer_class: str  # written to tokenizer_config.json: the class AutoTokenizer really loads
-    vision: "TinyVisionArch | None" = None  # vision-language archs only (VL_ARCHS)
+    vision: TinyVisionArch | None = None  # vision-language archs only (VL_ARCHS)
 
 
 ARCHS: dict[str, ArchSpec] = {

@@ -5,11 +5,11 @@ the qwen2 ChatML tokenizer plus Qwen's four vision tokens, a text decoder of a `
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from fitrl.models.tiny_specs import _CHATML_TEMPLATE, _CONTENT, ARCHS, MAX_POSITION_EMBEDDINGS, ROPE_PARAMETERS, ArchSpec
+from fitrl.models.tiny_specs import (_CHATML_TEMPLATE, _CONTENT, ARCHS, MAX_POSITION_EMBEDDINGS, ROPE_PARAMETERS,
+                                     ArchSpec, TinyVisionArch)
 
 # ---------------------------------------------------------------------------------------------
 # Vision-language archs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the qwen2 ChatML tokenizer plus Qwen's
@@ -50,24 +50,6 @@ _VL_CONTENT = (
     "{%- endif %}"
 )
 _CHATML_VL_TEMPLATE = _CHATML_TEMPLATE.replace(_CONTENT, _VL_CONTENT)
-
-
-@dataclass(frozen=True)
-class TinyVisionArch:
-    """How a tiny vision-language arch is built (its processor, tower config, multimodal rope); the
-    vision side of a real model directory, as the data path reads it, is the family's
-    ``VisionSpec`` (fitrl/models/families/qwen_vl/media.py)."""
-
-    processor_class: str  # the transformers processor AutoProcessor builds for this model_type
-    video_processor: str  # its video processor class (torchvision only, in transformers 5.23)
-    patch_size: int
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    size_keys: str  # how the real preprocessor_config.json states the pixel budget: "pixels" (min/max_pixels) or "size"
-    vision_config: Callable[[dict[str, Any], int, int], dict[str, Any]]  # (VISION_SIZES row, text hidden, layers)
-    mrope_section: Callable[[int], list[int]]  # head_dim // 2 -> (t, h, w) rotary frequencies, summing to it
-    rope_extra: dict[str, Any] = field(default_factory=dict)  # more rope_parameters keys
-    states_head_dim: bool = False  # the text config has a head_dim key (Qwen3-VL's defaults to 128: set it)
 
 
 def _qwen2_vl_vision(v: dict[str, Any], hidden: int, layers: int) -> dict[str, Any]:

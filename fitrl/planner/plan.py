@@ -15,7 +15,7 @@ from fitrl.config import FitrlConfig
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths, expected_lengths
 from fitrl.memory.model import Hardware, Plan
-from fitrl.memory.engines import engine_planner
+from fitrl.memory.engines import active_phases, engine_planner
 from fitrl.memory.run import Run
 from fitrl.memory.services import driver_and_node_plans
 from fitrl.models.shape import ModelShape
@@ -67,7 +67,8 @@ def _plan(run: Run) -> Plan:
         processes = [p for p in processes if p.kind != "rank0"]
         _decoding_before_generate(run, processes)
     _image_notes(run, notes)
-    return Plan(cfg, hardware, shape, spec, processes, notes, growth, layout=run.layout)
+    return Plan(cfg, hardware, shape, spec, phases=active_phases(cfg, spec), processes=processes, notes=notes,
+                growth_per_step=growth, layout=run.layout)
 
 
 def _decoding_before_generate(run: Run, processes: list) -> None:

@@ -12,6 +12,21 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from fitrl.rewards.arith import arith_reward
+from fitrl.rewards.choice import choice_reward
+from fitrl.rewards.rules import math_reward, r1v_reward, think_format_reward
+
+ROUTED_REWARDS: dict[str, Callable[..., Any]] = {
+    "arith": arith_reward,
+    "choice": choice_reward,
+    "math": math_reward,
+    "r1v": r1v_reward,
+    "think_format": think_format_reward,
+}
+"""The built-in rewards a source may route to: every built-in but this one
+(fitrl/rewards/functions.py, ``BUILTIN_REWARDS``, adds it to these; kept here so that module
+imports this one and not the other way round)."""
+
 DEFAULT_ROUTES: tuple[tuple[str, str], ...] = (
     ("geometry3k", "r1v"), ("geo3k", "r1v"), ("clevr", "r1v"),  # <think>/<answer> with option letters
     ("arith", "arith"),
@@ -40,12 +55,10 @@ def route(source: str, routes: Optional[list] = None, default: str = "math") -> 
 
 
 def _builtin(name: str) -> Callable[..., Any]:
-    from fitrl.rewards.functions import BUILTIN_REWARDS  # (that module registers this one)
-
-    if name not in BUILTIN_REWARDS or name == "by_source":
+    if name not in ROUTED_REWARDS:
         raise ValueError(f"by_source routes to {name!r}, which is not a built-in reward "
-                         f"({', '.join(n for n in BUILTIN_REWARDS if n != 'by_source')})")
-    return BUILTIN_REWARDS[name]
+                         f"({', '.join(ROUTED_REWARDS)})")
+    return ROUTED_REWARDS[name]
 
 
 def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:

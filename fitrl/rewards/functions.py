@@ -23,20 +23,11 @@ from typing import Any, Callable
 
 from fitrl.core.errors import ConfigError, UserError
 from fitrl.core.user_code import resolve_named
-from fitrl.rewards.arith import arith_reward
-from fitrl.rewards.by_source import by_source_reward
-from fitrl.rewards.choice import choice_reward
+from fitrl.rewards.by_source import ROUTED_REWARDS, by_source_reward
 from fitrl.rewards.python import PYTHON_REWARDS
-from fitrl.rewards.rules import math_reward, r1v_reward, think_format_reward
 
-BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
-    "arith": arith_reward,
-    "by_source": by_source_reward,
-    "choice": choice_reward,
-    "math": math_reward,
-    "r1v": r1v_reward,
-    "think_format": think_format_reward,
-}
+BUILTIN_REWARDS: dict[str, Callable[..., Any]] = dict(sorted({**ROUTED_REWARDS, "by_source": by_source_reward}.items()))
+"""Every built-in reward, by name (alphabetical: the order error messages list them in)."""
 
 
 class RewardError(UserError, RuntimeError):

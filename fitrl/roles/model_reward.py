@@ -67,7 +67,7 @@ def check_reward_sources(cfg: FitrlConfig) -> None:
         if src.kind == "judge" and classifier:
             raise ConfigError(f"{key}={src.model.path} is a reward model ({archs[0]}), which cannot reply: use it "
                               f"as kind: model")
-        tokenizer = load_tokenizer(src.model)
+        tokenizer = load_tokenizer(src.model, key=f"reward.sources.{name}.model")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{key}={src.model.path}: its tokenizer has no chat template, which renders the "
                               f"{'prompt and response' if src.kind == 'model' else 'grading prompt'} for it; add "
@@ -91,7 +91,7 @@ class _ModelSource:
 
     def __init__(self, cfg: FitrlConfig, name: str, src: RewardSourceConfig, head: str, device: torch.device):
         self.name, self.src, self.device = name, src, device
-        self.tokenizer = load_tokenizer(src.model)
+        self.tokenizer = load_tokenizer(src.model, key=f"reward.sources.{name}.model")
         self.model = build_model(head, src.model, src.fsdp, device, what=f"reward.sources.{name}.model.path",
                                  nnodes=cfg.trainer.nnodes)
         self.model.eval().requires_grad_(False)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -37,8 +38,10 @@ import torch
 
 from fitrl.agents.env import (Environment, EnvironmentError_, ToolResult, Turn, checked_messages, checked_step,
                               load_environment)
-from fitrl.agents.sandbox import SandboxLimits, ToolSandbox
-from fitrl.agents.tools import ToolCall, parse_tool_calls, rendered_tools_missing, tool_schemas
+from fitrl.agents.sandbox import (SandboxLimits, ToolSandbox, missing_layers, needs_confinement, probe_layers,
+                                  refusal)
+from fitrl.agents.tools import (ToolCall, added_strings, cut_to_tokens, parse_tool_calls, plain_ids, printable,
+                                rendered_tools_missing, tool_schemas)
 from fitrl.config.agent import AgentConfig
 from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.core.errors import ConfigError
@@ -96,13 +99,16 @@ class EnvTurnEncoder:
     turn: rendered after a fixed stand-in conversation (so the history is never re-rendered,
     and a template that rewrites earlier turns, e.g. dropping their reasoning, changes nothing)
     and tokenized once. The text between the end-of-turn token and the next role (``\\n`` in
-    ChatML) is the reply's, since the model's turn ends at its end-of-turn token."""
+    ChatML) is the reply's, since the model's turn ends at its end-of-turn token. A message's
+    content is text: a control token's string in it (a tool printing ``<|im_end|>``) is
+    tokenized as plain text, never as the token (:func:`~fitrl.agents.tools.plain_ids`)."""
 
     ANSWER = "fitrl-stand-in-answer"
     BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ANSWER}]
 
     def __init__(self, tokenizer, tools: list[dict], eos_ids: list[int]):
         self.tokenizer, self.tools = tokenizer, tools or None
+        self.added = added_strings(tokenizer)
         self.base = self._render(self.BASE, generation_prompt=False)
         # the end-of-turn token the template writes right after the answer, and what follows it
         rest = self.base[self.base.rfind(self.ANSWER) + len(self.ANSWER):]
@@ -126,7 +132,19 @@ class EnvTurnEncoder:
         return self.after_end + full[len(self.base):]
 
     def encode(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer(self.text(messages), add_special_tokens=False)["input_ids"]
+        contents = [m.get("content") if isinstance(m.get("content"), str) else "" for m in messages]
+        if not any(s in c for c in contents for s in self.added):   # the usual case: one tokenization
+            return self.tokenizer(self.text(messages), add_special_tokens=False)["input_ids"]
+        # The template's text and each content tokenized apart, contents as plain text. Marks in
+        # the Private Use Area stand for the contents: no template changes them.
+        text = self.text([dict(m, content=f"\ue000{k}\ue001") for k, m in enumerate(messages)])
+        ids: list[int] = []
+        for k, piece in enumerate(re.split("\ue000(\\d+)\ue001", text)):
+            if k % 2:
+                ids += plain_ids(self.tokenizer, contents[int(piece)], self.added)
+            elif piece:
+                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
 
 
 def check_agent(cfg: FitrlConfig, tokenizer) -> None:
@@ -150,6 +168,11 @@ def check_agent(cfg: FitrlConfig, tokenizer) -> None:
                           "the model would be asked to call tools it is never shown; use a tokenizer whose chat "
                           "template supports tools (Qwen2.5, Qwen3, Llama 3.1+)")
     EnvTurnEncoder(tokenizer, schemas, [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    risky = needs_confinement(a.tools)
+    if risky and not a.allow_unconfined_tools:  # the workers refuse too; this says so before any model loads
+        missing = missing_layers(probe_layers(_limits(a)), a.tool_network)
+        if missing:
+            raise ConfigError(refusal(missing, risky))
     if cfg.rollout.tensor_parallel_size > 1 and cfg.world_size > 1 and cfg.rollout.capabilities.tensor_parallel:
         raise ConfigError("rollout.agent with rollout.tensor_parallel_size > 1 over several policy ranks is not "
                           "supported: the ranks of one engine would run different episodes")
@@ -170,9 +193,7 @@ class AgentRollout:
         self.tool_names = [s["function"]["name"] for s in self.schemas]
         self.encoder = EnvTurnEncoder(tokenizer, self.schemas, eos_ids)
         self.sandbox = (ToolSandbox(cfg.tools, num_workers=cfg.tool_workers, timeout=cfg.tool_timeout,
-                                    limits=SandboxLimits(memory_bytes=cfg.memory_bytes(), network=cfg.tool_network,
-                                                         max_output_chars=cfg.max_tool_output_chars))
-                        if cfg.tools else None)
+                                    limits=_limits(cfg)) if cfg.tools else None)
         self._calls: dict[int, tuple[Episode, int]] = {}   # a sandbox call's key -> its episode and index
         self._logged_layers = False
         self._logged_env_error = False
@@ -282,8 +303,10 @@ class AgentRollout:
         if step.done:
             e.done = True
             return
-        reply = self.encoder.encode(step.messages)
-        e.messages.extend(step.messages)
+        messages = [dict(m, content=printable(m["content"])) if isinstance(m.get("content"), str) else m
+                    for m in step.messages]  # an environment's text may hold what UTF-8 cannot encode too
+        reply = self.encoder.encode(messages)
+        e.messages.extend(messages)
         if len(e.ids) + len(reply) >= self.max_response_length:  # no room for the reply and a turn after it
             e.cut = "total_tokens"
             return
@@ -314,16 +337,21 @@ class AgentRollout:
         self._log_layers()
 
     def _tool_result(self, c: ToolCall, o) -> ToolResult:
+        """The outcome as the model reads it: valid UTF-8, at most ``max_tool_output_tokens``."""
         if o.status == "ok":
             text, seconds = o.value
-            return ToolResult(c.name, text, "ok", seconds)
-        if o.status == "timeout":
-            return ToolResult(c.name, f"error: the call took longer than {self.cfg.tool_timeout:g}s and was stopped",
-                              "timeout", self.cfg.tool_timeout)
-        crashed = "worker process died" in o.detail
-        detail = (f"the tool's process crashed ({o.detail.split('(')[-1].rstrip(')')})" if crashed
-                  else o.detail.splitlines()[0][:500])
-        return ToolResult(c.name, f"error: {detail}", "crash" if crashed else "error")
+            r = ToolResult(c.name, text, "ok", seconds)
+        elif o.status == "timeout":
+            r = ToolResult(c.name, f"error: the call took longer than {self.cfg.tool_timeout:g}s and was stopped",
+                           "timeout", self.cfg.tool_timeout)
+        else:
+            crashed = "worker process died" in o.detail
+            detail = (f"the tool's process crashed ({o.detail.split('(')[-1].rstrip(')')})" if crashed
+                      else o.detail.splitlines()[0][:500])
+            r = ToolResult(c.name, f"error: {detail}", "crash" if crashed else "error")
+        r.content = cut_to_tokens(self.tokenizer, printable(r.content), self.cfg.max_tool_output_tokens,
+                                  self.encoder.added)
+        return r
 
     @staticmethod
     def _record(e: Episode, j: int, r: ToolResult) -> None:
@@ -333,17 +361,17 @@ class AgentRollout:
             e.stats[{"error": "tool_errors", "timeout": "tool_timeouts", "crash": "tool_crashes"}[r.status]] += 1
 
     def _log_layers(self) -> None:
-        """Warn once when the kernel refused the sandbox's namespaces: Python code stays contained
-        (the audit hook), native code in a tool is then bounded by the rlimits only."""
+        """Warn once when the kernel refused the sandbox's namespaces (the workers ran on only
+        because every tool is safe without them, or ``allow_unconfined_tools`` said so)."""
         layers = self.sandbox.layers
         if self._logged_layers or not layers:
             return
         self._logged_layers = True
-        missing = [x for x in ("network namespace", "read-only mounts")
-                   if x not in layers and not (x == "network namespace" and self.cfg.tool_network)]
+        missing = missing_layers(layers, self.cfg.tool_network)
         if missing:
-            log.warning("tool sandbox: this machine refused %s (no root and no unprivileged user namespaces); "
-                        "tools are isolated by %s", " and ".join(missing), ", ".join(layers))
+            log.warning("tool sandbox: this machine refused the %s (no user namespaces); tools are bounded by %s "
+                        "only, and a program one starts can read and write what this user can", ", ".join(missing),
+                        ", ".join(layers))
 
     def _env_failed(self, e: Episode, method: str, err: Exception) -> None:
         e.cut = "env_error"
@@ -382,6 +410,11 @@ class AgentRollout:
         out.fields["env_reward"] = [e.env_reward for e in episodes]
         out.fields["agent_stats"] = [{**e.stats, "cut": e.cut} for e in episodes]
         return out
+
+
+def _limits(cfg: AgentConfig) -> SandboxLimits:
+    return SandboxLimits(memory_bytes=cfg.memory_bytes(), network=cfg.tool_network,
+                         max_output_chars=cfg.max_tool_output_chars, allow_unconfined=cfg.allow_unconfined_tools)
 
 
 def agent_metrics(batch: Batch) -> dict[str, float]:

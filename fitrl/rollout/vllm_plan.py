@@ -159,7 +159,7 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
         notes.append(f"plan.emulate.free_cache_engine rebuilds the engine every step; its pinned host blocks "
                      f"({(swap + backup) / C.GIB:.1f} GiB {where}) stay cached: host grows "
                      f"{growth / C.GIB:.0f} GiB per step")
-    return ProcessPlan("engine", engines, phases), growth
+    return ProcessPlan("engine", engines, phases, per_device=True), growth  # (its device entries are per device)
 
 
 def sleep_level(cfg) -> int:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from fitrl.core.device import cuda_in_use
+from fitrl.core.driver_phases import DRIVER_PHASES
 from fitrl.ops.sharing import SKIPPED_PROMPTS
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.phases import RECORDER, in_phase
@@ -37,6 +38,8 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str, guarded: bool = True):
         """``guarded=False``: no guard reading at the start (a phase outside the step's handling)."""
+        if name not in DRIVER_PHASES:  # the list trainer.hang_timeouts is checked against
+            raise ValueError(f"phase {name!r} is not in fitrl/core/driver_phases.py's DRIVER_PHASES: add it there")
         mutating = name in MUTATING_PHASES
         safe_point = guarded and not (mutating or self.mutated)
         if safe_point:

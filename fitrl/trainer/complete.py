@@ -32,7 +32,7 @@ from __future__ import annotations
 
 def missing_counterparts() -> list[str]:
     """One line per registered name that lacks a counterpart (empty: every extension is complete)."""
-    return _engine_gaps() + _family_gaps() + _decoder_gaps() + _role_gaps()
+    return _engine_gaps() + _family_gaps() + _role_gaps()
 
 
 def _engine_gaps() -> list[str]:
@@ -63,23 +63,22 @@ def _engine_gaps() -> list[str]:
 
 
 def _family_gaps() -> list[str]:
+    """Every model type's family describes its decoder (of the row's kind), and a vision-language
+    one its tower and media; every family claims only types that have a row."""
     from fitrl.core.model_types import MODEL_TYPES
-    from fitrl.models.families import CAUSAL_LM, MODEL_FAMILIES, ModelFamily, family_of_type
+    from fitrl.models.families import CAUSAL_LM, MODEL_FAMILIES, family_of_type
 
     out = []
     for row in MODEL_TYPES.values():
+        family = family_of_type(row.name)
+        out += _decoder_gap(row, family)
         if not row.vision:
             continue
-        family = family_of_type(row.name)
         if family is CAUSAL_LM:
             out.append(f"vision-language model type {row.name!r} is claimed by no model family "
                        f"(fitrl/models/families/, ModelFamily.model_types)")
             continue
-        for method, what in (("vision_tower", "vision tower (its tensors and FLOPs, for the memory plan)"),
-                             ("media_spec", "media processing (images to model inputs, for the data path)")):
-            if getattr(type(family), method) is getattr(ModelFamily, method):
-                out.append(f"model family {family.name!r} describes no {what} of {row.name!r} "
-                           f"(ModelFamily.{method})")
+        out += _tower_gaps(row, family)
     for name in MODEL_FAMILIES:
         for kind in sorted(MODEL_FAMILIES.get(name).model_types - set(MODEL_TYPES)):
             out.append(f"model family {name!r} claims model type {kind!r}, which has no row in "
@@ -87,19 +86,22 @@ def _family_gaps() -> list[str]:
     return out
 
 
-def _decoder_gaps() -> list[str]:
-    from fitrl.core.model_types import MODEL_TYPES
-    from fitrl.models.families import family_of_type
+def _tower_gaps(row, family) -> list[str]:
+    from fitrl.models.families import ModelFamily
 
-    out = []
-    for row in MODEL_TYPES.values():
-        family = family_of_type(row.name)
-        layout = family.decoder_layout(row.name)
-        if layout is None or layout.kind != row.kind:
-            described = "none" if layout is None else f"a {layout.kind} one"
-            out.append(f"model type {row.name!r} has a {row.kind} decoder (fitrl/core/model_types.py) and model family "
-                       f"{family.name!r} describes {described} (ModelFamily.decoder_layout, fitrl/models/decoder.py)")
-    return out
+    return [f"model family {family.name!r} describes no {what} of {row.name!r} (ModelFamily.{method})"
+            for method, what in (("vision_tower", "vision tower (its tensors and FLOPs, for the memory plan)"),
+                                 ("media_spec", "media processing (images to model inputs, for the data path)"))
+            if getattr(type(family), method) is getattr(ModelFamily, method)]
+
+
+def _decoder_gap(row, family) -> list[str]:
+    layout = family.decoder_layout(row.name)
+    if layout is not None and layout.kind == row.kind:
+        return []
+    described = "none" if layout is None else f"a {layout.kind} one"
+    return [f"model type {row.name!r} has a {row.kind} decoder (fitrl/core/model_types.py) and model family "
+            f"{family.name!r} describes {described} (ModelFamily.decoder_layout, fitrl/models/decoder.py)"]
 
 
 def _role_gaps() -> list[str]:

@@ -107,6 +107,7 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
                            devices_per_node=per_node, use_gpu=resolve_device(t.device).type == "cuda",
                            name=name, colocate_with=colocate_with.group if colocate_with else None,
                            dist_timeout_s=collective_timeout_s(t.hang_timeout_s, t.hang_timeouts),
+                           placement_timeout_s=t.placement_timeout_s,
                            env_vars=_worker_env(cfg))
     stack.callback(group.shutdown)
     return RoleHandle(group, sequence_parallel=sequence_parallel)

@@ -58,15 +58,16 @@ def supervised_config(cfg: FitrlConfig) -> list[str]:
     return changed
 
 
-def check_targets(answers: list[Any], sources: list[str], tokenizer: Any, max_length: int) -> str | None:
-    """Refuse, naming the first, a row whose target has no text (null, empty, a list); return a
-    note on the targets longer than ``max_length`` tokens (cut there, losing their end token),
-    None when none is."""
+def check_targets(answers: list[Any], sources: list[str], tokenizer: Any, max_length: int,
+                  key: str = "answer") -> str | None:
+    """Refuse, naming the first, a row whose target has no text (null, empty, a list, NaN); return
+    a note on the targets longer than ``max_length`` tokens (cut there, losing their end token),
+    None when none is. ``key``: the answer column (``data.answer_key``), for the message."""
     for answer, source in zip(answers, sources):
         why = bad_target(answer)
         if why is not None:
-            raise DataError(f"{source}: the answer (the supervised target) {why}: {answer!r:.80}; fix or remove "
-                            f"the row")
+            raise DataError(f"{source}: the answer {key!r} (data.answer_key, the supervised target) {why}: "
+                            f"{answer!r:.80}; fix or remove the row")
     lengths = target_lengths(answers, tokenizer)
     over = [n for n in lengths if n > max_length]
     if not over:
@@ -103,7 +104,7 @@ class SFTTrainer(RLTrainer):
 
         rows = [self.train_data[i] for i in range(len(self.train_data))]
         note = check_targets([r["answer"] for r in rows], [r["source"] for r in rows],
-                             load_tokenizer(cfg.actor.model), cfg.rollout.max_response_length)
+                             load_tokenizer(cfg.actor.model), cfg.rollout.max_response_length, key=cfg.data.answer_key)
         if note:
             self.console.print(f"note: {note}", highlight=False, markup=False)
         self.nll: list[float] = []  # this process's steps after warm-up, until the stall check

@@ -10,11 +10,12 @@ What happens when a group is built:
 1. **Placement.** A placement group reserves one bundle per rank (``num_cpus_per_worker`` CPUs,
    plus one GPU with ``use_gpu``): with ``nnodes=1`` one group of ``world_size`` bundles,
    ``PACK``; with ``nnodes>1`` one ``STRICT_PACK`` group of ``devices_per_node`` bundles per
-   node. Ranks are numbered node by node (all of rank 0's node first), so ``LOCAL_RANK`` and
-   ``LOCAL_WORLD_SIZE`` describe the real layout, and a hybrid-shard mesh
-   ``(nnodes, devices_per_node)`` shards within a node and replicates across nodes.
-   A cluster too small for the request fails after ``placement_timeout_s`` with what was asked
-   and what the cluster has, not a silent wait.
+   node, each on a node of its own (guaranteed, or refused). Ranks are numbered node by node
+   (all of rank 0's node first), so ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` describe the real
+   layout, and a hybrid-shard mesh ``(nnodes, devices_per_node)`` shards within a node and
+   replicates across nodes. A request the cluster can never give, or does not give within
+   ``placement_timeout_s``, is one :class:`~fitrl.core.errors.ClusterError` line naming what was
+   asked and each node's free CPUs and GPUs (:mod:`fitrl.workers.ray_placement`).
 2. **Rendezvous.** The driver picks ``MASTER_ADDR`` = rank 0's node IP and a port free on that
    node (probed there by a zero-CPU task when it is not the driver's node).
 3. **Actors.** Each rank's actor exports ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
@@ -30,16 +31,18 @@ world_size=2, colocate_with=policy_group, name="ref")`` puts ref rank *i* in pol
 bundle (same node, same GPU), with its own process group; the bundles are released when the
 last group sharing them shuts down.
 
-The pieces live beside this module: :mod:`fitrl.workers.ray_placement` (bundles, rank
-numbering), :mod:`fitrl.workers.ray_actor` (what runs in each actor) and
+The pieces live beside this module: :mod:`fitrl.workers.ray_cluster` (joining, bounded waits),
+:mod:`fitrl.workers.ray_placement` (bundles, rank numbering) and :mod:`fitrl.workers.ray_nodes`
+(which nodes can hold them), :mod:`fitrl.workers.ray_actor` (what runs in each actor) and
 :mod:`fitrl.workers.ray_failures` (what a failure on a rank means).
 
 Failures: a Python exception on a rank is re-raised on the driver with its original type, the
 message prefixed ``"<role> rank <r> (node <ip>) in '<method>': "`` and the remote traceback
-chained. A dead actor (crash, ``os._exit``, segfault, Ray's memory monitor, a lost node) raises
-:class:`WorkerFailed` naming role, rank, node, method and cause - ``"killed by the memory
-monitor (host OOM)"`` vs ``"crashed (...)"`` - as soon as Ray notices, and the group is shut
-down (the other ranks would otherwise wait in a collective for ever). When one rank raises
+chained (a user error stays one: exit 2, e.g. a model directory missing on that rank's node,
+fitrl/models/loading.py). A dead actor (crash, ``os._exit``, segfault, Ray's memory monitor, a
+lost node) raises :class:`WorkerFailed` naming role, rank, node, method and cause - ``"killed by
+the memory monitor (host OOM)"`` vs ``"crashed (...)"`` - as soon as Ray notices, and the group
+is shut down (the other ranks would otherwise wait in a collective for ever). When one rank raises
 while others are still running ``failure_grace_s`` later (typically blocked in a collective
 that the failed rank never joined), the group is shut down for the same reason.
 
@@ -52,8 +55,8 @@ shards (checked before step 1, ``check_shared`` in fitrl/trainer/rundir.py)::
 
     # head node (its IP: HEAD)
     ray start --head --port=6379 --num-gpus=8
-    # every other node; Ray's token authentication is on by default: copy the head's
-    # ~/.ray/auth_token to the same path on each node first (see Ray's token-auth docs)
+    # every other node, with the head's Ray auth token when the head uses one (copy its
+    # ~/.ray/auth_token, or RAY_AUTH_TOKEN=...; docs/distributed.md, "Joining a cluster")
     ray start --address=HEAD:6379 --num-gpus=8
     # on the head node: join the running cluster (trainer.ray_address=auto, or export
     # RAY_ADDRESS=HEAD:6379) instead of starting a private local one
@@ -61,6 +64,7 @@ shards (checked before step 1, ``check_shared`` in fitrl/trainer/rundir.py)::
         trainer.ray_address=auto
 
 ``ray status`` shows the nodes and free resources; ``ray stop`` on each node ends the cluster.
+An address that does not answer is one line within seconds (:func:`ensure_ray`).
 NCCL picks the network by itself; set ``NCCL_SOCKET_IFNAME`` (and for gloo
 ``GLOO_SOCKET_IFNAME``) in the environment of ``ray start`` when nodes have several interfaces.
 """
@@ -68,7 +72,6 @@ NCCL picks the network by itself; set ``NCCL_SOCKET_IFNAME`` (and for gloo
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Optional
 
@@ -78,7 +81,8 @@ from fitrl.telemetry.guard import MemoryPressure
 from fitrl.telemetry.phases import current_phase
 from fitrl.workers.group import Pending, WorkerGroup
 from fitrl.workers.ray_actor import remote
-from fitrl.workers.ray_cluster import PROBE_TIMEOUT_S, cluster_devices, probe_gpu, read_gpu  # noqa: F401 (re-exported)
+from fitrl.workers.ray_cluster import (PROBE_TIMEOUT_S, cluster_devices, ensure_ray, probe_gpu,  # noqa: F401
+                                       read_gpu, wait)  # (re-exported)
 from fitrl.workers.ray_failures import (ANSI_RE, RemoteTraceback, describe_death, is_death, is_memory_pressure,
                                         with_prefix)
 from fitrl.workers.ray_placement import Placement, RankSlot, rank_layout
@@ -101,31 +105,6 @@ GPU_SHARE = 0.01
 PORT_ATTEMPTS = 3
 
 
-def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
-               runtime_env: Optional[dict] = None) -> None:
-    """Connect Ray once per process.
-
-    ``address`` (or ``RAY_ADDRESS``) joins a running cluster: ``"auto"`` for the one started by
-    ``ray start`` on this machine, ``"HOST:6379"`` for another. Without either, a private local
-    cluster starts (``num_cpus`` logical CPUs, default: all; dashboard off). A second call is a
-    no-op, whatever its arguments.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from air-gapped nodes
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    common = dict(logging_level=logging.WARNING, runtime_env=runtime_env)
-    if address and address != "local":
-        if num_cpus is not None:
-            raise ValueError(f"num_cpus={num_cpus} applies to a local cluster; the cluster at {address!r} "
-                             "has its resources set by `ray start`")
-        ray.init(address=address, **common)
-    else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
-
-
 class RayWorkerGroup(WorkerGroup):
     """``world_size`` Ray actors, each holding one rank of ``worker_cls`` in one process group.
 
@@ -139,7 +118,9 @@ class RayWorkerGroup(WorkerGroup):
         name: the role, used in messages, actor reprs (Ray logs) and placement-group names.
         colocate_with: another ``RayWorkerGroup`` whose bundles this group shares, rank by rank.
         backend: override the process-group backend (e.g. ``"cpu:gloo,cuda:nccl"``).
-        placement_timeout_s: how long to wait for the cluster to free the bundles.
+        placement_timeout_s: the longest wait for the cluster to give the bundles (default
+            :data:`~fitrl.workers.ray_placement.PLACEMENT_TIMEOUT_S`); a request the cluster can
+            never give is refused sooner (fitrl/workers/ray_placement.py).
         failure_grace_s: after one rank raises, how long the others may take to finish before
             the group is judged stuck and shut down.
         dist_timeout_s: ``init_process_group`` timeout (also the collective timeout);
@@ -152,7 +133,7 @@ class RayWorkerGroup(WorkerGroup):
     def __init__(self, worker_cls: type, *args, world_size: int, nnodes: int = 1,
                  devices_per_node: Optional[int] = None, num_cpus_per_worker: float = 1, use_gpu: bool = False,
                  name: str = "policy", colocate_with: Optional["RayWorkerGroup"] = None,
-                 backend: Optional[str] = None, placement_timeout_s: float = 300.0,
+                 backend: Optional[str] = None, placement_timeout_s: Optional[float] = None,
                  failure_grace_s: float = 10.0, dist_timeout_s: Optional[float] = None,
                  env_vars: Optional[dict] = None, **kwargs):
         import ray
@@ -322,7 +303,7 @@ class RayWorkerGroup(WorkerGroup):
             # watchdog's Hung (raised there, fitrl/trainer/watchdog.py) lands at once and the
             # run stops or restarts cleanly, instead of the watchdog ending the process
             timeout = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            done, _ = wait(list(pending), 1, timeout)  # (a second SIGTERM raises here, not in Ray's C++)
             if not done:
                 if deadline is None or time.monotonic() < deadline:
                     continue
@@ -337,8 +318,10 @@ class RayWorkerGroup(WorkerGroup):
                         deadline = time.monotonic() + min(1.0, self.failure_grace_s)
                     elif deadline is None and not is_memory_pressure(e):
                         # a guard stop is not a hang: the other ranks finish their (collective-free)
-                        # phase or leave at the same safe point, and the group stays usable
-                        deadline = time.monotonic() + self.failure_grace_s
+                        # phase or leave at the same safe point, and the group stays usable;
+                        # a group whose start failed is discarded whatever its other ranks do
+                        deadline = time.monotonic() + (min(1.0, self.failure_grace_s) if method == "__init__"
+                                                       else self.failure_grace_s)
         mine = next((k for k, (_, i) in enumerate(self._running) if i == id(refs)), None)
         # the oldest main-thread call, when sent before this one (a mailbox call runs beside it)
         running = self._running[0][0] if self._running and mine != 0 else None
@@ -376,8 +359,9 @@ class RayWorkerGroup(WorkerGroup):
         cause = causes[rank]
         prefix = f"{self.name} rank {rank} (node {self.node_ips[rank]}) in {method!r}: "
         if stuck:
-            prefix += (f"[ranks {stuck} were still running {self.failure_grace_s:.0f} s later, likely waiting in a "
-                       f"collective; the group was shut down] ")
+            if method != "__init__":  # (the peers of a rank that could not start wait for it: no news)
+                prefix += (f"[ranks {stuck} were still running {self.failure_grace_s:.0f} s later, likely waiting "
+                           f"in a collective; the group was shut down] ")
             self._failed = f"rank {rank} raised in {method!r} while ranks {stuck} hung"
             self.shutdown()
         new = with_prefix(cause, prefix)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fitrl.models.check import read_config_json
+from fitrl.models.config_json import read_config_json
 from fitrl.data.media import MediaSpec
 from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, TEXT_INPUTS, ModelFamily, ModelInputs
 from fitrl.models.families.causal_lm import CAUSAL_LM, CausalLMFamily

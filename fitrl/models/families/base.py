@@ -33,7 +33,7 @@ from fitrl.core.padding import position_ids_from_mask
 from fitrl.core.registry import Registry
 from fitrl.data.media import MediaSpec
 from fitrl.models.decoder import DecoderLayout
-from fitrl.models.shape import VisionTower
+from fitrl.models.vision import VisionTower
 
 HEADS = ("causal_lm", "value", "reward")
 """What :meth:`ModelFamily.builders` can build: ``causal_lm`` (policy, reference, judge), ``value``

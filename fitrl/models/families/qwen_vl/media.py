@@ -29,7 +29,7 @@ from fitrl.core.errors import DataError, ModelDirError
 from fitrl.core.model_types import VIDEO_TYPES, VISION_LANGUAGE_NAMES
 from fitrl.data.images import BadImage, image_bytes_or_path, load_image, smart_resize
 from fitrl.data.media import RowMedia, video_pixel_limits
-from fitrl.models.check import read_config_json
+from fitrl.models.config_json import read_config_json
 from fitrl.models.families.qwen_vl.pixels import (check_video_support, frames_from_pixels, images_from_pixels,
                                                   process_images, process_videos, sample_frames)
 

@@ -1,12 +1,13 @@
 """Qwen-VL pixels: images and video frames to the model's inputs exactly as transformers'
 ``Qwen2VLImageProcessorPil`` / video processor make them, and back (the vLLM engine takes images,
-not pixel values). ``spec``: the model's :class:`~fitrl.models.families.qwen_vl.media.VisionSpec`.
+not pixel values). ``spec``: the model's :class:`~fitrl.models.families.qwen_vl.media.VisionSpec`,
+read here through :class:`Patching` (what this module asks of it), since media.py imports this one.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from PIL import Image
@@ -14,11 +15,25 @@ from PIL import Image
 from fitrl.core.errors import DataError
 from fitrl.data.images import smart_resize
 
-if TYPE_CHECKING:
-    from fitrl.models.families.qwen_vl.media import VisionSpec
+
+class Patching(Protocol):
+    """What the pixel code reads of a model's vision spec (fitrl/models/families/qwen_vl/media.py,
+    ``VisionSpec``, which is one)."""
+
+    model_type: str
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    supports_video: bool
+
+    @property
+    def factor(self) -> int: ...
+
 
 @functools.lru_cache(maxsize=8)
-def _image_processor(spec: VisionSpec, min_pixels: int, max_pixels: int):
+def _image_processor(spec: Patching, min_pixels: int, max_pixels: int):
     # The PIL backend: transformers' default one needs torchvision, which this install lacks.
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -27,7 +42,7 @@ def _image_processor(spec: VisionSpec, min_pixels: int, max_pixels: int):
                                     image_mean=list(spec.image_mean), image_std=list(spec.image_std))
 
 
-def process_images(images: list[Image.Image], spec: VisionSpec, min_pixels: int, max_pixels: int) -> dict:
+def process_images(images: list[Image.Image], spec: Patching, min_pixels: int, max_pixels: int) -> dict:
     """``pixel_values`` (float32, ``(sum of t*h*w patches, C * temporal_patch * patch * patch)``)
     and ``image_grid_thw`` (int64, ``(len(images), 3)``, each ``[1, h'/patch, w'/patch]``) of RGB
     images, as ``Qwen2VLImageProcessorPil`` makes them with these pixel limits."""
@@ -35,7 +50,7 @@ def process_images(images: list[Image.Image], spec: VisionSpec, min_pixels: int,
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
-def images_from_pixels(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, spec: VisionSpec) -> list[Image.Image]:
+def images_from_pixels(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, spec: Patching) -> list[Image.Image]:
     """The resized RGB images that :func:`process_images` patchified, recovered exactly: undo the
     patch layout and the normalisation, round to 8 bits (the resized image was 8-bit, so the
     round trip is exact up to float error far below half a level). An engine that takes images
@@ -44,14 +59,14 @@ def images_from_pixels(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
     return [Image.fromarray(frames[0], "RGB") for frames in _unpatchify(pixel_values, image_grid_thw, spec)]
 
 
-def frames_from_pixels(pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor, spec: VisionSpec):
+def frames_from_pixels(pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor, spec: Patching):
     """The frames of each video that :func:`process_videos` patchified, as uint8 arrays
     ``(grid_t * temporal_patch_size, h', w', 3)``: sampled, padded to whole temporal patches and
     resized, exactly as the trainer sees them (see :func:`images_from_pixels`)."""
     return _unpatchify(pixel_values_videos, video_grid_thw, spec)
 
 
-def _unpatchify(pixel_values: torch.Tensor, grid_thw: torch.Tensor, spec: VisionSpec):
+def _unpatchify(pixel_values: torch.Tensor, grid_thw: torch.Tensor, spec: Patching):
     p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     mean = torch.tensor(spec.image_mean, dtype=torch.float64)[:, None, None]
     std = torch.tensor(spec.image_std, dtype=torch.float64)[:, None, None]
@@ -79,13 +94,13 @@ def sample_frames(n_frames: int, max_frames: int) -> list[int]:
     return [i * n_frames // max_frames for i in range(max_frames)]
 
 
-def check_video_support(spec: VisionSpec) -> None:
+def check_video_support(spec: Patching) -> None:
     if not spec.supports_video:
         raise DataError(f"videos are not supported for {spec.model_type} yet; drop the video column "
                         f"(data.video_key) or use a Qwen2-VL / Qwen2.5-VL model")
 
 
-def process_videos(videos: list[list[Image.Image]], spec: VisionSpec, *, fps: float, max_frames: int,
+def process_videos(videos: list[list[Image.Image]], spec: Patching, *, fps: float, max_frames: int,
                    max_pixels: int, min_pixels: int) -> dict:
     """Model inputs of videos given as lists of RGB frames.
 

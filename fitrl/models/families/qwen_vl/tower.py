@@ -1,6 +1,6 @@
 """The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision towers in closed form: every parameter tensor, the
 forward FLOPs of one image, and the largest image the processor emits (the memory plan's and the
-FLOP counter's one description of a tower: :class:`fitrl.models.shape.VisionTower`).
+FLOP counter's one description of a tower: :class:`fitrl.models.vision.VisionTower`).
 
 :func:`tower_from_config` reads ``config.json``'s ``vision_config`` with transformers' defaults
 for the keys a checkpoint leaves out.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fitrl.data.images import MAX_ASPECT_RATIO
-from fitrl.models.shape import VisualInput
+from fitrl.models.vision import VisualInput
 
 
 @dataclass(frozen=True)

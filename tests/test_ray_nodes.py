@@ -12,7 +12,8 @@ process joins it as a driver, and ``fitrl train`` runs join it with ``trainer.ra
 - a 2-node run trains and checkpoints; SIGTERM while its resume waits for room stops in one line
   (exit 143), the checkpoint intact;
 - a restart after a lost node, with no room left for one group per node, stops in one line within
-  the limit (exit 2).
+  the limit (exit 2); with room (a third node joined), it rebuilds one group per node on the live
+  nodes and finishes, every step recorded once.
 
 The tier: ``pytest -m multinode`` (docs/testing.md); a minute or two here.
 """
@@ -93,12 +94,8 @@ def node_ids() -> dict[str, str]:
 
 
 def run_train(address: str, model_dir, run, *extra: str, wait: bool = True):
-    """``fitrl train`` joining the cluster; the placement limit is ``LIMIT_S``. Its ``-c`` sets the
-    default a worker group waits for too, for as long as fitrl/trainer/run.py does not hand
-    ``trainer.placement_timeout_s`` to the groups it builds."""
-    code = (f"import sys; import fitrl.workers.ray_placement as p; p.PLACEMENT_TIMEOUT_S = {LIMIT_S}; "
-            "from fitrl.cli import main; sys.exit(main(sys.argv[1:]))")
-    args = [sys.executable, "-c", code, "train", str(EXAMPLE), f"trainer.ray_address={address}",
+    """``fitrl train`` joining the cluster; the placement limit is ``LIMIT_S``."""
+    args = [sys.executable, "-m", "fitrl.cli", "train", str(EXAMPLE), f"trainer.ray_address={address}",
             f"trainer.placement_timeout_s={LIMIT_S}", f"actor.model.path={model_dir}", f"trainer.run_dir={run}",
             f"data.train_files=[{DATA / 'arith_train.jsonl'}]", "data.val_files=[]", "data.rollout_batch_size=4",
             "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "trainer.device=cpu",
@@ -107,6 +104,19 @@ def run_train(address: str, model_dir, run, *extra: str, wait: bool = True):
     if wait:
         return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=900)
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def wait_for_a_trained_step(proc, run):
+    """Wait until the run ``proc`` trains in ``run`` has recorded a step; its metrics file."""
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and any("reward/mean" in json.loads(line)
+                                     for line in metrics.read_text().splitlines() if line.strip()):
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return metrics
 
 
 def fitrl_line(stderr: str) -> str:
@@ -216,14 +226,7 @@ def test_a_restart_after_a_lost_node_without_room_stops_in_one_line_within_the_l
     proc = run_train(nodes.address, tiny_model_dir, run, "trainer.max_steps=200", "trainer.max_restarts=1",
                      wait=False)
     try:
-        metrics = run / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.is_file() and any("reward/mean" in json.loads(line)
-                                         for line in metrics.read_text().splitlines() if line.strip()):
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        wait_for_a_trained_step(proc, run)
         nodes.remove_node(nodes.b)
         lost = time.monotonic()
         stdout, stderr = proc.communicate(timeout=600)
@@ -240,3 +243,29 @@ def test_a_restart_after_a_lost_node_without_room_stops_in_one_line_within_the_l
                            "{'CPU': 1} (one rank group per node); only 1 of its 1 live node(s) have room for 1 "
                            f"bundle(s) each, and no node joined within {LIMIT_S} s (trainer.placement_timeout_s)"), line
     assert LIMIT_S - 1 < took < LIMIT_S + 240, took  # the limit, plus the death noticed and a run rebuilt
+
+
+def test_a_restart_after_a_lost_node_with_room_rebuilds_on_the_live_nodes_and_finishes(nodes, tiny_model_dir,
+                                                                                       tmp_path):
+    """Node c joins; node b goes after step 1: ``trainer.max_restarts=1`` rebuilds one group per
+    node on the head and node c, resumes from the newest checkpoint and trains every step once."""
+    c = nodes.add_node(num_cpus=2, resources={"node_c": 1})
+    nodes.wait_for_nodes()
+    run, steps = tmp_path / "run", 30
+    proc = run_train(nodes.address, tiny_model_dir, run, f"trainer.max_steps={steps}", "trainer.max_restarts=1",
+                     wait=False)
+    try:
+        metrics = wait_for_a_trained_step(proc, run)
+        nodes.remove_node(nodes.b)
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        nodes.remove_node(c)
+        nodes.b = nodes.add_node(num_cpus=2, resources={"node_b": 1})
+        nodes.wait_for_nodes()
+    assert proc.returncode == 0 and "Traceback" not in stderr, (stdout + stderr)[-3000:]
+    assert "restart 1 of trainer.max_restarts=1: WorkerFailed: policy rank" in stdout, stdout[-3000:]
+    trained = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+               if line.strip() and "reward/mean" in json.loads(line)]
+    assert trained == list(range(1, steps + 1)), trained  # resumed at its checkpoint: none twice, none lost

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.vllm
 
 import json  # noqa: E402
 
-from fitrl.cli import judge_rise  # noqa: E402
+from fitrl.trainer.verdict import judge_rise  # noqa: E402
 from fitrl.config import load_config  # noqa: E402
 from fitrl.roles.workers import PolicyWorker  # noqa: E402
 from helpers import ROOT  # noqa: E402

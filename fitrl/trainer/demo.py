@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace, load: Callable, on_config: Callable) -> i
         verdict["message"] = verdict["message"].replace("rose beyond noise", "rose") + (
             f", but the policy collapsed: {collapse}; it has not learned the task")
     console.print(verdict["message"], highlight=False)
-    gain = accuracy_gain(Path(where["run_dir"]) / "metrics.jsonl", prompts=_val_prompts(cfg))
+    gain = accuracy_gain(Path(where["run_dir"]) / "metrics.jsonl", prompts=where.get("val_prompts", 0))
     if gain is not None:
         console.print(gain["message"], highlight=False)
     if collapse:
@@ -102,13 +102,6 @@ def run_demo(args: argparse.Namespace, load: Callable, on_config: Callable) -> i
     if gain is not None:  # validation accuracy says whether GRPO made the policy better
         return 0 if gain["after"] > gain["before"] else 1
     return 1 if verdict.get("judged") and not verdict["rose"] else 0
-
-
-def _val_prompts(cfg) -> int:
-    """The validation prompts the run scored (its files' rows): what an accuracy's noise is over."""
-    from fitrl.data.rows import iter_rows
-
-    return sum(1 for f in cfg.data.val_files for _ in iter_rows(f))
 
 
 def _make_reward_models(cfg, maker: str, console) -> None:

@@ -272,6 +272,7 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         check_agent(cfg, tokenizer)  # the environment imports, the tools' schemas render in the chat template
         check_reward_sources(cfg)  # reward models' and judges' directories and chat templates
         train_data, val_data = build_datasets(cfg, tokenizer)
+        where["val_prompts"] = len(val_data) if val_data is not None else 0  # (what a verdict's noise is over)
         checkpoints = CheckpointManager(cfg, run_dir, console)
         resume = checkpoints.resume_point()  # config checked against the checkpoint's before any model loads
         save_config(cfg, run_dir / "config.yaml")

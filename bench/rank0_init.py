@@ -35,12 +35,13 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, warmup_dir: str,
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from fitrl.config.schema import FSDPConfig, ModelConfig
+    import fitrl.sharding  # noqa: F401  (registers the FSDP2 backend build_model shards with)
+    from fitrl.config.schema import ActorConfig, FSDPConfig, ModelConfig
     from fitrl.models.loading import build_model
 
     # Warm up with the tiny model of the same architecture, so the lazy imports and the
     # collective buffers are in the baseline and the measurement is the model's memory alone.
-    build_model("causal_lm", ModelConfig(path=warmup_dir), FSDPConfig(init=init), torch.device("cpu"))
+    build_model("causal_lm", ModelConfig(path=warmup_dir), ActorConfig(fsdp=FSDPConfig(init=init)), torch.device("cpu"))
     import gc
 
     gc.collect()
@@ -50,7 +51,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, warmup_dir: str,
     if not reset_peak_rss():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the peak would be the lifetime one")
     start = time.perf_counter()
-    model = build_model("causal_lm", ModelConfig(path=model_dir), FSDPConfig(init=init), torch.device("cpu"))
+    model = build_model("causal_lm", ModelConfig(path=model_dir), ActorConfig(fsdp=FSDPConfig(init=init)), torch.device("cpu"))
     dist.barrier()
     times[rank] = (time.perf_counter() - start, (peak_rss_bytes() - base) / GIB)
     done.wait()

@@ -54,6 +54,7 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
     over ``config`` and the TRL names.
     """
     import fitrl.rollout  # noqa: F401  (registers the engines: rollout.engine is checked on load)
+    import fitrl.sharding  # noqa: F401  (registers the sharding backends and their planners)
     from fitrl.telemetry.phases import current_phase
     from fitrl.trainer.run import train as run
 

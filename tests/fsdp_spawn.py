@@ -58,7 +58,8 @@ def ulysses_update_on_rank(rank, world, port, model_dir, batch, sp, fsdp, checkp
         from transformers import AutoModelForCausalLM
 
         from fitrl.config.schema import ActorConfig, AlgorithmConfig, FSDPConfig
-        from fitrl.distributed.fsdp import full_state_dict, shard
+        from fitrl.distributed.fsdp import shard
+        from fitrl.distributed.state import full_state_dict
         from fitrl.distributed.ulysses import sequence_groups
         from fitrl.roles.actor import Actor
 
@@ -74,6 +75,35 @@ def ulysses_update_on_rank(rank, world, port, model_dir, batch, sp, fsdp, checkp
         state = full_state_dict(model) if fsdp else {k: v.detach().clone() for k, v in model.state_dict().items()}
         if rank == 0:
             queue.put(pickle.dumps((logp, metrics, state)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def replicated_on_rank(rank, world, port, model_dir, queue):
+    """A model built by ``build_model`` under a dummy sharding backend of the test's own
+    ("replicate": the whole model on every rank, rank 0's weights broadcast into the others'
+    meta-built copies), registered in this process as a user's backend would be."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import fitrl.sharding  # noqa: F401  (the built-in backends, as the roles register them)
+        from fitrl.config.schema import ActorConfig, ModelConfig
+        from fitrl.distributed.sharding import SHARDING_BACKENDS, backend_of, sharded_over_ranks
+        from fitrl.models.loading import build_model
+        from sharding_dummy import ReplicateBackend
+
+        SHARDING_BACKENDS.add("replicate", ReplicateBackend())
+        section = ActorConfig(model=ModelConfig(path=model_dir), sharding="replicate")
+        model = build_model("causal_lm", section.model, section, torch.device("cpu"))
+        ids = torch.arange(1, 9).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        queue.put((rank, backend_of(model).name, sharded_over_ranks(model), getattr(model, "filled_by", None),
+                   pickle.dumps(logits)))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -345,7 +345,7 @@ class DummyRolePlanner(RolePlanner):
         return True
 
     def states(self, run):
-        return States(64 * 2**20), run.cfg.ref.fsdp
+        return States(64 * 2**20), run.cfg.ref  # (sharded and offloaded as the reference's section says)
 
     def active_phases(self, run):
         return {"update"}

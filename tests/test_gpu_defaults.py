@@ -65,14 +65,18 @@ def test_a_cuda_plan_counts_bf16_and_a_cpu_plan_is_unchanged(tiny_model_dir):
     ("verl", ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
               "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16",
               "actor_rollout_ref.rollout.dtype=bfloat16"],
-     {"actor.fsdp.mixed_precision": True, "ref.fsdp.mixed_precision": True}),
-    ("verl", ["actor_rollout_ref.rollout.dtype=bfloat16"], {"actor.fsdp.mixed_precision": True}),
+     {"actor.fsdp.mixed_precision": True, "ref.fsdp.mixed_precision": True, "critic.fsdp.mixed_precision": True}),
+    # (keys a source leaves out keep its defaults: veRL computes every role in bf16, tests/test_import_defaults.py)
+    ("verl", ["actor_rollout_ref.rollout.dtype=bfloat16"],
+     {"actor.fsdp.mixed_precision": True, "ref.fsdp.mixed_precision": True, "critic.fsdp.mixed_precision": True}),
     ("verl", ["actor_rollout_ref.actor.fsdp_config.param_dtype=fp32", "actor_rollout_ref.rollout.dtype=bfloat16"],
-     {"actor.fsdp.mixed_precision": False}),  # the trainer's own dtype decides the engine's
+     {"actor.fsdp.mixed_precision": False, "ref.fsdp.mixed_precision": True,
+      "critic.fsdp.mixed_precision": True}),  # the trainer's own dtype decides the engine's
     ("easyr1", ["worker.actor.fsdp.mp_param_dtype=bf16", "worker.actor.fsdp.torch_dtype=fp32",
                 "worker.ref.fsdp.torch_dtype=bf16", "worker.rollout.dtype=bf16"],
      {"actor.fsdp.mixed_precision": True, "ref.fsdp.mixed_precision": True}),
-    ("easyr1", ["worker.actor.fsdp.mp_param_dtype=fp32"], {"actor.fsdp.mixed_precision": False}),
+    ("easyr1", ["worker.actor.fsdp.mp_param_dtype=fp32"],
+     {"actor.fsdp.mixed_precision": False, "ref.fsdp.mixed_precision": True}),
 ])
 def test_the_importer_maps_the_sources_dtypes(fmt, source, expected):
     path = "actor_rollout_ref.model.path=/m" if fmt == "verl" else "worker.actor.model.model_path=/m"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fitrl.config.schema import FSDPConfig
-from fitrl.distributed.fsdp import check_optimizer_on_param_devices, move_optimizer_state, optimizer_state_misplaced
+from fitrl.distributed.host_device import check_optimizer_on_param_devices, move_optimizer_state, optimizer_state_misplaced
 from fitrl.distributed.process_group import backend_for_device, default_backend
 from fitrl.roles import offload
 from fitrl.roles.offload import OffloadBetweenPhases
@@ -45,7 +45,8 @@ def host_collectives_on_rank(rank: int, world: int, port: int, backend: str, que
     ``full_tensor()``) and a gradient-norm clip over host DTensor gradients."""
     import torch.distributed as dist
 
-    from fitrl.distributed.fsdp import shard, stream_full_tensors
+    from fitrl.distributed.fsdp import shard
+    from fitrl.distributed.state import stream_full_tensors
     from fitrl.distributed.process_group import DistEnv, init_distributed
     from fitrl.roles.actor import clip_gradients
 

@@ -61,7 +61,9 @@ def test_a_verl_launch_script():
     assert c["trainer.loggers"] == ["console", "wandb"] and c["trainer.val_freq"] == 5
     seen = lines(imp)
     assert seen["trainer.total_epochs"][0] == "not translated" and "trainer.max_steps" in seen["trainer.total_epochs"][1]
-    assert seen["actor_rollout_ref.model.path"][0] == "approximated" and "Hub name" in seen["actor_rollout_ref.model.path"][1]
+    # a Hub id is kept as the source names it (docs/hub.md): read through the Hugging Face cache
+    assert seen["actor_rollout_ref.model.path"][0] == "translated" and "is a Hub id" in seen["actor_rollout_ref.model.path"][1]
+    assert c["actor.model.path"] == "Qwen/Qwen2-7B-Instruct"
 
 
 def test_a_verl_script_with_list_variables_and_a_critic():
@@ -105,7 +107,8 @@ def test_an_easyr1_config_and_script():
     assert c["reward.function"] == "math"  # EasyR1's math.py: the built-in that scores the same answers
     assert c["data.prompt_template"].startswith("{{ problem | trim }} You FIRST think")  # its math.jinja
     assert (c["actor.fsdp.offload_params"], c["ref.fsdp.cpu_offload"], c["checkpoint.save_limit"]) == (True, True, 3)
-    assert lines(imp)["data.train_files"][0] == "approximated"  # a Hub dataset: download it
+    assert lines(imp)["data.train_files"][0] == "translated"  # a Hub dataset, kept: read through the cache
+    assert "is a Hub id" in lines(imp)["data.train_files"][1]
     lora = import_config(str(FOREIGN / "easyr1/examples/qwen3_4b_math_grpo_lora.sh")).config
     assert (lora["actor.lora.rank"], lora["actor.lora.alpha"], lora["trainer.devices_per_node"]) == (64, 64, 1)
 

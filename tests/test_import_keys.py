@@ -26,7 +26,8 @@ MODEL = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "nu
 
 
 def easyr1(*overrides, source=None):
-    return import_config(source, ["worker.actor.model.model_path=/m", *overrides], fmt="easyr1")
+    # (EasyR1's own default rollout.n=1 under GRPO trains nothing, and fitrl refuses it: n=5 as its examples)
+    return import_config(source, ["worker.actor.model.model_path=/m", "worker.rollout.n=5", *overrides], fmt="easyr1")
 
 
 def verl(*overrides):

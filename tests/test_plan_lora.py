@@ -102,8 +102,8 @@ def test_no_reference_model_with_lora(tiny_model_dir):
     assert set(role_states(lora)) == {"actor"}
     assert role_states(lora)["actor"][0] == lora_states(lora.shape, 4, ["all-linear"], world=2)
     assert role_states(full)["actor"][0] == trained_states(full.shape, world=2)  # LoRA off: as before
-    assert resident("actor", lora.cfg.actor.fsdp, "ref_logprob", lora)[0]      # weights on the device
-    assert not resident("actor", full.cfg.actor.fsdp, "ref_logprob", full)[0]  # offloaded: not its phase
+    assert resident("actor", lora.cfg.actor, "ref_logprob", lora)[0]      # weights on the device
+    assert not resident("actor", full.cfg.actor, "ref_logprob", full)[0]  # offloaded: not its phase
 
 
 @pytest.mark.slow

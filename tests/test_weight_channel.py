@@ -34,7 +34,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _tiny_weights(model_dir) -> dict[str, torch.Tensor]:
     from fitrl.config.schema import FSDPConfig, ModelConfig
-    from fitrl.distributed.fsdp import stream_full_tensors
+    from fitrl.distributed.state import stream_full_tensors
     from fitrl.models.loading import build_model
 
     model = build_model("causal_lm", ModelConfig(path=str(model_dir)), FSDPConfig(), torch.device("cpu"))

@@ -20,6 +20,7 @@ from fitrl.agents.env import check_agent_spec
 from fitrl.algo import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgorithmSpec, algorithm_spec
 from fitrl.core.errors import ConfigError
 from fitrl.core.registry import CHECKED_ON_LOAD
+from fitrl.distributed.sharding import SHARDING_BACKENDS
 from fitrl.rewards.functions import check_reward_spec
 from fitrl.tracking import TRACKERS
 
@@ -44,9 +45,19 @@ def check_choices(cfg: "FitrlConfig") -> None:
     check_agent_spec(cfg.rollout.agent.env, cfg.rollout.agent.tools)
     for name in cfg.trainer.loggers:
         TRACKERS.check(name)  # whether its package is installed is checked when training starts
+    if SHARDING_BACKENDS.names():  # (registered once fitrl.sharding is imported: the command line does first)
+        for key, section in sharded_sections(cfg):
+            SHARDING_BACKENDS.check(section.sharding, f"{key}.sharding")
     for registry in CHECKED_ON_LOAD:
         section, key = registry.config_key.split(".")
         registry.check(getattr(getattr(cfg, section), key))
+
+
+def sharded_sections(cfg: "FitrlConfig") -> list[tuple[str, object]]:
+    """``(key, section)`` of every config section that names a sharding backend (the roles and
+    the model reward sources), whether or not this run builds it."""
+    found = [("actor", cfg.actor), ("ref", cfg.ref), ("critic", cfg.critic)]
+    return found + [(f"reward.sources.{name}", src) for name, src in cfg.reward.sources.items()]
 
 
 def algorithm_needs(cfg: "FitrlConfig") -> AlgorithmSpec:

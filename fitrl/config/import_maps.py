@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitrl.config.import_defaults import EASYR1_DEFAULTS, VERL_DEFAULTS  # noqa: F401  (read by the importer)
 from fitrl.config.import_rules import (AGENTS, APPROXIMATED, EASYR1_LOSSES, NOT_TRANSLATED,  # noqa: F401
                                        REWARD_FILES, ROLLOUT_MODE_ASYNC, TRANSLATED, VERL_LOSSES, Rule, drop,
                                        easyr1_disable_kl, easyr1_dynamic_batching, easyr1_filter_key, easyr1_kl,
@@ -18,7 +19,7 @@ from fitrl.config.import_rules import (AGENTS, APPROXIMATED, EASYR1_LOSSES, NOT_
                                        multi_turn_enable, policy_loss, reward_file, reward_kwargs, reward_name, to,
                                        verl_dynamic_bsz, verl_filter_metric, warmup_ratio, warmup_steps,
                                        when_multi_turn)
-from fitrl.config.import_rules import engine_precision, precision
+from fitrl.config.import_rules import engine_precision, precision, resolve
 
 
 def _files(v: Any) -> list:
@@ -40,8 +41,10 @@ def _gpus(src: dict, key: str, nodes_key: str) -> int:
 
 def _per_device(fitrl_key: str, gpus_key: str, nodes_key: str) -> Rule:
     """A global micro-batch divided over the devices (veRL's deprecated non-``_per_gpu`` keys)."""
-    return Rule(lambda v, src: [(fitrl_key, max(1, int(v) // _gpus(src, gpus_key, nodes_key)))], APPROXIMATED,
-                "a global micro-batch: divided by the devices")
+    def setter(v: Any, src: dict) -> list[tuple[str, Any]]:
+        v = resolve(v, src)  # (veRL's forward micro-batch is its update one, by interpolation)
+        return [] if v is None else [(fitrl_key, max(1, int(v) // _gpus(src, gpus_key, nodes_key)))]
+    return Rule(setter, APPROXIMATED, "a global micro-batch: divided by the devices")
 
 
 def _full_shard(role: str) -> Rule:
@@ -77,16 +80,19 @@ NO_EFFECT = "no effect in fitrl"
 CRITIC_BY_COUNT = "fitrl's critic micro-batches are counted in sequences (critic.micro_batch_size): no token budget"
 ALL_PROMPTS_FIT = "fitrl drops prompts longer than data.max_prompt_length and counts them at start-up"
 EPOCHS = "fitrl counts steps: set trainer.max_steps (epochs x training rows / data.rollout_batch_size)"
-HUB = "fitrl reads local files only"
+HUB = "kept, and read through the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE; docs/hub.md)"
 
 
 VERL_ACTOR_DTYPE = ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
-                    "actor_rollout_ref.actor.fsdp_config.param_dtype")
+                    "actor_rollout_ref.actor.fsdp_config.param_dtype", "actor_rollout_ref.actor.fsdp_config.dtype")
 EASYR1_ACTOR_DTYPE = ("worker.actor.fsdp.mp_param_dtype", "worker.actor.fsdp.torch_dtype")
 
 
 VERL: dict[str, Rule] = {
-    # dtypes (veRL: bf16 compute on fp32 weights unless told, as fitrl on CUDA)
+    # dtypes (veRL: bf16 compute on fp32 weights unless told; fsdp_config.dtype since its FSDPEngineConfig)
+    "actor_rollout_ref.actor.fsdp_config.dtype": precision("actor.fsdp.mixed_precision"),
+    "actor_rollout_ref.ref.fsdp_config.dtype": precision("ref.fsdp.mixed_precision"),
+    "critic.model.fsdp_config.dtype": precision("critic.fsdp.mixed_precision"),
     "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": precision("actor.fsdp.mixed_precision"),
     "actor_rollout_ref.actor.fsdp_config.param_dtype": precision("actor.fsdp.mixed_precision"),
     "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype": precision("ref.fsdp.mixed_precision"),
@@ -287,16 +293,6 @@ VERL_PREFIXES: dict[str, Rule] = {
 }
 """Rules for every key below a section."""
 
-VERL_DEFAULTS: dict[str, Any] = {
-    "data.train_batch_size": 1024, "data.max_prompt_length": 512, "data.max_response_length": 512,
-    "actor_rollout_ref.actor.ppo_mini_batch_size": 256, "actor_rollout_ref.rollout.n": 1,
-    "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
-    "algorithm.adv_estimator": "gae", "trainer.n_gpus_per_node": 8, "trainer.nnodes": 1,
-    "actor_rollout_ref.actor.kl_loss_type": "low_var_kl", "actor_rollout_ref.actor.optim.lr": 1e-6,
-}
-"""veRL's defaults (``verl/trainer/config/_generated_ppo_trainer.yaml``, volcengine/verl b178a3c) where
-they differ from fitrl's: a key a veRL command line leaves out keeps veRL's value."""
-
 EASYR1: dict[str, Rule] = {
     # dtypes (EasyR1: bf16 compute, fp32 actor weights, unless told)
     "worker.actor.fsdp.mp_param_dtype": precision("actor.fsdp.mixed_precision"),
@@ -378,6 +374,7 @@ EASYR1: dict[str, Rule] = {
     "worker.actor.fsdp.enable_rank0_init": to("actor.fsdp.init", lambda v: "rank0" if v else "every_rank"),
     "worker.actor.offload.offload_params": to("actor.fsdp.offload_params"),
     "worker.actor.offload.offload_optimizer": to("actor.fsdp.offload_optimizer"),
+    "worker.rollout.name": ENGINE,
     "worker.rollout.n": to("rollout.n"),
     "worker.rollout.temperature": to("rollout.temperature"),
     "worker.rollout.top_p": to("rollout.top_p"),

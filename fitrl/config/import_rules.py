@@ -8,9 +8,12 @@ named beside it), so that the maps stay a table.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import yaml
 
 from fitrl.core.errors import ConfigError
 from fitrl.core.nested import flatten
@@ -31,8 +34,41 @@ class Rule:
 
 
 def to(key: str, convert: Callable[[Any], Any] = lambda v: v, status: str = TRANSLATED, why: str = "") -> Rule:
-    """The value (converted) goes to one fitrl key."""
-    return Rule(lambda v, src: [(key, convert(v))], status, why)
+    """The value (its interpolations resolved, then converted) goes to one fitrl key; one that
+    resolves to null sets nothing, as a null in the source does."""
+    def setter(v: Any, src: dict) -> list[tuple[str, Any]]:
+        v = resolve(v, src)
+        return [] if v is None else [(key, convert(v))]
+    return Rule(setter, status, why)
+
+
+INTERPOLATION = re.compile(r"\$\{(oc\.select:)?([\w.]+)(?:,([^{}]*))?\}")
+
+
+def resolve(value: Any, src: dict, depth: int = 0) -> Any:
+    """OmegaConf's ``${key}`` and ``${oc.select:key,default}`` in a value, read from the source's
+    other keys: veRL's defaults tie the critic's batches to the actor's this way, and a Hydra base
+    config does the same. A whole-value interpolation keeps the referenced value's type; a relative
+    ``${.key}`` or a key the source lacks (without a default) stays as written."""
+    if not isinstance(value, str) or "${" not in value or depth > 8:
+        return value
+    def lookup(m: re.Match) -> Any:
+        key, select, default = m.group(2), m.group(1), m.group(3)
+        if key.startswith("."):
+            return m
+        if key in src:
+            return resolve(src[key], src, depth + 1)
+        if select and default is not None:
+            return yaml.safe_load(default) if default.strip() else None
+        return m
+    whole = INTERPOLATION.fullmatch(value)
+    if whole:
+        found = lookup(whole)
+        return value if found is whole else found
+    def text(m: re.Match) -> str:
+        found = lookup(m)
+        return m.group(0) if isinstance(found, re.Match) else str(found)
+    return INTERPOLATION.sub(text, value)
 
 
 def drop(why: str) -> Rule:
@@ -43,14 +79,22 @@ def drop(why: str) -> Rule:
 def expand_dict_values(flat: dict[str, Any]) -> dict[str, Any]:
     """A dict-valued key (``val_override_config='{"n":16,"top_p":0.7}'`` on a command line) as the
     dotted keys below it, merged over the config's own (Hydra's and OmegaConf's override merges a
-    mapping into the section: the keys it names change, the others stay)."""
+    mapping into the section: the keys it names change, the others stay). A relative interpolation
+    (``${.key}``, ``${oc.select:.key,null}``) is made absolute here, where its section is known, for
+    :func:`resolve` to read."""
     out: dict[str, Any] = {}
     for key, value in flat.items():
         if isinstance(value, dict) and value:
             out.update({f"{key}.{k}": v for k, v in flatten(value).items()})
+        elif isinstance(value, str) and "${" in value:
+            section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+            out[key] = RELATIVE.sub(lambda m: "${" + (m.group(1) or "") + section, value)
         else:
             out[key] = value
     return out
+
+
+RELATIVE = re.compile(r"\$\{(oc\.select:)?\.(?!\.)")
 
 
 # ---------------------------------------------------------------------------------------- KL
@@ -284,7 +328,7 @@ def warmup_steps(v: Any, src: dict) -> list[tuple[str, Any]]:
 
 
 VERL_TOKEN_LEN = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
-VERL_TOKEN_LEN_DEFAULT = 16384  # verl/trainer/config/_generated_ppo_trainer.yaml
+VERL_TOKEN_LEN_DEFAULT = 16384  # veRL's, tests/data/foreign/defaults/verl/_generated_ppo_trainer.yaml
 
 
 def verl_dynamic_bsz(v: Any) -> Rule:
@@ -380,8 +424,10 @@ def precision(key: str, weights: bool = False) -> Rule:
     def choose(v: Any) -> Rule:
         name = str(v).lower()
         if name in BF16:
-            return to(key, lambda v: True, APPROXIMATED if weights else TRANSLATED,
-                      "fitrl keeps fp32 weights (masters) and computes in bf16" if weights else "")
+            held = ("fitrl holds the reference's weights in fp32 (bf16 with ref.model.dtype=bfloat16 and "
+                    "ref.model.path) and computes in bf16" if key.startswith("ref.") else
+                    "fitrl keeps fp32 weights (masters) and computes in bf16")
+            return to(key, lambda v: True, APPROXIMATED if weights else TRANSLATED, held if weights else "")
         if name in FP16:
             return to(key, lambda v: True, APPROXIMATED, "fitrl's low precision is bf16 (no fp16 loss scaling)")
         if name in FP32:

@@ -19,7 +19,8 @@ from typing import Any, Optional
 import yaml
 
 from fitrl.config.import_maps import (APPROXIMATED, EASYR1, HUB, NOT_TRANSLATED, REWARD_FILES, SPECIAL, TRANSLATED,
-                                      VERL, VERL_DEFAULTS, VERL_PREFIXES, EASYR1_PREFIXES, Rule, expand_dict_values)
+                                      VERL, VERL_PREFIXES, EASYR1_PREFIXES, Rule, expand_dict_values)
+from fitrl.config.import_defaults import SOURCE_NAMES, with_defaults
 from fitrl.config.shell import SOURCE, Arg, Launch, explain, read_launch
 from fitrl.config.text_file import read_text
 from fitrl.core.errors import ConfigError
@@ -108,7 +109,7 @@ def _left_unknown(fmt: str, unknown: dict[str, Arg], source: Optional[str]) -> l
     text for the user to set; any other key fitrl uses cannot be guessed: one line, exit 2."""
     notes = []
     for key, arg in unknown.items():
-        value, why = arg.text.partition("=")[2], explain(arg.unknown[0])
+        value, why = arg.text.partition("=")[2].replace("\n", "\\n"), explain(arg.unknown[0])  # (one line)
         if NAME_OR_PATH.fullmatch(key.rsplit(".", 1)[-1]):
             notes.append(f"{key}={value}: left for you to set: {why}")
             continue
@@ -133,8 +134,8 @@ def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None)
     rules = FORMATS[fmt]
     flat = expand_dict_values(flat)  # a dict-valued override merges into its section (import_rules)
     given = dict(flat)
-    if fmt == "verl":  # keys left out keep veRL's values, not fitrl's
-        flat = {**VERL_DEFAULTS, **flat}
+    flat = with_defaults(fmt, flat)  # keys left out keep the source's values, not fitrl's
+    if fmt == "verl":
         out.config.update({"data.answer_key": "reward_model.ground_truth", "reward.function": "by_source"})
         out.lines.append((TRANSLATED, "(veRL's dataset layout)",
                           "data.answer_key=reward_model.ground_truth, reward.function=by_source (the rule reward "
@@ -143,7 +144,7 @@ def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None)
         if key in SPECIAL or value is None:  # (a null in the source leaves the key unset)
             continue
         rule = rules.get(key) or next((r for p, r in PREFIXES[fmt].items() if key.startswith(p)), None)
-        shown = f"{key}={_text(value)}" + (" (veRL's default)" if key not in given else "")
+        shown = f"{key}={_text(value)}" + (f" ({SOURCE_NAMES[fmt]}'s default)" if key not in given else "")
         if rule is None:
             if key in given:
                 out.lines.append((NOT_TRANSLATED, shown, "no fitrl key for it"))
@@ -163,8 +164,8 @@ def _apply(out: Imported, rule: Rule, key: str, value: Any, flat: dict, shown: s
     status, why = rule.status, rule.why
     hub = [v for k, v in pairs if k in ("actor.model.path", "critic.model.path") and _is_hub_id(v)]
     hub += [f for k, v in pairs if k in ("data.train_files", "data.val_files") for f in v if _is_hub_dataset(f)]
-    if hub:
-        status, why = APPROXIMATED, f"{hub[0]} is a Hub name: {HUB}; download it and set this key to the local path"
+    if hub:  # kept as the source names it: resolved through the Hugging Face cache when the run starts
+        why = "; ".join(w for w in (why, f"{hub[0]} is a Hub id: {HUB}") if w)
     for k, v in pairs:
         out.config[k] = v
     text = ", ".join(f"{k}={_text(v)}" for k, v in pairs) or "(nothing to set)"

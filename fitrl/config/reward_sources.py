@@ -38,7 +38,9 @@ class RewardSourceConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """``kind: function``: keyword arguments of the function (unset with ``function`` unset: ``reward.kwargs``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """``kind: model`` / ``judge``: the local model directory (``model.path``), its dtype and attention kernel."""
+    """``kind: model`` / ``judge``: the model (``model.path``: a local directory or a Hub id), its dtype and attention kernel."""
+    sharding: str = "fsdp2"
+    """How the source's model (``kind: model`` / ``judge``) is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``fsdp``; docs/architecture.md, "Adding a sharding backend")."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """``kind: model`` / ``judge``: sharding and offload of the model (``offload_params``: in host memory between scoring calls)."""
     micro_batch_size: int = 16
@@ -64,7 +66,7 @@ class RewardSourceConfig:
         if self.kind == "function":
             return
         if not self.model.path:
-            raise ConfigError(f"{key}.model.path is empty: a {self.kind} source needs a local model directory "
+            raise ConfigError(f"{key}.model.path is empty: a {self.kind} source needs a model directory or Hub id "
                               f"(e.g. one from `fitrl make-tiny-model --head {'reward' if self.kind == 'model' else 'causal_lm'}`)")
         if self.micro_batch_size < 1:
             raise ConfigError(f"{key}.micro_batch_size must be >= 1, got {self.micro_batch_size}")

@@ -51,11 +51,11 @@ class OptimConfig:
 @dataclass
 class ModelConfig:
     path: str = ""
-    """Local Hugging Face model directory (config.json, weights, tokenizer). Nothing is downloaded."""
+    """A local Hugging Face model directory (config.json, weights, tokenizer), or a Hub id ``org/name`` / ``org/name@revision`` (a branch, tag or commit) resolved through the Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``): downloaded into it unless ``HF_HUB_OFFLINE=1``, once per run, the commit recorded in the run directory's ``hub_refs.json`` (docs/hub.md)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the weights are held in (the actor's are its master weights, so keep float32 there)."""
     tokenizer_path: Optional[str] = None
-    """Tokenizer directory when it differs from ``path``."""
+    """Tokenizer directory (or Hub id) when it differs from ``path``."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (trades ~30% more compute for far less activation memory)."""
     attn_implementation: str = "sdpa"
@@ -144,6 +144,8 @@ class ActorConfig:
     """Padding-free forwards: the log-prob and update passes (the policy's and the reference's) run each micro-batch's real tokens packed end to end in rows as wide as its longest sequence, positions restarting per sequence and attention kept within it (fitrl/ops/packed.py), instead of every row padded to the widest prompt plus the widest response: the same log-probs and gradients to rounding, fewer positions through the model when lengths vary. Each micro-batch takes whichever of packed, shared-prompt and padded runs the fewest positions. Not applied for images (a multimodal rope) or sliding-window attention."""
     ulysses_size: int = 1
     """Ulysses sequence parallelism (trainer.backend=ray): every this many consecutive ranks hold the same micro-batches and each runs a 1/ulysses_size chunk of every (packed) sequence, attention heads exchanged all-to-all (fitrl/distributed/ulysses.py), so a sequence's activations are split over the group: the log-prob passes (the policy's and the reference's) and the update. Must divide the world size and the model's attention and key/value heads; data parallelism is then world size / ulysses_size. Text models with sdpa or eager attention, no sliding window, no critic yet."""
+    sharding: str = "fsdp2"
+    """How the actor is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``actor.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -184,6 +186,8 @@ class CriticConfig:
     """Aggregation of the per-token value loss."""
     warmup_steps: int = 0
     """RL steps at the start during which only the critic learns (the actor is not updated)."""
+    sharding: str = "fsdp2"
+    """How the critic is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``critic.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding, mixed precision and offload of the critic (used by the Ray backend)."""
 
@@ -197,5 +201,7 @@ class RefConfig:
     """Reference model; when unset, a frozen copy of the actor's initial model (same path and dtype)."""
     logprob_micro_batch_size: int = 16
     """Sequences per forward when computing reference log-probs."""
+    sharding: str = "fsdp2"
+    """How the reference model is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``ref.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding and offload of the reference model (used by the Ray backend)."""

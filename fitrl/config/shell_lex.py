@@ -1,29 +1,105 @@
-"""The lexer and arithmetic of :mod:`fitrl.config.shell`: a launch script's text as commands of
-words, each word a list of parts (literal text, a variable with its operator, arithmetic, a
-command substitution, ``~``), and ``$((...))`` evaluated with bash's integer rules."""
+"""The lexer of :mod:`fitrl.config.shell`: a launch script's text as commands of words, each
+command with the operator that ends it (``;``, ``&&``, ``||``, ``|``, ``;;``, ``(``, ``)``, a
+newline), each word a list of parts: literal text, a variable with its operator, arithmetic, a
+command substitution, ``~``, an array literal. ``[[ ... ]]`` and ``(( ... ))`` are read as bash
+reads them (their ``&&``, ``<`` and parentheses are words, not operators)."""
 
 from __future__ import annotations
 
-import ast
-import operator
 import re
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 from fitrl.core.errors import ConfigError
 
 
-# ---- lexing: commands of words, each word a list of parts --------------------------------------
+# ---- parts of a word ----------------------------------------------------------------------------
 
-@dataclass
-class _Word:
-    parts: list[tuple]
-    """("lit", text, quoted) | ("var", name, op, _Word|None, quoted) | ("arith", text, quoted)
-    | ("cmd", text, quoted) | ("tilde",)."""
+@dataclass(frozen=True)
+class Lit:
+    text: str
+    quoted: bool = False
+
+
+@dataclass(frozen=True)
+class Var:
+    """``$A``, ``${A}``, ``${A:-x}``, ``${A[@]}``, ``${A//x/y}``, ``${#A}``: ``op`` names the form
+    (``""``, ``:-`` ... , ``len``, ``/``, ``//``, ``#``, ``%%``, ``:`` (substring), ``^^``, or
+    ``other`` for a form not read, whose ``name`` is then its whole text)."""
+    name: str
+    op: str = ""
+    arg: Optional["Word"] = None
+    arg2: Optional["Word"] = None
+    index: Optional[str] = None
+    """``[@]``, ``[*]``, ``[0]``: an array subscript's text."""
+    quoted: bool = False
+
+
+@dataclass(frozen=True)
+class Arith:
+    text: str
+    quoted: bool = False
+
+
+@dataclass(frozen=True)
+class Subst:
+    """``$(command)`` or a backtick command: its text, never run."""
+    text: str
+    quoted: bool = False
+
+
+@dataclass(frozen=True)
+class Tilde:
+    quoted: bool = False
+
+
+@dataclass(frozen=True)
+class ArrayLit:
+    """``NAME=(a b c)``: the words of the array."""
+    items: tuple["Word", ...]
+    quoted: bool = False
+
+
+Part = Union[Lit, Var, Arith, Subst, Tilde, ArrayLit]
+
+
+@dataclass(frozen=True)
+class Word:
+    parts: tuple[Part, ...]
     line: int
 
+    def literal(self) -> Optional[str]:
+        """The word's text when it is one unquoted literal (a keyword, an operator), else None."""
+        if len(self.parts) == 1 and isinstance(self.parts[0], Lit) and not self.parts[0].quoted:
+            return self.parts[0].text
+        return None
 
-class _Lexer:
+
+@dataclass
+class Cmd:
+    line: int
+    words: list[Word]
+    end: str
+    """The operator after it: ``\\n``, ``;``, ``;;``, ``&``, ``&&``, ``|``, ``||``, ``(``, ``)`` or ``""``."""
+    source: str = ""
+    """Its text in the script (for the lines that name a condition)."""
+    arith: bool = field(default=False)
+    """An arithmetic command, ``(( ... ))``: its one word is the expression."""
+
+
+# the keywords after which a command starts: `if [[ ... ]]`, `while (( ... ))` are a test and arithmetic
+LEADING = {"if", "elif", "while", "until", "!", "then", "do", "else", "{", "time"}
+
+
+def lead(words: list["Word"]) -> bool:
+    """Whether the next word starts a command (no words yet, or only keywords)."""
+    return all(w.literal() in LEADING for w in words)
+
+
+ASSIGN = re.compile(r"[A-Za-z_]\w*(\[[^\]]*\])?\+?=")
+
+
+class Lexer:
     STOPS = " \t\n;|&<>()"
 
     def __init__(self, text: str, name: str):
@@ -35,10 +111,23 @@ class _Lexer:
     def unclosed(self, start: int, what: str) -> ConfigError:
         return ConfigError(f"{self.name}:{self.line(start)}: {what} opened here is never closed (bash stops here too)")
 
-    def commands(self) -> list[tuple[int, list[_Word]]]:
-        out, words, heredocs, text = [], [], [], self.text
+    def commands(self) -> list[Cmd]:
+        out: list[Cmd] = []
+        words: list[Word] = []
+        heredocs: list[tuple[str, bool]] = []
+        text, start, arith = self.text, self.pos, False
+
+        def emit(end: str, upto: int) -> None:
+            nonlocal words, arith
+            if words or end in ("(", ")", ";;"):
+                line = words[0].line if words else self.line()
+                out.append(Cmd(line, words, end, text[start:upto].strip(), arith))
+            words, arith = [], False
+
         while self.pos < len(text):
             c = text[self.pos]
+            if not words:
+                start = self.pos if c not in " \t" else start
             if text.startswith("\\\n", self.pos):
                 self.pos += 2
             elif c in " \t":
@@ -46,6 +135,15 @@ class _Lexer:
             elif c == "#":
                 end = text.find("\n", self.pos)
                 self.pos = len(text) if end < 0 else end
+            elif lead(words) and re.match(r"\[\[[ \t\n]", text[self.pos:]):
+                words += self.condition_words()
+            elif text.startswith("((", self.pos) and (lead(words) or [w.literal() for w in words] == ["for"]):
+                close = self.closing(self.pos + 2, "(", "((")
+                if not text.startswith(")", close + 1):
+                    raise ConfigError(f"{self.name}:{self.line()}: (( without its closing ))")
+                words.append(Word((Arith(text[self.pos + 2:close]),), self.line()))
+                arith = lead(words[:-1])
+                self.pos = close + 2
             elif c in "<>" or text.startswith("&>", self.pos):
                 op = re.match(r"&>>?|<<-?|<<<|<>|>>|>&|<&|>\||[<>]", text[self.pos:]).group(0)
                 self.pos += len(op)
@@ -53,25 +151,45 @@ class _Lexer:
                     self.pos += 1
                 target = self.word()
                 if op in ("<<", "<<-") and target is not None:
-                    heredocs.append((_literal(target), op == "<<-"))
+                    heredocs.append(("".join(p.text for p in target.parts if isinstance(p, Lit)), op == "<<-"))
             elif c in "\n;|&()":
-                if words:
-                    out.append((words[0].line, words))
-                words = []
-                self.pos += 1
-                if c == "\n" and heredocs:
+                op = re.match(r";;&?|;&|&&|\|\||\|&|[\n;|&()]", text[self.pos:]).group(0)
+                self.pos += len(op)
+                emit({";&": ";;", ";;&": ";;", "|&": "|"}.get(op, op), self.pos - len(op))
+                if op == "\n" and heredocs:
                     self.skip_heredocs(heredocs)
                     heredocs = []
             else:
-                start = self.pos
+                at = self.pos
                 w = self.word()
-                if w is not None and self.pos < len(text) and text[self.pos] in "<>" and text[start:self.pos].isdigit():
+                if w is not None and self.pos < len(text) and text[self.pos] in "<>" and text[at:self.pos].isdigit():
                     continue  # 2>&1: the 2 is the redirection's, not a word
                 if w is not None:
                     words.append(w)
-        if words:
-            out.append((words[0].line, words))
+        emit("", self.pos)
         return out
+
+    def condition_words(self) -> list[Word]:
+        """``[[ ... ]]``: its words up to ``]]``, operators included as words."""
+        text, start = self.text, self.pos
+        words = [Word((Lit("[["),), self.line())]
+        self.pos += 2
+        while True:
+            while self.pos < len(text) and (text[self.pos] in " \t\n" or text.startswith("\\\n", self.pos)):
+                self.pos += 2 if text[self.pos] == "\\" else 1
+            if self.pos >= len(text):
+                raise self.unclosed(start, "[[")
+            op = re.match(r"&&|\|\||!=|[()<>]|!(?=[ \t\n])", text[self.pos:])
+            if op:
+                words.append(Word((Lit(op.group(0)),), self.line()))
+                self.pos += len(op.group(0))
+                continue
+            w = self.word(stops=" \t\n();")  # (`]]; then`: the ; ends the word)
+            if w is None:
+                raise self.unclosed(start, "[[")
+            words.append(w)
+            if w.literal() == "]]":
+                return words
 
     def skip_heredocs(self, heredocs: list[tuple[str, bool]]) -> None:
         lines = self.text[self.pos:].split("\n")
@@ -84,32 +202,39 @@ class _Lexer:
                     break
         self.pos += sum(len(s) + 1 for s in lines[:skipped])
 
-    def word(self, stops: str = STOPS) -> Optional[_Word]:
+    def word(self, stops: str = STOPS) -> Optional[Word]:
         text, start = self.text, self.pos
-        parts: list[tuple] = []
+        parts: list[Part] = []
         buf = ""
 
         def flush():
             nonlocal buf
             if buf:
-                parts.append(("lit", buf, False))
+                parts.append(Lit(buf))
             buf = ""
 
-        while self.pos < len(text) and text[self.pos] not in stops:
+        while self.pos < len(text):
             c = text[self.pos]
+            if c == "(" and not parts and ASSIGN.fullmatch(buf) and stops == self.STOPS:
+                self.pos += 1  # NAME=( ... ): an array
+                flush()
+                parts.append(self.array())
+                continue
+            if c in stops:
+                break
             if c == "\\":
                 if text.startswith("\\\n", self.pos):  # a line join inside a word: no space
                     self.pos += 2
                     continue
                 flush()
-                parts.append(("lit", text[self.pos + 1:self.pos + 2], True))
+                parts.append(Lit(text[self.pos + 1:self.pos + 2], True))
                 self.pos += 2
             elif c == "'":
                 end = text.find("'", self.pos + 1)
                 if end < 0:
                     raise self.unclosed(self.pos, "a single quote")
                 flush()
-                parts.append(("lit", text[self.pos + 1:end], True))
+                parts.append(Lit(text[self.pos + 1:end], True))
                 self.pos = end + 1
             elif c == '"':
                 flush()
@@ -117,18 +242,41 @@ class _Lexer:
             elif c == "$" or c == "`":
                 flush()
                 self.dollar(parts, quoted=False)
-            elif c == "~" and (self.pos == start or re.fullmatch(r"[A-Za-z_]\w*=", buf) and len(parts) == 0) \
+            elif c == "~" and (self.pos == start or ASSIGN.fullmatch(buf) and not parts) \
                     and (self.pos + 1 >= len(text) or text[self.pos + 1] in "/" + stops):
                 flush()
-                parts.append(("tilde",))
+                parts.append(Tilde())
                 self.pos += 1
             else:
                 buf += c
                 self.pos += 1
         flush()
-        return _Word(parts, self.line(start)) if self.pos > start else None
+        return Word(tuple(parts), self.line(start)) if self.pos > start else None
 
-    def double(self, parts: list[tuple]) -> None:
+    def array(self) -> ArrayLit:
+        """The words of ``NAME=( ... )`` (comments and newlines between them skipped)."""
+        text, start, items = self.text, self.pos - 1, []
+        while True:
+            while self.pos < len(text) and text[self.pos] in " \t\n":
+                self.pos += 1
+            if text.startswith("\\\n", self.pos):
+                self.pos += 2
+                continue
+            if self.pos >= len(text):
+                raise self.unclosed(start, "an array's (")
+            if text[self.pos] == "#":
+                end = text.find("\n", self.pos)
+                self.pos = len(text) if end < 0 else end
+                continue
+            if text[self.pos] == ")":
+                self.pos += 1
+                return ArrayLit(tuple(items))
+            w = self.word(stops=" \t\n)")
+            if w is None:
+                raise self.unclosed(start, "an array's (")
+            items.append(w)
+
+    def double(self, parts: list[Part]) -> None:
         text, start, before = self.text, self.pos, len(parts)
         self.pos += 1
         buf = ""
@@ -144,16 +292,16 @@ class _Lexer:
                 self.pos += 2
             elif c in "$`":
                 if buf:
-                    parts.append(("lit", buf, True))
+                    parts.append(Lit(buf, True))
                 buf = ""
                 self.dollar(parts, quoted=True)
             else:
                 buf += c
                 self.pos += 1
         if buf or len(parts) == before:  # ("": an empty quoted word is still a word; "$@" is none)
-            parts.append(("lit", buf, True))
+            parts.append(Lit(buf, True))
 
-    def closing(self, start: int, opener: str) -> int:
+    def closing(self, start: int, opener: str, what: str = "$(") -> int:
         """The index of the ``)`` (or ``` ` ```) closing what opens at ``start``."""
         text, i, depth = self.text, start, 0
         while i < len(text):
@@ -182,59 +330,57 @@ class _Lexer:
                     return i
                 depth -= 1
             i += 1
-        raise self.unclosed(start - 1, "`" if opener == "`" else "$(")
+        raise self.unclosed(start - 1, "`" if opener == "`" else what)
 
-    def dollar(self, parts: list[tuple], quoted: bool) -> None:
+    def dollar(self, parts: list[Part], quoted: bool) -> None:
         text, p = self.text, self.pos
         if text[p] == "`":
             end = self.closing(p + 1, "`")
-            parts.append(("cmd", text[p:end + 1], quoted))
+            parts.append(Subst(text[p:end + 1], quoted))
             self.pos = end + 1
         elif text.startswith("$((", p):
-            end = self.closing(p + 3, "(")
+            end = self.closing(p + 3, "(", "$((")
             if not text.startswith(")", end + 1):
                 raise ConfigError(f"{self.name}:{self.line(p)}: $(( without its closing ))")
-            parts.append(("arith", text[p + 3:end], quoted))
+            parts.append(Arith(text[p + 3:end], quoted))
             self.pos = end + 2
         elif text.startswith("$(", p):
             end = self.closing(p + 2, "(")
-            parts.append(("cmd", text[p:end + 1], quoted))
+            parts.append(Subst(text[p:end + 1], quoted))
             self.pos = end + 1
         elif text.startswith("${", p):
-            self.brace(parts, quoted)
+            parts.append(self.brace(quoted))
         elif text.startswith("$'", p):
             end = text.find("'", p + 2)
             if end < 0:
                 raise self.unclosed(p, "a $' quote")
             body = text[p + 2:end].replace("\\n", "\n").replace("\\t", "\t").replace("\\\\", "\\")
-            parts.append(("lit", body, True))
+            parts.append(Lit(body, True))
             self.pos = end + 1
         else:
             m = re.match(r"[A-Za-z_]\w*|[0-9@*#?$!-]", text[p + 1:])
             if m is None:
-                parts.append(("lit", "$", quoted))
+                parts.append(Lit("$", quoted))
                 self.pos = p + 1
             else:
-                parts.append(("var", m.group(0), "", None, quoted))
+                parts.append(Var(m.group(0), quoted=quoted))
                 self.pos = p + 1 + len(m.group(0))
 
-    def brace(self, parts: list[tuple], quoted: bool) -> None:
+    def brace(self, quoted: bool) -> Var:
         text, p = self.text, self.pos
-        m = re.match(r"(#?)([A-Za-z_]\w*|\d+|[@*#?$!-])(:?[-=+?])?", text[p + 2:])
-        if m and m.group(1) and not m.group(3) and text.startswith("}", p + 2 + m.end()):
-            parts.append(("var", m.group(2), "len", None, quoted))
-            self.pos = p + 2 + m.end() + 1
-            return
-        if m and not m.group(1):
+        m = re.match(r"(#?)([A-Za-z_]\w*|\d+|[@*#?$!-])(\[[^\]]*\])?", text[p + 2:])
+        if m:
+            name, index = m.group(2), m.group(3)[1:-1] if m.group(3) else None
             self.pos = p + 2 + m.end()
-            arg = None
-            if m.group(3):
-                arg = self.word(stops="}") or _Word([], self.line())
-            if text.startswith("}", self.pos):
-                parts.append(("var", m.group(2), m.group(3) or "", arg, quoted))
-                self.pos += 1
-                return
-        end, depth, i = None, 0, p + 2  # ${A%x}, ${A/x/y}, ${A:0:3}: kept as their text
+            if m.group(1):  # ${#A}, ${#A[@]}
+                if text.startswith("}", self.pos):
+                    self.pos += 1
+                    return Var(name, "len", index=index, quoted=quoted)
+            else:
+                var = self.operator(name, index, quoted)
+                if var is not None:
+                    return var
+        end, depth, i = None, 0, p + 2  # a form not read: kept as its text
         while i < len(text):
             if text.startswith("${", i):
                 depth, i = depth + 1, i + 2
@@ -247,38 +393,33 @@ class _Lexer:
             i += 1
         if end is None:
             raise self.unclosed(p, "${")
-        parts.append(("var", text[p:end + 1], "other", None, quoted))
         self.pos = end + 1
+        return Var(text[p:end + 1], "other", quoted=quoted)
 
-
-def _literal(word: _Word) -> str:
-    return "".join(p[1] for p in word.parts if p[0] == "lit")
-
-
-# ---- evaluation --------------------------------------------------------------------------------
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: operator.pow,
-        ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitAnd: operator.and_,
-        ast.BitOr: operator.or_, ast.BitXor: operator.xor,
-        ast.Div: lambda a, b: abs(a) // abs(b) * (1 if (a >= 0) == (b >= 0) else -1),  # C's: toward zero
-        ast.Mod: lambda a, b: a - b * (abs(a) // abs(b) * (1 if (a >= 0) == (b >= 0) else -1))}
-_CMP = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
-        ast.Eq: operator.eq, ast.NotEq: operator.ne}
-
-
-def _arith_eval(node: ast.AST) -> int:
-    if isinstance(node, ast.Expression):
-        return _arith_eval(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return int(_OPS[type(node.op)](_arith_eval(node.left), _arith_eval(node.right)))
-    if isinstance(node, ast.UnaryOp):
-        v = _arith_eval(node.operand)
-        return {ast.USub: -v, ast.UAdd: v, ast.Invert: ~v, ast.Not: int(not v)}[type(node.op)]
-    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMP:
-        return int(_CMP[type(node.ops[0])](_arith_eval(node.left), _arith_eval(node.comparators[0])))
-    if isinstance(node, ast.BoolOp):
-        values = [_arith_eval(v) for v in node.values]
-        return int(all(values) if isinstance(node.op, ast.And) else any(values))
-    raise ValueError("not integer arithmetic")
+    def operator(self, name: str, index: Optional[str], quoted: bool) -> Optional[Var]:
+        """What follows ``${NAME``: ``}``, or an operator and its words, then ``}``."""
+        text = self.text
+        op = re.match(r"\}|:?[-=+?]|//|/#|/%|/|##|#|%%|%|\^\^|\^|,,|,|:", text[self.pos:])
+        if op is None:
+            return None
+        op = op.group(0)
+        self.pos += len(op)
+        arg = arg2 = None
+        if op == "}":
+            return Var(name, index=index, quoted=quoted)
+        if op.startswith("/"):
+            arg = self.word(stops="/}") or Word((), self.line())
+            if text.startswith("/", self.pos):
+                self.pos += 1
+                arg2 = self.word(stops="}") or Word((), self.line())
+        elif op == ":":
+            arg = self.word(stops=":}") or Word((), self.line())
+            if text.startswith(":", self.pos):
+                self.pos += 1
+                arg2 = self.word(stops="}") or Word((), self.line())
+        elif op not in ("^^", "^", ",,", ","):
+            arg = self.word(stops="}") or Word((), self.line())
+        if not text.startswith("}", self.pos):
+            return None
+        self.pos += 1
+        return Var(name, op, arg, arg2, index, quoted)

@@ -6,7 +6,10 @@ arguments (or duck-typed settings, see :class:`fitrl.distributed.fsdp.ShardSetti
 
 - :mod:`~fitrl.distributed.process_group`  where a rank sits and how it joins its group (no torch at import)
 - :mod:`~fitrl.distributed.collectives`    ``distributed()`` and all-reduces of Python numbers
-- :mod:`~fitrl.distributed.fsdp`           FSDP2 sharding, rank-0 weight broadcast, gathering and moving
+- :mod:`~fitrl.distributed.sharding`       the sharding backends' seam: registry, and what a sharded model is asked
+- :mod:`~fitrl.distributed.fsdp`           FSDP2's primitives (its backend: fitrl/sharding/fsdp2/)
+- :mod:`~fitrl.distributed.state`          a model's full state dict from its shards, at once or streamed
+- :mod:`~fitrl.distributed.host_device`    model and optimizer tensors moved between host and device
 
 This ``__init__`` imports nothing, so ``fitrl.distributed.process_group`` stays torch-free.
 """

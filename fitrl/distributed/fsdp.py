@@ -1,4 +1,7 @@
-"""FSDP2 on one rank: sharding, the rank-0 weight broadcast, gathering and moving a model.
+"""FSDP2 on one rank: sharding, the rank-0 weight broadcast and gathering a model.
+
+Primitives of the FSDP2 sharding backend: imported only by fitrl/sharding/fsdp2/ (the seam the
+rest of fitrl uses is fitrl/distributed/sharding.py).
 
 Model-agnostic: which blocks become FSDP units is the caller's choice (a model family's
 ``blocks_to_shard``, see :mod:`fitrl.models.families`), and the settings are duck-typed
@@ -23,11 +26,10 @@ from typing import Iterable, Iterator, Optional, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fitrl.distributed.collectives import distributed
 
 
 class ShardSettings(Protocol):
@@ -97,12 +99,6 @@ def fsdp_modules(m: nn.Module) -> list[nn.Module]:
     return [x for x in m.modules() if isinstance(x, FSDPModule)]
 
 
-def sharded_over_ranks(m: nn.Module) -> bool:
-    """Is ``m`` (or a module in it, under a LoRA wrapper) FSDP2-sharded over more than one rank?
-    Then every forward of a sharded layer is a collective, which all ranks must run alike."""
-    return distributed() and dist.get_world_size() > 1 and any(isinstance(x, FSDPModule) for x in m.modules())
-
-
 @contextmanager
 def gathered_for_generation(m: nn.Module) -> Iterator[None]:
     """Full parameters for the length of a ``generate`` call, released afterwards.
@@ -128,78 +124,3 @@ def gathered_for_generation(m: nn.Module) -> Iterator[None]:
         for x in modules:
             x.reshard()
             x.set_reshard_after_forward(True, recurse=False)
-
-
-def move_model(m: nn.Module, device: torch.device | str) -> None:
-    """Move parameters (sharded or not) and their gradients between host and device."""
-    m.to(device)
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move an optimizer's state tensors between host and device: the moments always; the
-    ``step`` counters only where the kernel reads them on the parameter's device (a fused or
-    capturable AdamW), else they stay on the host, where the default kernel reads them without
-    a device sync."""
-    for group in optimizer.param_groups:
-        step_follows = _step_on_param_device(group)
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and (k != "step" or step_follows):
-                    state[k] = v.to(device, non_blocking=True)
-
-
-def _step_on_param_device(group: dict) -> bool:
-    """Does this param group's kernel read ``step`` on the parameter's device? (torch's
-    note [special device hosting for step]: fused and capturable kernels do.)"""
-    return bool(group.get("fused") or group.get("capturable"))
-
-
-def optimizer_state_misplaced(optimizer: torch.optim.Optimizer) -> list[str]:
-    """Every optimizer state tensor not where the next ``step()`` reads it, one line each
-    (empty: all in place). Moments belong on their parameter's device; ``step`` there too for a
-    fused or capturable kernel, on the host otherwise. A fused AdamW whose ``step`` stayed on the
-    host while its parameters went to the GPU fails its first update (after a resume or a
-    restart with offloading)."""
-    wrong = []
-    for g, group in enumerate(optimizer.param_groups):
-        step_follows = _step_on_param_device(group)
-        for i, p in enumerate(group["params"]):
-            for k, v in optimizer.state.get(p, {}).items():
-                if not isinstance(v, torch.Tensor):
-                    continue
-                needed = p.device if k != "step" or step_follows else torch.device("cpu")
-                if v.device != needed:
-                    wrong.append(f"param group {g} parameter {i} {tuple(p.shape)}: {k} on {v.device}, "
-                                 f"its update reads it on {needed}")
-    return wrong
-
-
-def check_optimizer_on_param_devices(optimizer: torch.optim.Optimizer) -> None:
-    """Raise when :func:`optimizer_state_misplaced` finds a state tensor out of place (a bug in
-    fitrl's offloading, not a user's mistake), naming the first few."""
-    wrong = optimizer_state_misplaced(optimizer)
-    if wrong:
-        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
-        raise RuntimeError(f"optimizer state on the wrong device before an update: {'; '.join(wrong[:3])}{more}")
-
-
-def full_state_dict(m: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on the host (rank 0 gets it; collective on every rank)."""
-    if not distributed():
-        return {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-    return get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def stream_full_tensors(m: nn.Module, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` for every entry of ``m``'s state dict, one at a time, on the
-    parameters' device (cast to ``dtype`` if given).
-
-    Under FSDP2 each entry is all-gathered from the shards as it is reached (a collective: every
-    rank must drain the iterator in the same order) and dropped by the consumer before the next
-    one, so a weight push holds at most one full tensor beyond the shards, never a second copy
-    of the model. Tied weights (an output head sharing the embedding) come once per name, as in
-    the state dict."""
-    for name, value in m.state_dict().items():
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value
-        yield name, (full.detach().to(dtype) if dtype is not None else full.detach())

@@ -78,7 +78,7 @@ def step(worker, ctx: RankContext, case: str) -> float:
 def states_in_place(worker, case: str) -> None:
     """The AdamW states where the next update reads them (moments beside their parameters, a
     fused kernel's ``step`` too), checked inside an update's phase, as the update sees them."""
-    from fitrl.distributed.fsdp import optimizer_state_misplaced
+    from fitrl.distributed.host_device import optimizer_state_misplaced
 
     with worker.offload.phase(needs_optimizer=True):
         wrong = optimizer_state_misplaced(worker.actor.optimizer)

@@ -328,7 +328,7 @@ checkpointing (a /tmp script over ``bench/plan_accuracy.py``'s ``measure`` and `
 2026-11-24); 0.105 GiB for the deep model (18M) on two bf16 ranks (configuration 17 of
 ``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12).
 The planner counts the larger of this and the activations' own excess
-(:func:`fitrl.memory.trainer._fsdp_unit_buffers`), and the heap residue on top: FSDP2 ranks start
+(``heap_buffers`` in fitrl/sharding/fsdp2/plan.py), and the heap residue on top: FSDP2 ranks start
 their update 0.04-0.05 GiB above runtime and states too (configurations 8, 9 and 17, and
 ``bench/cpu_corpus.py`` 5; the /tmp script of :data:`CPU_UPDATE_HEAP_PINNED`, 2026-11-24). 1.06:
 configuration 17 (two bf16 ranks) measured 0.122 GiB above its held memory and transients,

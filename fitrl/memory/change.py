@@ -10,5 +10,5 @@ from typing import Any
 class Change:
     overrides: list[tuple[str, Any]]
     cost: str                 # what it costs in speed (or in the task), shown to the user
-    text: str                 # "actor.fsdp.offload_params true -> false"
+    text: str                 # "actor.model.gradient_checkpointing false -> true"
     only_if_fits: bool = False  # shown only when it alone makes the plan fit

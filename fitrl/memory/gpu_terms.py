@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from fitrl.memory import calibration as C
 from fitrl.memory.roles import ROLE_PLANNERS
+from fitrl.memory.sharding import sharding_plan
 
 if TYPE_CHECKING:
     from fitrl.memory.model import Usage
@@ -54,17 +55,16 @@ def communicators(run: Run, roles: Iterable[tuple[str, object]]) -> int:
     its default group (each role's worker group is a ``torch.distributed`` world of its own:
     fitrl/distributed/process_group.py)
     and each role's own groups (:meth:`~fitrl.memory.roles.RolePlanner.communicators`: a hybrid
-    mesh's two, the policy's sequence-parallel group). A 1-D FSDP2 mesh over the world reuses the
-    default group (torch's ``DeviceMesh``). Beside them, with any number of ranks, the weight
+    mesh's two, the policy's sequence-parallel group). Beside them, with any number of ranks, the weight
     channel's to rollout workers of their own (:meth:`~fitrl.memory.roles.RolePlanner.channel_communicators`:
-    the policy's rank and each worker). ``roles``: (name, fsdp config) of the process's roles."""
-    if not (run.cuda and run.fsdp):
+    the policy's rank and each worker). ``roles``: (name, config section) of the process's roles."""
+    if not (run.cuda and run.distributed):
         return 0
-    planners = [(ROLE_PLANNERS.get(name), fsdp) for name, fsdp in roles]
+    planners = [(ROLE_PLANNERS.get(name), section) for name, section in roles]
     channel = sum(p.channel_communicators(run) for p, _ in planners)
     if run.world <= 1 or not any(p.process_group for p, _ in planners):
         return channel
-    return 1 + sum(p.communicators(run, fsdp) for p, fsdp in planners if p.process_group) + channel
+    return 1 + sum(p.communicators(run, section) for p, section in planners if p.process_group) + channel
 
 
 def nccl_buffers(run: Run, roles: Iterable[tuple[str, object]]) -> int:
@@ -75,9 +75,9 @@ def nccl_buffers(run: Run, roles: Iterable[tuple[str, object]]) -> int:
     return communicators(run, roles) * C.NCCL_COMMUNICATOR_BYTES
 
 
-def pinned_optimizer(run: Run, fsdp, full: States, st: States, opt_on_device: bool, u: Usage, label: str) -> None:
+def pinned_optimizer(run: Run, section, full: States, st: States, opt_on_device: bool, u: Usage, label: str) -> None:
     """AdamW's moments under ``offload_optimizer`` on CUDA: moved to the host with
-    ``non_blocking=True`` (fitrl/distributed/fsdp.py, ``move_optimizer_state``), which pins the
+    ``non_blocking=True`` (fitrl/distributed/host_device.py, ``move_optimizer_state``), which pins the
     copy (torch's ``_to_copy``), so they live in the caching host allocator's blocks: each shard
     rounded up to a power of two (:data:`~fitrl.memory.calibration.PINNED_POWER_OF_TWO`) and kept
     cached when the moments go back to the device. Offloaded, the host holds the blocks: the
@@ -89,7 +89,8 @@ def pinned_optimizer(run: Run, fsdp, full: States, st: States, opt_on_device: bo
     ``zeros_like`` of the pinned shards (pageable) and never move (its pinned weights and gradients
     are rounded in their own entries: fitrl/memory/states.py). ``full``: the role's states in the
     update; ``st``: what it holds in this phase (no optimizer while loading)."""
-    if not (run.cuda and fsdp.offload_optimizer and st.optimizer) or (fsdp.cpu_offload and run.fsdp):
+    sh = sharding_plan(section)
+    if not (run.cuda and sh.offloads(section, "optimizer") and st.optimizer) or sh.host_only(run, section):
         return
     if opt_on_device:
         u.add("host", PINNED_CACHE.format(label), full.optimizer_pinned)

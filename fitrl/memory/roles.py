@@ -3,7 +3,7 @@ beside the role's workers (``fitrl.roles.ROLES``), as an engine's planner is bes
 
 Whether a run builds a role is the run's layout's to say (fitrl/config/layout.py, ``Run.layout``:
 what fitrl/trainer/run.py builds too). A role's planner says the states each of its ranks holds (weights,
-gradients, optimizer, sharded as its ``fsdp`` section says), the phases in which it computes (its
+gradients, optimizer, sharded as its sharding backend's options say: fitrl/memory/sharding.py), the phases in which it computes (its
 weights on the device when ``offload_params`` moves them out between phases), the passes whose
 traced transients are its process's (:mod:`.trainer`), and whether under Ray it is a worker group
 of its own (a process per device, colocated rank by rank on the policy's bundles). The phase
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fitrl.core.registry import Registry
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import ACTOR_PHASES, Usage
+from fitrl.memory.sharding import sharding_plan
 from fitrl.memory.states import (DTYPE_BYTES, WEIGHT_CHANNEL, States, frozen_states, layer_bytes, lora_states,
                                  root_bytes, trained_states)
 from fitrl.memory.trace import model_transient
@@ -54,7 +55,8 @@ class RolePlanner(ABC):
 
     @abstractmethod
     def states(self, run: Run) -> tuple[States, Any]:
-        """Per-rank states of the role and its ``fsdp`` config section."""
+        """Per-rank states of the role and its config section (whose ``sharding`` names the
+        backend that says where they live: None for a role never sharded nor offloaded)."""
 
     @abstractmethod
     def active_phases(self, run: Run) -> set[str]:
@@ -81,11 +83,10 @@ class RolePlanner(ABC):
         """Its processes on the busiest node when not one per trainer device (None)."""
         return None
 
-    def communicators(self, run: Run, fsdp) -> int:
-        """NCCL communicators its rank holds beyond its process's default group: a hybrid FSDP2
-        mesh across nodes splits the default group into its two dimensions (replicate, shard:
-        fitrl/distributed/fsdp.py, ``shard``), each a communicator of its own."""
-        return 2 if fsdp.strategy == "hybrid" and run.hw.nodes > 1 else 0
+    def communicators(self, run: Run, section) -> int:
+        """NCCL communicators its rank holds beyond its process's default group: its sharding
+        backend's (a hybrid mesh across nodes: its two dimensions)."""
+        return sharding_plan(section).communicators(run, section)
 
     def channel_communicators(self, run: Run) -> int:
         """NCCL communicators its rank holds outside any ``torch.distributed`` world: the weight
@@ -105,9 +106,8 @@ class PolicyPlanner(RolePlanner):
     name, title, own_process = "actor", "trainer rank", False
 
     def states(self, run: Run) -> tuple[States, Any]:
-        cfg, a = run.cfg, run.cfg.actor.fsdp
-        n = run.shard_world(a.strategy)
-        pinned = run.cuda and a.cpu_offload and run.fsdp
+        cfg, a = run.cfg, run.cfg.actor
+        n, pinned = sharding_plan(a).world(run, a), sharding_plan(a).pinned(run, a)
         if run.lora:  # the frozen base and the adapters; the adapters alone have gradients and AdamW states
             return lora_states(run.shape, run.lora.rank, run.lora_targets, n, cfg.actor.model.dtype, pinned), a
         return trained_states(run.shape, n, cfg.actor.model.dtype, pinned=pinned,
@@ -119,8 +119,8 @@ class PolicyPlanner(RolePlanner):
     def passes(self, run: Run) -> set[str]:
         return {"old_logprob", "update"} | ({"ref_logprob"} if run.lora else set())
 
-    def communicators(self, run: Run, fsdp) -> int:
-        return _with_sequence_group(run, super().communicators(run, fsdp))
+    def communicators(self, run: Run, section) -> int:
+        return _with_sequence_group(run, super().communicators(run, section))
 
     def channel_communicators(self, run: Run) -> int:
         return int(run.weight_channel)
@@ -138,10 +138,10 @@ class ReferencePlanner(RolePlanner):
     name, title = "ref", "reference rank (Ray actor)"
 
     def states(self, run: Run) -> tuple[States, Any]:
-        cfg, r = run.cfg, run.cfg.ref.fsdp
+        cfg, r = run.cfg, run.cfg.ref
         dtype = (cfg.ref.model or cfg.actor.model).dtype
-        return frozen_states(run.ref_shape or run.shape, run.shard_world(r.strategy), dtype,
-                             pinned=run.cuda and r.cpu_offload and run.fsdp), r
+        return frozen_states(run.ref_shape or run.shape, sharding_plan(r).world(run, r), dtype,
+                             pinned=sharding_plan(r).pinned(run, r)), r
 
     def active_phases(self, run: Run) -> set[str]:
         return {"ref_logprob"}
@@ -149,8 +149,8 @@ class ReferencePlanner(RolePlanner):
     def passes(self, run: Run) -> set[str]:
         return {"ref_logprob"}
 
-    def communicators(self, run: Run, fsdp) -> int:
-        return _with_sequence_group(run, super().communicators(run, fsdp))
+    def communicators(self, run: Run, section) -> int:
+        return _with_sequence_group(run, super().communicators(run, section))
 
 
 class CriticPlanner(RolePlanner):
@@ -159,9 +159,8 @@ class CriticPlanner(RolePlanner):
     name, title = "critic", "critic rank (Ray actor)"
 
     def states(self, run: Run) -> tuple[States, Any]:
-        c = run.cfg.critic.fsdp
-        return trained_states(run.shape, run.shard_world(c.strategy), "float32",
-                              pinned=run.cuda and c.cpu_offload and run.fsdp), c
+        c = run.cfg.critic
+        return trained_states(run.shape, sharding_plan(c).world(run, c), "float32", pinned=sharding_plan(c).pinned(run, c)), c
 
     def active_phases(self, run: Run) -> set[str]:
         return {"old_logprob", "update"}
@@ -193,18 +192,20 @@ def _scored_seqs(run: Run, phase: str) -> int:
 class _ModelRewardPlanner(RolePlanner):
     """The models of ``reward.sources`` of one kind (fitrl/roles/model_reward.py): frozen weights in
     each source's dtype, on the device in the phases that score (the step's ``reward``, and
-    validation), sharded over the ranks under FSDP2 like the reference's; with several sources
-    the first's ``fsdp`` section says where they all live between phases."""
+    validation), sharded over the ranks like the reference's; with several sources the first's
+    sharding options say where they all live between phases."""
     kind = ""
+    generates = False
+    """A ``generate`` call per micro-batch (a judge's): sharded weights are gathered for the whole call."""
 
     def states(self, run: Run) -> tuple[States, Any]:
         sources = _sources(run, self.kind)
         params = sum(self._weights(run, src, shape) for src, shape in sources)
-        return States(params), sources[0][0].fsdp
+        return States(params), sources[0][0]
 
     def _weights(self, run: Run, src, shape: ModelShape) -> int:
-        return frozen_states(shape, run.shard_world(src.fsdp.strategy), src.model.dtype,
-                             pinned=run.cuda and src.fsdp.cpu_offload and run.fsdp).params
+        sh = sharding_plan(src)
+        return frozen_states(shape, sh.world(run, src), src.model.dtype, pinned=sh.pinned(run, src)).params
 
     def active_phases(self, run: Run) -> set[str]:
         return {"reward"} | ({"validation"} if run.cfg.data.val_files else set())
@@ -215,15 +216,13 @@ class _ModelRewardPlanner(RolePlanner):
         parts: dict[str, int] = {}
         for src, shape in _sources(run, self.kind):  # one source at a time: the largest
             own = self._pass(run, phase, src, shape)
-            if run.fsdp:
-                own["gathered weights"] = self._gathered(shape, DTYPE_BYTES[src.model.dtype])
+            if run.distributed:
+                cb = DTYPE_BYTES[src.model.dtype]
+                own["gathered weights"] = sharding_plan(src).gathered(
+                    self._root(shape, cb), layer_bytes(shape, cb), shape.num_params * cb, generation=self.generates)
             for k, v in own.items():
                 parts[k] = max(parts.get(k, 0), v)
         return parts
-
-    def _gathered(self, shape: ModelShape, dtype_bytes: int) -> int:
-        """FSDP2's full weights in flight: the root unit and two layers, as a policy's pass."""
-        return self._root(shape, dtype_bytes) + 2 * layer_bytes(shape, dtype_bytes)
 
     def _root(self, shape: ModelShape, dtype_bytes: int) -> int:
         return root_bytes(shape, dtype_bytes)
@@ -244,7 +243,7 @@ class RewardModelPlanner(_ModelRewardPlanner):
         return 0 if shape.tied else shape.vocab * shape.hidden * dtype_bytes
 
     def _weights(self, run: Run, src, shape: ModelShape) -> int:
-        head = self._lm_head(shape, DTYPE_BYTES[src.model.dtype]) // run.shard_world(src.fsdp.strategy)
+        head = self._lm_head(shape, DTYPE_BYTES[src.model.dtype]) // sharding_plan(src).world(run, src)
         return super()._weights(run, src, shape) - head
 
     def _root(self, shape: ModelShape, dtype_bytes: int) -> int:
@@ -264,12 +263,9 @@ text runs 3-4 characters a token; 2 leaves room for the chat template's own toke
 class JudgePlanner(_ModelRewardPlanner):
     """LLM judges: ``generate`` over micro-batches of grading prompts (the run's caps plus the
     template), greedy, ``max_tokens`` new tokens: a growing KV cache, the prefill's transients or
-    the fp32 scores of the vocabulary, whichever is larger; under FSDP2 the full weights."""
+    the fp32 scores of the vocabulary, whichever is larger; sharded, the full weights."""
     name, title, kind = "judge", "judge rank (Ray actor)", "judge"
-
-    def _gathered(self, shape: ModelShape, dtype_bytes: int) -> int:
-        """Every weight for the whole call (fitrl/distributed/fsdp.py, ``gathered_for_generation``)."""
-        return shape.num_params * dtype_bytes
+    generates = True
 
     def _pass(self, run: Run, phase: str, src, shape: ModelShape) -> dict[str, int]:
         b = min(src.micro_batch_size, max(1, _scored_seqs(run, phase)))
@@ -298,12 +294,10 @@ class RolloutPlanner(RolePlanner):
     process_group = False  # a whole copy of the weights each: no torch.distributed world (the weight channel's aside)
 
     def states(self, run: Run) -> tuple[States, Any]:
-        from fitrl.config.roles import FSDPConfig  # (never offloaded, never sharded)
-
-        engine_copy = _engine_copy(run)  # (vLLM: its module is on meta)
+        engine_copy = _engine_copy(run)  # (vLLM: its module is on meta; never offloaded, never sharded)
         if engine_copy is not None:
-            return States(params=engine_copy), FSDPConfig()
-        return frozen_states(run.shape, 1, run.compute_dtype, pinned=False), FSDPConfig()
+            return States(params=engine_copy), None
+        return frozen_states(run.shape, 1, run.compute_dtype, pinned=False), None
 
     def params_label(self, run: Run) -> str:
         return "params" if _engine_copy(run) is None else f"{run.cfg.rollout.engine} engine (weights, kv cache)"
@@ -347,8 +341,8 @@ for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner(), RewardMod
 
 
 def role_states(run: Run) -> dict[str, tuple[States, object]]:
-    """Per-rank states of each role the run builds, with its fsdp config (the roles' planners, in
-    their registration order)."""
+    """Per-rank states of each role the run builds, with its config section (the roles' planners,
+    in their registration order)."""
     return {p.name: p.states(run) for p in ROLE_PLANNERS.in_order() if p.built(run)}
 
 
@@ -361,15 +355,17 @@ def process_roles(run: Run) -> dict[str, tuple[str, ...]]:
     with LoRA the reference is the policy with its adapters off, no process of its own
     (:func:`role_states` has no "ref")."""
     roles = tuple(role_states(run))
-    if not run.fsdp:
+    if not run.distributed:
         return {"trainer": roles}
     own = [r for r in roles if ROLE_PLANNERS.get(r).own_process]
     return {"trainer": tuple(r for r in roles if r not in own), **{r: (r,) for r in own}}
 
 
-def resident(role: str, fsdp, phase: str, run: Run) -> tuple[bool, bool]:
-    """(weights and gradients on the device, optimizer states on the device) in ``phase``."""
-    if not run.cuda or (fsdp.cpu_offload and run.fsdp):
+def resident(role: str, section, phase: str, run: Run) -> tuple[bool, bool]:
+    """(weights and gradients on the device, optimizer states on the device) in ``phase``;
+    ``section``: the role's config section (:func:`role_states`)."""
+    sh = sharding_plan(section)
+    if not run.cuda or sh.host_only(run, section):
         return False, False
-    on = phase in ROLE_PLANNERS.get(role).active_phases(run) or not fsdp.offload_params
-    return on, phase == "update" or not fsdp.offload_optimizer
+    on = phase in ROLE_PLANNERS.get(role).active_phases(run) or not sh.offloads(section, "params")
+    return on, phase == "update" or not sh.offloads(section, "optimizer")

@@ -17,6 +17,7 @@ from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.memory import calibration as C
 from fitrl.memory.lengths import Lengths
 from fitrl.memory.model import Hardware
+from fitrl.memory.sharding import sharding_plan
 from fitrl.models.shape import ModelShape
 from fitrl.models.vision import VisualInput
 from fitrl.ops.sharing import full_attention
@@ -71,15 +72,13 @@ class Run:
         return tuple(self.lora.target_modules) if self.lora else ()
 
     @property
-    def fsdp(self) -> bool:
+    def distributed(self) -> bool:
+        """Under Ray: a rank per device, each role sharded by its backend (fitrl/memory/sharding.py)."""
         return self.cfg.trainer.backend == "ray"
 
     @property
     def world(self) -> int:
-        return self.hw.nodes * self.hw.gpus_per_node if self.fsdp else 1
-
-    def shard_world(self, strategy: str) -> int:
-        return self.hw.gpus_per_node if strategy == "hybrid" and self.hw.nodes > 1 else self.world
+        return self.hw.nodes * self.hw.gpus_per_node if self.distributed else 1
 
     @property
     def weight_channel(self) -> bool:
@@ -89,7 +88,7 @@ class Run:
         from fitrl.distributed.weight_sync import resolve_transport  # (torch: only when planning)
 
         r = self.cfg.rollout
-        return self.layout.rollout is not None and self.fsdp and resolve_transport(
+        return self.layout.rollout is not None and self.distributed and resolve_transport(
             r.weight_transport, self.hw.device, self.cfg.trainer.backend) == "collective"
 
     def channel_bytes(self, side: str) -> int:
@@ -108,12 +107,12 @@ class Run:
     @property
     def compute_dtype(self) -> str:
         a = self.cfg.actor
-        return "bfloat16" if a.fsdp.mixed_precision else a.model.dtype  # by FSDP2, or by autocast
+        return "bfloat16" if sharding_plan(a).mixed_precision(a) else a.model.dtype  # sharded, or by autocast
 
     @property
     def autocast(self) -> bool:
         """Mixed precision in one process: each forward holds autocast's bf16 copy of the weights."""
-        return not self.fsdp and self.cfg.actor.fsdp.mixed_precision
+        return not self.distributed and sharding_plan(self.cfg.actor).mixed_precision(self.cfg.actor)
 
     @property
     def prompt_len(self) -> int:
@@ -144,7 +143,7 @@ class Run:
     @property
     def ulysses(self) -> int:
         """Ranks each sequence of a pass is split over (``actor.ulysses_size``; 1 in one process)."""
-        return self.cfg.actor.ulysses_size if self.fsdp else 1
+        return self.cfg.actor.ulysses_size if self.distributed else 1
 
     @property
     def seqs_per_rank(self) -> int:
@@ -201,7 +200,7 @@ class Run:
         within a mini-batch, which starts at a group's first sample) touches
         ``(end - 1) // n - start // n + 1`` groups; the plan takes the most any window touches."""
         a, n = self.cfg.actor, self.cfg.rollout.n
-        if (self.cuda or self.cfg.memory.host_allocator == "glibc" or self.fsdp or not a.share_prompts or n < 2
+        if (self.cuda or self.cfg.memory.host_allocator == "glibc" or self.distributed or not a.share_prompts or n < 2
                 or a.micro_batch_token_budget or self.shape.vision is not None or not full_attention(self.shape.raw)
                 or (update and (a.model.gradient_checkpointing or a.shuffle_mini_batches))):
             return 0
@@ -260,7 +259,7 @@ class Run:
         update calls get ``seqs_per_rank`` sequences ordered by length
         (fitrl/data/balance.py, ``equal_count_shards``), which scatters a prompt's n samples over the
         ranks: up to one prompt per sequence, at most every prompt of the step."""
-        if not self.fsdp:
+        if not self.distributed:
             return 0
         d = self.cfg.data
         if phase == "rollout":

@@ -9,6 +9,7 @@ from fitrl.memory.engines import engine_planner
 from fitrl.memory.gpu_terms import DRIVER_CONTEXT
 from fitrl.memory.model import PHASES, ProcessPlan, Usage
 from fitrl.memory.run import Run
+from fitrl.memory.sharding import sharding_plan
 from fitrl.memory.states import DTYPE_BYTES, WEIGHT_CHANNEL, full_weights, tensors_bytes
 
 
@@ -29,7 +30,7 @@ def driver_images(run: Run, phase: str) -> int:
         return 0
     if phase in ("rollout", "validation"):
         prompts = d.rollout_batch_size if phase == "rollout" else d.val_batch_size
-        copies = 2 if run.fsdp else 1
+        copies = 2 if run.distributed else 1
         return copies * run.pixel_values_bytes(prompts) + run.image_processing_bytes()
     return run.pixel_values_bytes(d.rollout_batch_size)
 
@@ -40,21 +41,21 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
     driver, node, rank0 = {}, {}, {}
     for ph in PHASES:
         d, n, r0 = Usage(), Usage(), Usage()
-        if run.fsdp:  # in-process, the driver is the trainer's process (runtime and batch counted there)
+        if run.distributed:  # in-process, the driver is the trainer's process (runtime and batch counted there)
             d.add("host", "runtime", C.DRIVER_RUNTIME)
             if run.cuda:  # named though 0 (Usage.add keeps no 0): the table says it was not forgotten
                 d.gpu[DRIVER_CONTEXT] = C.DRIVER_CUDA_CONTEXT
         d.add("host", "image buffers", driver_images(run, ph))
-        if ph not in ("load", "validation") and run.fsdp:
+        if ph not in ("load", "validation") and run.distributed:
             d.add("host", "batch", run.batch_bytes(seqs_step))
         n.add("host", "reward workers", cfg.reward.num_workers * C.REWARD_WORKER_HOST)
         agent = cfg.rollout.agent
         if agent.enabled and agent.tools:  # each policy rank's sandbox (fitrl/agents/sandbox.py)
-            tool_workers = agent.tool_workers * (max(cfg.world_size // hw.nodes, 1) if run.fsdp else 1)
+            tool_workers = agent.tool_workers * (max(cfg.world_size // hw.nodes, 1) if run.distributed else 1)
             n.add("host", "tool workers", tool_workers * C.TOOL_WORKER_HOST)
             if ph in ("rollout", "validation"):  # what a call may allocate: its RLIMIT_AS, the bound
                 n.add("host", "tool calls (bound)", tool_workers * max(agent.memory_bytes() - C.TOOL_WORKER_HOST, 0))
-        if run.fsdp:
+        if run.distributed:
             n.add("host", "ray", C.RAY_SYSTEM_HOST)
             if ph != "load":
                 seqs = seqs_step if ph != "validation" else cfg.data.val_batch_size * cfg.rollout.val.n
@@ -66,15 +67,15 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
                 store = min(C.RAY_OBJECT_COPIES * run.batch_bytes(seqs) // hw.nodes + images,
                             int(run.cfg.plan.object_store_fraction * hw.host_memory))
                 n.add("host", "object store", store)
-        if ph == "load" and run.fsdp and cfg.actor.fsdp.init == "rank0":
+        if ph == "load" and run.distributed and sharding_plan(cfg.actor).reads_checkpoint_once(cfg.actor):
             r0.add("host", "checkpoint copy", full_weights(run.shape, cfg.actor.model.dtype))
-        if ph == "load" and (run.fsdp or not run.cuda or engine_planner(cfg).maps_checkpoint(run)):
+        if ph == "load" and (run.distributed or not run.cuda or engine_planner(cfg).maps_checkpoint(run)):
             # the checkpoint file mapped by safetensors (page cache shared by a node's readers)
             on_disk = run.shape.raw.get("torch_dtype") or run.shape.raw.get("dtype")
             n.add("host", "checkpoint pages", full_weights(run.shape, on_disk if on_disk in DTYPE_BYTES else "bfloat16"))
         r = cfg.rollout
         # rollout workers of their own under Ray (fitrl/trainer/pipeline.py), as the layout starts them
-        if run.layout.rollout is not None and run.fsdp:
+        if run.layout.rollout is not None and run.distributed:
             if ph == "weight_sync" and run.weight_channel:  # broadcast from rank 0's device, a bucket at a time
                 r0.add("gpu" if run.cuda else "host", WEIGHT_CHANNEL, run.channel_bytes("rank0"))
             elif ph == "weight_sync":  # rank 0 gathers the full weights into the object store

@@ -18,6 +18,7 @@ from fitrl.memory.passes import (adapter_params, autocast_weights, bf16_widening
                                  traced_transient, vision_activations)
 from fitrl.memory.roles import ROLE_PLANNERS, process_roles, resident, role_states
 from fitrl.memory.run import Run
+from fitrl.memory.sharding import sharding_plan
 from fitrl.models.shape import numel
 from fitrl.memory.states import DTYPE_BYTES, States, full_weights, layer_bytes, root_bytes
 
@@ -48,7 +49,7 @@ def rank_plans(run: Run, notes: list[str]) -> list[ProcessPlan]:
 
 
 def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPlan:
-    """One per-device process of ``kind`` holding ``roles`` (name -> (states, fsdp config))."""
+    """One per-device process of ``kind`` holding ``roles`` (name -> (states, config section))."""
     cfg, cuda, dev = run.cfg, run.cuda, "gpu" if run.cuda else "host"
     trainer = kind == "trainer"
     # the passes this process runs: its roles' (the in-process trainer runs the reference's too)
@@ -60,19 +61,19 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
     # one role updates at a time: the critic's update (fitrl/trainer/loop.py, before the policy's)
     # frees its gradients when it ends, so a process holding both has one role's gradients at once
     updating = max((r for r in roles if roles[r][0].grads), key=lambda r: roles[r][0].grads, default=None)
-    nccl = nccl_buffers(run, [(r, fsdp) for r, (_, fsdp) in roles.items()])  # (assumed: 0 off CUDA, in one process)
+    nccl = nccl_buffers(run, [(r, section) for r, (_, section) in roles.items()])  # (assumed: 0 off CUDA, in one process)
     # only the phases this run has: an absent one's traces would be wasted start-up
     for ph in active_phases(run.cfg, run.spec):
         u = Usage()
         # a Ray role actor of its own (reference, critic) costs a process runtime like a trainer rank's
-        u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.fsdp)
+        u.add("host", "runtime", C.CUDA_PROCESS_RUNTIME if cuda else C.CPU_PROCESS_RUNTIME + C.CPU_RANK_EXTRA * run.distributed)
         u.add("host", "runtime", C.PEFT_IMPORT_HOST if run.lora and trainer else 0)
         if cuda:  # every process on the device has its own context
             u.add("gpu", "cuda context", C.CUDA_CONTEXT)
         u.add("gpu", NCCL, nccl)
-        for role, (st, fsdp) in roles.items():
+        for role, (st, section) in roles.items():
             full = st  # (the update's; st becomes what this phase holds)
-            on_dev, opt_dev = resident(role, fsdp, ph, run)
+            on_dev, opt_dev = resident(role, section, ph, run)
             label = "" if role == "actor" else f"{role} "
             pinned_grads = 0
             if ph == "load":  # no gradients or optimizer states yet
@@ -80,9 +81,9 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             elif ph == "update" and role != updating:
                 st = States(st.params, optimizer=st.optimizer)
             elif ph != "update":  # Actor/Critic.update free their gradients after the last step
-                if st.grads and cuda and run.fsdp and fsdp.cpu_offload:
-                    # ... but FSDP2 CPUOffloadPolicy's gradients were pinned host tensors, and the
-                    # pinned caching allocator keeps their freed blocks for the next update
+                if st.grads and sharding_plan(section).pinned(run, section):
+                    # ... but gradients kept in pinned host memory (FSDP2's CPUOffloadPolicy) leave
+                    # their freed blocks in the pinned caching allocator for the next update
                     pinned_grads = st.grads
                 st = States(st.params, optimizer=st.optimizer)
             where_w = dev if on_dev else "host"
@@ -92,7 +93,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             u.add("host", f"pinned cache ({label}grads)", pinned_grads)
             u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",
                   st.optimizer)
-            pinned_optimizer(run, fsdp, full, st, opt_dev, u, label)  # its pinned blocks (assumed)
+            pinned_optimizer(run, section, full, st, opt_dev, u, label)  # its pinned blocks (assumed)
             for part, size in ROLE_PLANNERS.get(role).own_pass(run, ph).items():  # a reward model's, a judge's
                 u.add(dev, part, size * (1.0 if cuda else C.CPU_ALLOCATOR_SLACK))
             for part, size in ROLE_PLANNERS.get(role).own_host(run, ph).items():  # a rollout worker's mailbox
@@ -116,7 +117,7 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             u.add(dev, "image buffers", micro_images(run, b))
             if cuda:
                 u.add("host", "image buffers", micro_images(run, b))
-            dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.fsdp else None
+            dtype = (cfg.ref.model or cfg.actor.model).dtype if ref_model and not run.distributed else None
             prompts = run.prompt_groups(b, update=grad)
             if prompts:
                 _note(notes, f"{ph}: planned with a micro-batch's {b} sequences sharing {prompts} "
@@ -147,16 +148,20 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             _logits_note(run, ph, b, notes)
             u.add(dev, "logits", logits * slack)
             u.add(dev, "activations", (tr - logits + vit) * slack)
-            if run.fsdp:  # gathered units: the root stays gathered forward to backward, two layers in flight
+            section = cfg.ref if ref_model else cfg.actor
+            sh = sharding_plan(section)
+            if run.distributed:  # gathered units, as many at once as the backend gathers
                 # (unsharded gradients are the traced incoming gradients already: not added again)
                 # (LoRA: each unit gathers its adapters with its base weights)
                 per_layer, total = adapter_params(run)
                 root_adapters = total - per_layer * run.shape.layers
-                u.add(dev, "gathered weights", root_bytes(run.shape, cb) + 2 * layer_bytes(run.shape, cb)
-                      + (root_adapters + 2 * per_layer) * cb)
+                u.add(dev, "gathered weights", sh.gathered(root_bytes(run.shape, cb) + root_adapters * cb,
+                                                           layer_bytes(run.shape, cb) + per_layer * cb,
+                                                           run.shape.num_params * cb + total * cb))
                 if heap and grad:  # (the heap residue is there before the first unit gathers: on top)
-                    u.add("host", "allocator (FSDP2 unit buffers)", max(0, _fsdp_unit_buffers(run, cb) - (tr - live)))
-            elif (cfg.ref if ref_model else cfg.actor).fsdp.mixed_precision:  # one process: autocast
+                    label, buffers = sh.heap_buffers(run, cb, _trained_params(run))
+                    u.add("host", label, max(0, buffers - (tr - live)))
+            elif sh.mixed_precision(section):  # one process: autocast
                 u.add(dev, "autocast weights", autocast_weights(run, grad, frozen=ref_model or None))
                 if not cuda:
                     u.add(dev, "bf16 widening", bf16_widening(
@@ -179,20 +184,21 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
     planner = ROLE_PLANNERS.get(kind) if kind in ROLE_PLANNERS else None  # (None: the trainer rank)
     own = planner.per_node(run) if planner else None  # (rollout workers: their count)
     # every process here is one per device: the trainer rank, or a role's ranks of their own
-    return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.fsdp else 1, phases, per_device=True,
+    return ProcessPlan(kind, (own or run.hw.gpus_per_node) if run.distributed else 1, phases, per_device=True,
                        own_device=bool(planner and planner.own_device))
 
 
 def _critic_pass(run: Run, phase: str, u: Usage, dev: str) -> None:
     """PPO's critic in a Ray process of its own: the traced values pass (``old_logprob``) or
-    update micro-step (a one-label head on every position: no vocabulary-wide logits), FSDP2's
+    update micro-step (a one-label head on every position: no vocabulary-wide logits), its
     gathered units, and on CPU glibc's heap as a trainer rank's update gets it (the same measured
     factors: the same decoder's forward and backward). In one process the policy's passes in the
     same phases are the larger, and the critic's are not added."""
     c, shape = run.cfg.critic, run.shape
     model = c.model or run.cfg.actor.model
     grad = phase == "update"
-    dtype = "bfloat16" if c.fsdp.mixed_precision else "float32"  # its weights are fp32 (CriticPlanner)
+    sh = sharding_plan(c)
+    dtype = "bfloat16" if sh.mixed_precision(c) else "float32"  # its weights are fp32 (CriticPlanner)
     ckpt = grad and model.gradient_checkpointing
     b = min(c.micro_batch_size if grad else c.values_micro_batch_size, run.seqs_per_rank)
     live = traced_transient(run, "value_update" if grad else "values", b, run.seq_len, dtype=dtype,
@@ -204,12 +210,12 @@ def _critic_pass(run: Run, phase: str, u: Usage, dev: str) -> None:
         if run.cfg.memory.trim_heap:
             u.add("host", "allocator (heap residue)", _update_heap_residue(run, live, trained=shape.num_params))
     u.add(dev, "activations", tr * (1.0 if run.cuda else C.CPU_ALLOCATOR_SLACK))
-    if run.fsdp:
+    if run.distributed:
         cb = DTYPE_BYTES[dtype]
-        u.add(dev, "gathered weights", root_bytes(shape, cb) + 2 * layer_bytes(shape, cb))
+        u.add(dev, "gathered weights", sh.gathered(root_bytes(shape, cb), layer_bytes(shape, cb), shape.num_params * cb))
         if heap and grad:
-            u.add("host", "allocator (FSDP2 unit buffers)",
-                  max(0, _fsdp_unit_buffers(run, cb, trained=shape.num_params) - (tr - live)))
+            label, buffers = sh.heap_buffers(run, cb, shape.num_params)
+            u.add("host", label, max(0, buffers - (tr - live)))
 
 
 def _note(notes: list[str], text: str) -> None:
@@ -314,29 +320,16 @@ def _update_heap_residue(run: Run, traced: int, trained: int | None = None) -> i
     and a share of the smaller of its traced transients and its gradients (fp32, this rank's
     share of the trained parameters). The gradients are allocated in the first micro-batch's
     backward between blocks of activations that are freed right after, and ``malloc_trim``
-    returns only whole free pages; under FSDP2 it comes on top of the unit buffers
+    returns only whole free pages; sharded, it comes on top of the backend's unit buffers
     (:data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_FIXED`,
     :data:`~fitrl.memory.calibration.CPU_UPDATE_HEAP_PINNED`)."""
-    grads = (_trained_params(run) if trained is None else trained) * 4 // (run.world if run.fsdp else 1)
+    grads = (_trained_params(run) if trained is None else trained) * 4 // run.world
     return int(C.CPU_UPDATE_HEAP_FIXED + C.CPU_UPDATE_HEAP_PINNED * min(traced, grads))
 
 
 def _trained_params(run: Run) -> int:
     """Parameters that get gradients: the adapters with LoRA, else every parameter."""
     return adapter_params(run)[1] if run.lora else run.shape.num_params
-
-
-def _fsdp_unit_buffers(run: Run, cb: int, trained: int | None = None) -> int:
-    """What a CPU rank's glibc heap keeps of FSDP2's per-unit buffers over an update: one unsharded
-    copy of every unit's parameters in the compute dtype (all-gather outputs; with bf16 compute
-    also the shards cast for the all-gather) and of its gradients in fp32 (the reduce dtype):
-    layer-sized blocks that the heap keeps in place as it goes through the units
-    (:data:`~fitrl.memory.calibration.CPU_FSDP_UNIT_BUFFERS`). The activations' own excess can
-    reuse those holes: the planner counts the larger of the two."""
-    trained = _trained_params(run) if trained is None else trained
-    n = run.shape.num_params
-    cast = n // run.world * cb if cb < 4 else 0  # bf16 all-gather inputs (shards)
-    return int(C.CPU_FSDP_UNIT_BUFFERS * (n * cb + trained * 4 + cast))
 
 
 def _lora_note(run: Run) -> str:
@@ -350,14 +343,15 @@ def _lora_note(run: Run) -> str:
 
 
 def _load(run: Run, u: Usage) -> None:
-    """``init=every_rank`` (or no FSDP): this rank reads the whole checkpoint, one full copy in
+    """Every rank reads (one process, or a backend whose ranks each read, FSDP2's ``init=every_rank``): this rank reads the whole checkpoint, one full copy in
     the actor's dtype, into host memory; with ``plan.emulate.load_on_device`` (under Ray on CUDA)
     onto its device instead, as another framework's ranks do (EasyR1 without rank-0 init: each
     rank's ``from_pretrained(device_map="cuda")``, failure story 5). With ``init=rank0`` only rank
     0 reads, into host memory (the "rank0" process of the plan); the checkpoint file's pages are
     counted once per node."""
-    if not run.fsdp or run.cfg.actor.fsdp.init == "every_rank":
-        on_device = run.fsdp and run.cuda and run.cfg.plan.emulate.load_on_device
+    a = run.cfg.actor
+    if not run.distributed or not sharding_plan(a).reads_checkpoint_once(a):
+        on_device = run.distributed and run.cuda and run.cfg.plan.emulate.load_on_device
         u.add("gpu" if on_device else "host", "checkpoint copy", full_weights(run.shape, run.cfg.actor.model.dtype))
 
 
@@ -365,6 +359,6 @@ def _checkpoint(run: Run, u: Usage, roles) -> None:
     """Saving: each rank stages its optimizer shard on the host (unless model-only or already
     there); rank 0 gathers the full weights (the "rank0" process of the plan)."""
     ck = getattr(run.cfg, "checkpoint", None)
-    _, opt_on_device = resident("actor", run.cfg.actor.fsdp, "checkpoint_save", run)
+    _, opt_on_device = resident("actor", run.cfg.actor, "checkpoint_save", run)
     if ck is not None and not getattr(ck, "model_only", False) and opt_on_device:
         u.add("host", "checkpoint buffers", roles["actor"][0].optimizer)

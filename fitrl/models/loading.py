@@ -13,24 +13,26 @@ in torchtitan:
      with ``init=every_rank`` every rank reads it (one full copy per rank: the slow path, kept
      as an option; see docs/architecture.md, "Failure stories");
   2. gradient checkpointing is switched on (it wraps layers, so before sharding);
-  3. the family's blocks, then the root, are sharded with FSDP2 (:func:`fitrl.distributed.fsdp.shard`);
-  4. meta ranks allocate their shards and rank 0 broadcasts the weights and buffers into them
-     (:func:`fitrl.distributed.fsdp.broadcast_from_rank0`).
+  3. the family's blocks, then the root, are sharded by the role's sharding backend (its
+     ``sharding`` setting, FSDP2 by default: fitrl/distributed/sharding.py);
+  4. meta ranks allocate their shards and rank 0 fills them with the weights and buffers
+     (where the backend's options say one rank reads the checkpoint).
 """
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from fitrl.config.schema import FSDPConfig, ModelConfig
+from fitrl.config.schema import ModelConfig
 from fitrl.core.errors import ModelDirError
 from fitrl.core.faults import own_disk
 from fitrl.distributed.collectives import distributed, rank
-from fitrl.distributed.fsdp import broadcast_from_rank0, shard
+from fitrl.distributed.sharding import sharding_backend
 from fitrl.models.check import load_local_tokenizer, read_model_config
 from fitrl.models.families import family_for
 from fitrl.models.params import ParameterSet
@@ -76,10 +78,11 @@ def load_tokenizer(model: ModelConfig, key: str = "actor.model"):
                             f"{type(e).__name__}: {first}") from None
 
 
-def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.device, *,
+def build_model(kind: str, model: ModelConfig, section: Any, device: torch.device, *,
                 what: str = "actor.model.path", nnodes: int = 1, params: ParameterSet = FULL,
                 replicate: bool = False) -> nn.Module:
-    """The role's model on this rank: plain when there is no process group, FSDP2-sharded otherwise.
+    """The role's model on this rank: plain when there is no process group, sharded otherwise
+    by the backend ``section.sharding`` names (``section``: the role's config section, ``cfg.actor``).
 
     ``kind``: ``"causal_lm"`` (policy, reference) or ``"value"`` (critic); ``what`` names the
     config key of ``model.path`` in error messages; ``nnodes`` shapes a hybrid-shard mesh;
@@ -94,7 +97,9 @@ def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.d
         _after_build(m, model, device)
         return m
 
-    rank0_init = fsdp.init == "rank0"
+    backend = sharding_backend(section.sharding, what.rsplit(".model.", 1)[0] + ".sharding")
+    options = backend.options(section)
+    rank0_init = backend.reads_checkpoint_once(options)
     full_state, source = None, None
     if rank0_init:
         with torch.device("meta"):
@@ -105,9 +110,9 @@ def build_model(kind: str, model: ModelConfig, fsdp: FSDPConfig, device: torch.d
     else:
         m = from_pretrained()
     _after_build(m, model, device)
-    shard(m, fsdp, family.blocks_to_shard(m), device, nnodes=nnodes)
+    backend.shard(m, options, family.blocks_to_shard(m), device, nnodes=nnodes)
     if rank0_init:
-        broadcast_from_rank0(m, full_state, source, device, cpu_offload=fsdp.cpu_offload)
+        backend.fill_from_rank0(m, full_state, source, device, options)
         del full_state, source
     return m
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from fitrl.config.schema import LoRAConfig
 from fitrl.core.errors import ConfigError
-from fitrl.distributed.fsdp import stream_full_tensors
+from fitrl.distributed.state import stream_full_tensors
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 
@@ -40,7 +40,7 @@ class ParameterSet:
 
     def inference_weights(self, model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights an inference engine loads, under the checkpoint's names, one full tensor at
-        a time (a collective under FSDP2: see :func:`fitrl.distributed.fsdp.stream_full_tensors`)."""
+        a time (a collective under FSDP2: see :func:`fitrl.distributed.state.stream_full_tensors`)."""
         yield from stream_full_tensors(model, dtype)
 
     @contextmanager

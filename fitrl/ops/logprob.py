@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from fitrl.core.packing import PackedLayout, pack_layout, packed_size
 from fitrl.core.padding import model_positions, trim_padding
 from fitrl.distributed.collectives import all_ranks_agree
-from fitrl.distributed.fsdp import sharded_over_ranks
+from fitrl.distributed.sharding import sharded_over_ranks
 from fitrl.distributed.ulysses import SequenceGroup
 from fitrl.ops.packed import can_pack, packed_forward
 from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups, shared_prompt_forward

@@ -38,6 +38,7 @@ def plan_config(cfg: FitrlConfig, hardware: Hardware, shape: Optional[ModelShape
     # lazy: fitrl.config.choices imports fitrl.algo and so torch, which `fitrl --help` must not wait for;
     # fitrl.rollout registers every engine's planner
     import fitrl.rollout  # noqa: F401
+    import fitrl.sharding  # noqa: F401  (registers the sharding backends and their planners)
     from fitrl.config.choices import algorithm_needs
 
     cfg = cfg.with_device_defaults(hardware.device)  # what the run there computes in (bf16 on CUDA)
@@ -63,7 +64,7 @@ def _plan(run: Run) -> Plan:
     engines, growth = engine_planner(cfg).processes(run, notes)  # the engine's processes of its own
     processes += engines
     processes += driver_and_node_plans(run)
-    if not run.fsdp:  # one process: trainer, driver and node share it
+    if not run.distributed:  # one process: trainer, driver and node share it
         processes = [p for p in processes if p.kind != "rank0"]
         _decoding_before_generate(run, processes)
     _image_notes(run, notes)

@@ -21,6 +21,7 @@ from typing import Optional
 from fitrl.config import ConfigError
 from fitrl.config.loader import config_from_dict, config_to_dict
 from fitrl.memory.change import Change
+from fitrl.memory.sharding import sharding_plan
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import Plan
 from fitrl.models.check import ulysses_refusal
@@ -62,32 +63,34 @@ def candidates(plan: Plan) -> list[Change]:
         if _get(cfg, key) != want:
             out.append(Change([(key, want)], cost, f"{key} {str(not want).lower()} -> {str(want).lower()}"))
 
+    def offload(prefix: str, what: str) -> Optional[str]:  # the key of the section's sharding backend
+        return sharding_plan(_get(cfg, prefix)).offload_key(prefix, what)
+
     hw = plan.hardware
     if not ray and cuda and hw.nodes * hw.gpus_per_node > 1:
         out.append(Change([("trainer.backend", "ray"), ("trainer.nnodes", hw.nodes),
                            ("trainer.devices_per_node", hw.gpus_per_node)], "faster: every device trains",
-                          f"shard with FSDP2 over {hw.nodes * hw.gpus_per_node} devices (trainer.backend=ray)"))
-    if ray and cfg.actor.fsdp.init == "every_rank":
-        out.append(Change([("actor.fsdp.init", "rank0")], "faster: one checkpoint read per job, not per rank",
-                          "actor.fsdp.init every_rank -> rank0"))
+                          f"shard with {sharding_plan(cfg.actor).title} over {hw.nodes * hw.gpus_per_node} devices "
+                          f"(trainer.backend=ray)"))
+    out += [Change([(key, value)], cost, text) for key, value, cost, text in
+            sharding_plan(cfg.actor).candidates("actor", cfg.actor, ray)]
     if cuda:
         roles = ["actor", "ref"] if reference else ["actor"]
-        on = [(f"{r}.fsdp.{k}", False) for r in roles for k in ("cpu_offload", "offload_params", "offload_optimizer")
-              if not (r == "ref" and k == "offload_optimizer") and _get(cfg, f"{r}.fsdp.{k}")]
+        moves = [(r, w) for r in roles for w in ("states", "params", "optimizer") if not (r == "ref" and w == "optimizer")]
+        keys = [k for k in (offload(r, w) for r, w in moves) if k is not None]
+        on = [(k, False) for k in keys if _get(cfg, k)]
         if len(on) > 1:
             out.append(Change(on, "faster: no host<->device copies", "offload off (" + ", ".join(k for k, _ in on) + ")"))
-        for role in roles:
-            for k in ("cpu_offload", "offload_params", "offload_optimizer"):
-                if role == "ref" and k == "offload_optimizer":
-                    continue
-                flip(f"{role}.fsdp.{k}", "faster: no host<->device copies", False)
+        for key in keys:
+            flip(key, "faster: no host<->device copies", False)
     if reference and (cfg.ref.model or cfg.actor.model).dtype == "float32":
         out.append(Change([("ref.model", {"path": (cfg.ref.model or cfg.actor.model).path, "dtype": "bfloat16"})],
                           "faster (bf16 forward of the frozen model)", "ref.model.dtype float32 -> bfloat16"))
     models = {n: src for n, src in cfg.reward.sources.items() if src.kind != "function"}  # reward models, judges
     for n, src in models.items():
-        if cuda and src.fsdp.offload_params:
-            flip(f"reward.sources.{n}.fsdp.offload_params", "faster: no host<->device copies", False)
+        key = offload(f"reward.sources.{n}", "params")
+        if cuda and key is not None and _get(cfg, key):
+            flip(key, "faster: no host<->device copies", False)
         if src.model.dtype == "float32":
             out.append(Change([(f"reward.sources.{n}.model.dtype", "bfloat16")], "faster (bf16 forward of a frozen model)",
                               f"reward.sources.{n}.model.dtype float32 -> bfloat16"))
@@ -117,12 +120,15 @@ def candidates(plan: Plan) -> list[Change]:
                           f"actor.ulysses_size {cfg.actor.ulysses_size} -> {u} (each sequence split over {u} ranks)"))
     flip("actor.model.gradient_checkpointing", "~30% slower update (recompute)", True)
     if cuda and ray:
-        flip("actor.fsdp.offload_optimizer", "slower: optimizer states copied each update", True)
-        flip("actor.fsdp.offload_params", "slower: weights copied each phase", True)
-        if reference:
-            flip("ref.fsdp.offload_params", "slower: reference weights copied each step", True)
-        for n in models:  # on the device only in the phases it scores
-            flip(f"reward.sources.{n}.fsdp.offload_params", f"slower: {n}'s weights copied each step", True)
+        slower = [("actor", "optimizer", "slower: optimizer states copied each update"),
+                  ("actor", "params", "slower: weights copied each phase")]
+        slower += [("ref", "params", "slower: reference weights copied each step")] if reference else []
+        # a reward model is on the device only in the phases it scores
+        slower += [(f"reward.sources.{n}", "params", f"slower: {n}'s weights copied each step") for n in models]
+        for prefix, what, cost in slower:
+            key = offload(prefix, what)
+            if key is not None:
+                flip(key, cost, True)
     rbs, mini = cfg.data.rollout_batch_size, cfg.actor.mini_batch_size
     if rbs > 1 and rbs % 2 == 0:
         changes = [("data.rollout_batch_size", rbs // 2)] + ([("actor.mini_batch_size", mini // 2)]

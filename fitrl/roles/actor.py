@@ -21,7 +21,7 @@ from fitrl.core.device import autocast, low_precision_backward
 from fitrl.data.batch import Batch
 from fitrl.data.balance import micro_batches_by_tokens
 from fitrl.distributed.collectives import all_reduce_max, all_reduce_max_float, all_reduce_sum
-from fitrl.distributed.fsdp import fsdp_modules
+from fitrl.distributed.sharding import sharding_units
 from fitrl.distributed.ulysses import SequenceGroup, over_pass, sum_gradients
 from fitrl.ops.varlen import packed_attention
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
@@ -342,8 +342,8 @@ class Actor:
         return loss, m, logp.detach()
 
     def _clip_grad(self) -> float:
-        if self.sequence_group is not None and not fsdp_modules(self.model):
-            sum_gradients(self.model, self.sequence_group.group)  # FSDP2 would have summed them
+        if self.sequence_group is not None and not sharding_units(self.model):
+            sum_gradients(self.model, self.sequence_group.group)  # a sharded model's backend sums them
         return clip_gradients(self.model, self.cfg.optim.grad_clip)
 
 

@@ -27,13 +27,14 @@ from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.core.padding import left_pad, right_pad
 from fitrl.data.batch import Batch
-from fitrl.distributed.fsdp import gathered_for_generation
+from fitrl.distributed.sharding import gathered_for_generation
 from fitrl.models.check import check_weights, read_model_config
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.ops.score import last_token_scores
 from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.progress import PROGRESS
+from fitrl.sharding import fsdp2  # noqa: F401  (registers the built-in sharding backend build_model uses)
 from fitrl.workers.group import dispatch
 
 __all__ = ["JudgeWorker", "RewardModelWorker", "check_reward_sources", "judge_prompt", "sources_of"]
@@ -92,7 +93,7 @@ class _ModelSource:
     def __init__(self, cfg: FitrlConfig, name: str, src: RewardSourceConfig, head: str, device: torch.device):
         self.name, self.src, self.device = name, src, device
         self.tokenizer = load_tokenizer(src.model, key=f"reward.sources.{name}.model")
-        self.model = build_model(head, src.model, src.fsdp, device, what=f"reward.sources.{name}.model.path",
+        self.model = build_model(head, src.model, src, device, what=f"reward.sources.{name}.model.path",
                                  nnodes=cfg.trainer.nnodes)
         self.model.eval().requires_grad_(False)
         self.offload = OffloadBetweenPhases(self.model, src.fsdp, device, trim=cfg.memory.trim_heap)

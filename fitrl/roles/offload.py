@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from fitrl.config.schema import FSDPConfig
-from fitrl.distributed.fsdp import check_optimizer_on_param_devices, move_model, move_optimizer_state
+from fitrl.distributed.host_device import check_optimizer_on_param_devices, move_model, move_optimizer_state
 from fitrl.telemetry.memory import trim_heap
 
 DEBUG_ENV = "FITRL_DEBUG"

@@ -95,7 +95,7 @@ class RolloutWorker:
         if self.own_copy:
             self.model = shape_only(model_cfg)
         else:
-            self.model = build_model("causal_lm", model_cfg, cfg.actor.fsdp, self.device, replicate=True)
+            self.model = build_model("causal_lm", model_cfg, cfg.actor, self.device, replicate=True)
         self.model.eval().requires_grad_(False)
         inputs = family_for(cfg.actor.model.path).inputs_for(self.model)
         context = EngineContext(

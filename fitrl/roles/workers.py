@@ -24,7 +24,7 @@ from fitrl.core.device import autocast, resolve_device
 from fitrl.core.registry import Registry
 from fitrl.data.batch import Batch
 from fitrl.data.supervised import supervised_batch, target_ids
-from fitrl.distributed.fsdp import full_state_dict
+from fitrl.distributed.state import full_state_dict
 from fitrl.distributed.ulysses import over_pass, sequence_groups
 from fitrl.distributed.weight_sync import ChannelAddress, WeightChannel, open_rendezvous
 from fitrl.ops.varlen import packed_attention
@@ -39,6 +39,7 @@ from fitrl.roles.rollout_worker import RolloutWorker, episode_runner
 from fitrl.rollout import build_engine
 from fitrl.rollout.engine import EngineContext
 from fitrl.rollout.layout import eos_ids, gather_rollouts
+from fitrl.sharding import fsdp2  # noqa: F401  (registers the built-in sharding backend build_model uses)
 from fitrl.telemetry.guard import GUARD
 from fitrl.workers.group import dispatch
 
@@ -57,7 +58,7 @@ class PolicyWorker:
         torch.manual_seed(cfg.trainer.seed + rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.params = parameter_set(cfg.actor.lora)  # full, or LoRA adapters on a frozen base
-        self.model = build_model("causal_lm", cfg.actor.model, cfg.actor.fsdp, self.device,
+        self.model = build_model("causal_lm", cfg.actor.model, cfg.actor, self.device,
                                  nnodes=cfg.trainer.nnodes, params=self.params)
         inputs = family_for(cfg.actor.model.path).inputs_for(self.model)  # positions, images
         self.autocast_dtype = low_precision(cfg.autocast_dtype("actor"))  # mixed precision in one process
@@ -234,7 +235,7 @@ class ReferenceWorker:
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
         model_cfg = cfg.ref.model or cfg.actor.model
-        self.model = build_model("causal_lm", model_cfg, cfg.ref.fsdp, self.device, what="ref.model.path",
+        self.model = build_model("causal_lm", model_cfg, cfg.ref, self.device, what="ref.model.path",
                                  nnodes=cfg.trainer.nnodes)
         self.model.eval().requires_grad_(False)
         self.inputs = family_for(model_cfg.path).inputs_for(self.model)
@@ -274,7 +275,7 @@ class CriticWorker:
         GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + 7919)  # the value head's init (rank 0's is broadcast)
         model_cfg = cfg.critic.model or cfg.actor.model
-        self.model = build_model("value", model_cfg, cfg.critic.fsdp, self.device,
+        self.model = build_model("value", model_cfg, cfg.critic, self.device,
                                  what="critic.model.path", nnodes=cfg.trainer.nnodes)
         self.critic = Critic(self.model, cfg.critic, total_steps=cfg.trainer.max_steps,
                              max_response_length=cfg.rollout.max_response_length,

@@ -26,7 +26,7 @@ from fitrl.config.schema import SamplingConfig
 from fitrl.core.engines import EngineCapabilities
 from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
-from fitrl.distributed.fsdp import gathered_for_generation
+from fitrl.distributed.sharding import gathered_for_generation
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.rollout.decode import decode_loop, loop_unsupported, raise_if_nonfinite, sample_step
 from fitrl.rollout.engine import GENERATION, ROLLOUT_ENGINES, RolloutEngine
@@ -115,7 +115,7 @@ class HFRollout(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with gathered_for_generation(self.model):  # FSDP2: full weights once, not per token
+            with gathered_for_generation(self.model):  # sharded: full weights once, not per token
                 for start in range(0, len(seqs), self.micro_batch_size):
                     # safe point: only this phase's work is lost. Local: generation runs no
                     # collective, and ranks may have different numbers of micro-batches

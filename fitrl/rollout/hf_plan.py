@@ -46,7 +46,7 @@ def _generation(run: Run, ph: str, u: Usage, dev: str, seqs: int | None = None, 
     b = min(cfg.rollout.micro_batch_size, seqs)
     cb = DTYPE_BYTES[run.compute_dtype]
     # (a rollout worker's own copy: its weights are its states, fitrl/memory/roles.py, RolloutPlanner)
-    if run.fsdp and not own_copy:  # gathered_for_generation: the full weights for the whole call
+    if run.distributed and not own_copy:  # gathered_for_generation: the full weights for the whole call
         u.add(dev, "gathered weights", (shape.num_params + adapter_params(run)[1]) * cb)
     elif run.autocast and not own_copy:  # autocast's bf16 copies (the cached trained weights), for the whole generate call
         u.add(dev, "autocast weights", autocast_weights(run, grad=False))

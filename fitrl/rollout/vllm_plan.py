@@ -264,7 +264,7 @@ def vllm_cpu_engine(run: Run) -> dict[str, int]:
 
 def vllm_push_bytes(run: Run, received: bool = False) -> int:
     """What a weight push holds beyond the two copies of the weights, one tensor at a time
-    (``fitrl.distributed.fsdp.stream_full_tensors``): vLLM materialises the module being reloaded
+    (``fitrl.distributed.state.stream_full_tensors``): vLLM materialises the module being reloaded
     (its largest tensor, in the engine dtype) before processing it into place; the trainer side
     holds a full tensor of its own only when it makes one (an FSDP2 all-gather under Ray, a LoRA
     merge): in one process without LoRA it yields views of its own weights.
@@ -278,7 +278,7 @@ def vllm_push_bytes(run: Run, received: bool = False) -> int:
     ``received``: a rollout worker's engine, fed a version already whole on its host (its mailbox,
     planned apart): only the engine's materialised tensor."""
     largest = max(numel(s) for _, s in run.shape.tensors())
-    copy = (run.fsdp or run.lora is not None) and not received
+    copy = (run.distributed or run.lora is not None) and not received
     tp = run.cfg.rollout.tensor_parallel_size
     if tp > 1 and not run.cuda and run.world == 1:  # TP worker processes
         weights = full_weights(run.shape, run.compute_dtype)

@@ -21,6 +21,9 @@
 - A model-holding role is registered twice as well: its workers in :data:`fitrl.roles.workers.ROLES`
   and its memory planner in :data:`fitrl.memory.roles.ROLE_PLANNERS`, under the same name (a role
   without a planner is also refused when a run builds it: fitrl/trainer/run.py, ``make_group``).
+- A sharding backend is registered twice, in its own folder (fitrl/sharding/<name>/): its runtime
+  in :data:`fitrl.distributed.sharding.SHARDING_BACKENDS` and its memory planner in
+  :data:`fitrl.memory.sharding.SHARDING_PLANNERS`, under the same name.
 
 It lives in the trainer layer, the lowest that sees the roles, the engines and the planners.
 :func:`missing_counterparts` names each gap, so a new engine or family without its counterparts
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 def missing_counterparts() -> list[str]:
     """One line per registered name that lacks a counterpart (empty: every extension is complete)."""
-    return _engine_gaps() + _family_gaps() + _role_gaps()
+    return _engine_gaps() + _family_gaps() + _role_gaps() + _sharding_gaps()
 
 
 def _engine_gaps() -> list[str]:
@@ -112,4 +115,16 @@ def _role_gaps() -> list[str]:
            for name in ROLES if name not in ROLE_PLANNERS]
     out += [f"role planner {name!r} plans a role that is not registered (fitrl/roles/workers.py, ROLES)"
             for name in ROLE_PLANNERS if name not in ROLES]
+    return out
+
+
+def _sharding_gaps() -> list[str]:
+    import fitrl.sharding  # noqa: F401  (registers the built-in backends and their planners)
+    from fitrl.distributed.sharding import SHARDING_BACKENDS
+    from fitrl.memory.sharding import SHARDING_PLANNERS
+
+    out = [f"sharding backend {name!r} has no memory planner (fitrl/memory/sharding.py, SHARDING_PLANNERS)"
+           for name in SHARDING_BACKENDS if name not in SHARDING_PLANNERS]
+    out += [f"sharding planner {name!r} plans a backend that is not registered (fitrl/distributed/sharding.py, "
+            f"SHARDING_BACKENDS)" for name in SHARDING_PLANNERS if name not in SHARDING_BACKENDS]
     return out

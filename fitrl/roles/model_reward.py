@@ -34,7 +34,6 @@ from fitrl.ops.score import last_token_scores
 from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.progress import PROGRESS
-from fitrl.sharding import fsdp2  # noqa: F401  (registers the built-in sharding backend build_model uses)
 from fitrl.workers.group import dispatch
 
 __all__ = ["JudgeWorker", "RewardModelWorker", "check_reward_sources", "judge_prompt", "sources_of"]

@@ -39,7 +39,6 @@ from fitrl.roles.rollout_worker import RolloutWorker, episode_runner
 from fitrl.rollout import build_engine
 from fitrl.rollout.engine import EngineContext
 from fitrl.rollout.layout import eos_ids, gather_rollouts
-from fitrl.sharding import fsdp2  # noqa: F401  (registers the built-in sharding backend build_model uses)
 from fitrl.telemetry.guard import GUARD
 from fitrl.workers.group import dispatch
 

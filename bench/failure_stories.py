@@ -247,7 +247,8 @@ def check_gaps(o: Outcome) -> None:
 # ------------------------------------------------------------------------------------ rendering
 
 def predicted(plan: Plan) -> str:
-    """The plan's verdict in one cell: each resource's worst problem, its other phases."""
+    """The plan's verdict (``Plan.verdict``: fits, tight, does not fit) in one cell: each
+    resource's worst problem, its other phases."""
     problems = plan.problems()
     if not problems:
         g, h = peak(plan, "gpu"), peak(plan, "host")
@@ -259,7 +260,11 @@ def predicted(plan: Plan) -> str:
         if not mine:
             continue
         worst = max(mine, key=lambda p: (p.step == 0, p.need - p.limit))
-        text = f"{'GPU' if resource == 'gpu' else 'host'} {gib(worst.need)} > {gib(worst.limit)} GiB in {worst.phase}"
+        what = "GPU" if resource == "gpu" else "host"
+        if worst.call == "tight":  # over the limit only at the top of its band
+            text = f"{what} {gib(worst.need)} ±{worst.band:.0%} against {gib(worst.limit)} GiB in {worst.phase}"
+        else:
+            text = f"{what} {gib(worst.need)} > {gib(worst.limit)} GiB in {worst.phase}"
         if worst.step:
             text += f" at step {worst.step} (+{gib(plan.growth_per_step)} GiB per step)"
         if getattr(worst, "at", "caps") == "expected":
@@ -268,7 +273,7 @@ def predicted(plan: Plan) -> str:
         if others:
             text += f" (also {', '.join(others)})"
         out.append(text)
-    return "does not fit: " + "; ".join(out)
+    return f"{plan.verdict}: " + "; ".join(out)  # (tight: the limit inside the band; Plan.judged)
 
 
 def agreement(o: Outcome) -> str:
@@ -284,7 +289,7 @@ def agreement(o: Outcome) -> str:
 
 
 def with_change(base: Plan, plan: Plan) -> str:
-    verdict = "fits" if plan.fits else predicted(plan)
+    verdict = "fits" if plan.verdict == "fits" else predicted(plan)
     (gp, g), (hp, h) = peak(base, "gpu"), peak(base, "host")
     (gp2, g2), (hp2, h2) = peak(plan, "gpu"), peak(plan, "host")
     return f"{verdict}; peaks GPU {gib(g)} → {gib(g2)} GiB, host {gib(h)} → {gib(h2)} GiB"

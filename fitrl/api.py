@@ -55,7 +55,6 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
     """
     import fitrl.rollout  # noqa: F401  (registers the engines: rollout.engine is checked on load)
     import fitrl.sharding  # noqa: F401  (registers the sharding backends and their planners)
-    from fitrl.telemetry.phases import current_phase
     from fitrl.trainer.run import train as run
 
     given = {**(args.given() if isinstance(args, GRPOConfig) else dict(args or {})), **trl}
@@ -98,8 +97,7 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
         extra.append(f"data.{key}=[{_write_rows(given_as if rows is None else rows, out, split)}]")
     if funcs:
         inputs = TrlInputs(prompts=prompts, conversational=_conversational(train_rows, cfg.data.prompt_key),
-                           tokenizer_path=cfg.actor.model.path or None, max_steps=cfg.trainer.max_steps,
-                           in_training_step=lambda: current_phase() == "reward")
+                           tokenizer_path=cfg.actor.model.path or None, max_steps=cfg.trainer.max_steps)
         extra += _reward_items(funcs, reward_weights, answer_key, inputs)
     if extra:
         cfg = load_config(path, items + extra)

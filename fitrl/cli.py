@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 from fitrl.core.errors import Hung, Interrupted, RunStopped, UserError, WorkerFailed  # standard library only
+from fitrl.core.intermixed import IntermixedParser  # (standard library only too)
 
 
 def _load(config: str | None, overrides: list[str]):
-    import fitrl.rollout  # noqa: F401  (registers the engines, so the load checks rollout.engine)
+    import fitrl.rollout, fitrl.sharding  # noqa: E401,F401  (registered: the load checks their names)
     from fitrl.config import load_config
 
     return load_config(config, overrides)
@@ -139,7 +140,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fitrl", description="RL post-training for LLMs that knows its memory.")
     parser.add_argument("--version", action="version", version=f"fitrl {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=IntermixedParser)
 
     p = sub.add_parser("train", help="run RL training from a YAML config plus dotted overrides")
     p.add_argument("config", help="YAML config, e.g. examples/arith.yaml")

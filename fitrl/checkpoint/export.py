@@ -34,6 +34,7 @@ from fitrl.checkpoint import layout
 from fitrl.checkpoint.layout import CheckpointError
 from fitrl.core.errors import CheckpointUsageError, UserError
 from fitrl.models.check import check_weights, read_model_config
+from fitrl.models.hub import resolve_base
 from fitrl.models.vl_types import IMAGE_PROCESSOR_FILE, auto_class_name, is_vision_language
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -60,6 +61,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: Optional[str] = None
         raise CheckpointUsageError(f"checkpoint {point.path} holds the full policy (saved with actor.lora.rank=0), not "
                               "LoRA adapters: --lora adapter needs a checkpoint of a LoRA run")
     mode = (lora or "merged") if point.adapter_only else "full"
+    base = resolve_base(base, weights=mode == "merged")  # a Hub id: its snapshot in the HF cache (fitrl/models/hub.py)
     actor, hf = point.path / "actor", point.path / "hf"
     if not (hf / "config.json").is_file():
         raise CheckpointError(f"checkpoint {point.path} has no hf/config.json (the model's config is saved with each "

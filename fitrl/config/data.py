@@ -12,7 +12,7 @@ from fitrl.core.errors import ConfigError
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    """Training prompts: jsonl, json or parquet files, or a directory saved by ``datasets.save_to_disk``."""
+    """Training prompts: jsonl, json or parquet files, a directory saved by ``datasets.save_to_disk``, or a Hugging Face Hub dataset ``org/name@split`` (``org/name:config@split`` for one of several configs; the split defaults to ``train``) read through ``datasets`` and the Hugging Face cache (docs/hub.md)."""
     val_files: list[str] = field(default_factory=list)
     """Held-out prompts for validation (same formats); empty disables validation."""
     prompt_key: str = "prompt"

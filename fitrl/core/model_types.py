@@ -35,6 +35,7 @@ MODEL_TYPES: dict[str, ModelType] = {t.name: t for t in (
     ModelType("qwen3", "qwen3"),
     ModelType("llama", "llama"),
     ModelType("mistral", "mistral"),
+    ModelType("qwen3_moe", "qwen3_moe", kind="moe"),  # Qwen3-30B-A3B, Qwen3-235B-A22B
     ModelType("qwen2_vl", "qwen2", vision=True, video=True),
     ModelType("qwen2_5_vl", "qwen2", vision=True, video=True),
     ModelType("qwen3_vl", "qwen3", vision=True),  # Qwen3-VL writes video timestamps into the text: not yet

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections import Counter
-from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import jinja2
@@ -25,7 +24,7 @@ from fitrl.config.data import DataConfig
 from fitrl.core.errors import DataError
 from fitrl.data.batch import Batch
 from fitrl.data.images import BadImage, load_image
-from fitrl.data.rows import MISSING, iter_rows, kind_of, lookup, missing_key_text
+from fitrl.data.rows import MISSING, iter_rows, kind_of, lookup, missing_key_text, rows_base_dir
 from fitrl.data.media import MediaSpec, RowMedia
 from fitrl.data.supervised import COMPLETION, MESSAGES, chat_target, conversation, conversation_format
 
@@ -143,7 +142,7 @@ class PromptDataset:
         rows = []
         for path in self.files:
             # Relative image paths: data.image_dir, else the directory of the file (or saved dataset).
-            base_dir = self.media.image_dir or (path if Path(path).is_dir() else os.path.dirname(os.path.abspath(path)))
+            base_dir = self.media.image_dir or rows_base_dir(path)
             for source, row in itertools.islice(iter_rows(path), max_rows):
                 try:
                     rows.append(self._read_row(tokenizer, template, source, row, base_dir))

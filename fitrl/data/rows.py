@@ -1,6 +1,7 @@
 """Reading a prompt file's rows: jsonl, json, parquet or a ``datasets.Dataset.save_to_disk``
-directory, each row an object, each with where it is (``path:line`` for jsonl, 1-based, counting
-blank lines; ``path: row i``, 0-based, otherwise) for the one-line errors of fitrl/data/dataset.py.
+directory, or a Hugging Face Hub dataset (``org/name@split``: fitrl/data/hub.py), each row an
+object, each with where it is (``path:line`` for jsonl, 1-based, counting blank lines;
+``path: row i``, 0-based, otherwise) for the one-line errors of fitrl/data/dataset.py.
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fitrl.core.errors import DataError
+from fitrl.data.hub import hub_rows, parse_dataset_ref, rows_dir
 
 SUPPORTED_FORMATS = ".jsonl, .json, .parquet, or a directory written by datasets.Dataset.save_to_disk"
 
 
 def iter_rows(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
-    """Yield ``(source, row)`` for every row of one data file or ``save_to_disk`` directory."""
+    """Yield ``(source, row)`` for every row of one data file, ``save_to_disk`` directory or Hub dataset."""
     path = str(path)
     p = Path(path)
     if not p.exists():
+        ref = parse_dataset_ref(path)
+        if ref is not None:
+            yield from hub_rows(ref)
+            return
         raise DataError(f"data file not found: {path}")
     if p.is_dir():
         yield from _iter_saved_dataset(path)
@@ -33,6 +39,15 @@ def iter_rows(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
         yield from _iter_parquet(path)
     else:
         raise DataError(f"{path}: unsupported file type {suffix or '(no extension)'!r}; use {SUPPORTED_FORMATS}")
+
+
+def rows_base_dir(path: str) -> str:
+    """Where relative image paths of ``path``'s rows are read from: the directory of the file, the
+    ``save_to_disk`` directory itself, or a Hub dataset's snapshot directory."""
+    if Path(path).is_dir():
+        return path
+    ref = None if Path(path).exists() else parse_dataset_ref(path)
+    return rows_dir(ref) if ref is not None else os.path.dirname(os.path.abspath(path))
 
 
 def _iter_jsonl(path: str) -> Iterator[tuple[str, dict]]:

@@ -163,5 +163,4 @@ def layer_bytes(shape: ModelShape, dtype_bytes: int) -> int:
 def root_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     """The root FSDP unit's full weights (embeddings, final norm, untied lm_head, vision tower):
     the root is not resharded after forward, so these stay gathered through backward."""
-    per_layer = shape.layer_params * shape.layers
-    return (shape.num_params - per_layer) * dtype_bytes
+    return (shape.num_params - shape.decoder_params) * dtype_bytes

@@ -33,6 +33,14 @@ tensors (the update traces ``(logp * advantages).sum()``; those tensors are 1/V 
 and padding trimming (the traced batch has no padding columns; trimming is the identity).
 FSDP2's gathered weights and gradient buffers are added in closed form by the planner.
 
+A mixture of experts (Qwen3-MoE) is traced as built from its layout's keys
+(:meth:`fitrl.models.decoder.MoeDecoder.config`): transformers' grouped experts forward sends
+every token to its top-k experts as ``tokens x k`` rows, so what a layer holds follows k, not the
+experts, whatever the routing (the router's logits and probabilities, ``tokens x E``, come with
+it). Its grouped matmul's meta kernel takes only bf16, so the trace runs transformers' fallback
+operator instead (:func:`_experts_by_shape`): the same output and the same two saved tensors, its
+input rows and the expert weights.
+
 With LoRA (``lora_rank > 0``) the traced model gets the same PEFT adapters as the policy
 (:class:`fitrl.models.params.LoRA`, before gradient checkpointing, as fitrl/models/loading.py
 applies them), and only the adapters get gradients: the trace then holds what PEFT's forward
@@ -151,7 +159,7 @@ def _trace(spec: TraceSpec, layers: int, on: str) -> int:
     attn = "sdpa" if spec.attn == "flash_attention_2" else spec.attn  # no flash kernels on CPU
     identity = lambda ids, mask, pos, r: (ids, mask, pos, r)  # noqa: E731  (no padding columns to trim)
     with _tensors_on(on) as made_on, mock.patch.object(logprob_ops, "trim_padding", identity), \
-            _shared_prompts(spec, logprob_ops):
+            _shared_prompts(spec, logprob_ops), _experts_by_shape():
         with made_on():
             if spec.phase == "score":  # a reward model: the decoder and a one-label score head
                 config.num_labels, config.pad_token_id = 1, 0
@@ -233,6 +241,18 @@ def _shared_prompts(spec: TraceSpec, logprob_ops):
         return Groups(rows.to(input_ids.device), inverse.to(input_ids.device))
 
     with mock.patch.object(logprob_ops, "choose_layout", layout):
+        yield
+
+
+@contextmanager
+def _experts_by_shape():
+    """Routed experts through transformers' fallback grouped matmul (a custom operator with a
+    shape-only fake kernel) rather than ``torch.nn.functional.grouped_mm``, whose meta kernel
+    refuses fp32 inputs (the CPU kernel takes them). Both allocate the ``(rows, out)`` result and
+    save the input rows and the weight for backward; a dense decoder never calls it."""
+    import transformers.integrations.moe as moe
+
+    with mock.patch.object(moe, "_can_use_grouped_mm", lambda *args: False):
         yield
 
 

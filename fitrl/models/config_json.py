@@ -20,12 +20,13 @@ from fitrl.core.errors import ModelDirError
 def check_path(path: str, what: str) -> Path:
     """``path`` is an existing local directory; ``what`` is its config key (``actor.model.path``)."""
     if not path:
-        raise ModelDirError(f"{what} is empty: point it at a local Hugging Face model directory "
-                            "(make one with `fitrl make-tiny-model DIR`)")
+        raise ModelDirError(f"{what} is empty: point it at a local Hugging Face model directory or a Hub id "
+                            "(org/name), or make one with `fitrl make-tiny-model DIR`")
     p = Path(path)
     if not p.exists():
-        raise ModelDirError(f"{what}={path!r} does not exist (fitrl reads local directories only, nothing is "
-                            f"downloaded){_near(p)}")
+        # (a Hub id, org/name[@revision], never comes here: fitrl/models/hub.py resolved it to its snapshot)
+        raise ModelDirError(f"{what}={path!r} does not exist (fitrl reads local directories only at a path like this; "
+                            f"a Hugging Face Hub model is named org/name or org/name@revision){_near(p)}")
     if not p.is_dir():
         raise ModelDirError(f"{what}={path!r} is a file, not a directory: give the directory that holds it")
     return p

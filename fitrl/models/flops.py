@@ -1,8 +1,9 @@
 """Model FLOPs from a Hugging Face ``config.json``: what one token, one sequence, one image costs.
 
 Pure arithmetic (the shape is read through the model families, which import torch). The formula
-(docs/metrics.md, "Model FLOPs") counts the matrix multiplications of a dense decoder and, for
-Qwen2-VL / Qwen2.5-VL, of its vision tower; a multiply-add (MAC) is 2 FLOPs. Norms, activations,
+(docs/metrics.md, "Model FLOPs") counts the matrix multiplications of a dense decoder or of a
+mixture of experts' active parameters and, for Qwen2-VL / Qwen2.5-VL, of its vision tower; a
+multiply-add (MAC) is 2 FLOPs. Norms, activations,
 softmax, rotary embeddings, biases and the embedding lookup are O(hidden) per token and left out,
 as every MFU convention does.
 
@@ -11,6 +12,11 @@ h = hidden, d = head_dim, n_q / n_kv = query / key-value heads, I = MLP intermed
 
     q_proj  h x n_q*d        k_proj, v_proj  h x n_kv*d each (GQA: fewer key-value heads)
     o_proj  n_q*d x h        gate, up, down  h x I each (gated SwiGLU: three matrices)
+
+A mixture of experts' sparse layer (fitrl/models/decoder.py, ``MoeDecoder``) replaces the MLP by
+what one token runs: the router (h x E, E = ``num_experts``) and its k = ``num_experts_per_tok``
+experts' gate, up and down (h x I_e each, I_e = ``moe_intermediate_size``), so FLOPs follow the
+active parameters, not all experts' (Qwen3-30B-A3B: 3.0e9 of its 30.5e9 outside the embedding).
 
 plus attention itself: the token at position t (1-based) attends t keys (causal), so Q.K^T
 and the weighted sum over V cost t * n_q * d MACs each. Summed over a sequence of S tokens
@@ -35,7 +41,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Sequence
 
-from fitrl.models.decoder import experts_in
 from fitrl.models.shape import ModelShape
 
 
@@ -48,14 +53,9 @@ class FlopsShape(ModelShape):
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "FlopsShape":
         """From a ``config.json`` dict, read as :class:`~fitrl.models.shape.ModelShape` reads it
-        (the memory plan's shape: one reading for both). Raises ValueError for what the dense
-        formula does not describe (a mixture of experts, a model type fitrl does not know, a
-        missing key)."""
+        (the memory plan's shape: one reading for both). Raises ValueError for what no decoder
+        layout describes (a config that routes experts under a dense one, a missing key)."""
         model_type = cfg.get("model_type", "")
-        moe = experts_in(cfg.get("text_config") or cfg)
-        if moe is not None:
-            raise ValueError(f"model_type {model_type!r} is a mixture of experts ({moe[0]}={moe[1]}); the FLOPs "
-                             f"formula is for dense decoders")
         try:
             return cls.of(ModelShape.from_dict(cfg, strict=False))  # transformers may run types the planner does not
         except KeyError as e:

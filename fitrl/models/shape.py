@@ -60,8 +60,8 @@ class ModelShape:
         """``strict``: a model type outside fitrl/core/model_types.py is a ValueError (the memory
         plan lists each tensor: it must know the family); otherwise it is read as a plain dense
         decoder (its text config's dimensions, no vision tower), as far as the FLOPs need. A row
-        whose family describes no decoder of the row's kind (a mixture of experts, for now) is a
-        ValueError either way: never planned as something else."""
+        whose family describes no decoder of the row's kind, or a config that routes experts under
+        a dense layout, is a ValueError either way: never planned as something else."""
         from fitrl.models.families import family_of_type  # the families import this module
 
         mt = cfg.get("model_type", "")
@@ -130,10 +130,12 @@ class ModelShape:
 
     def linear_layers(self, with_vision: bool = True) -> list[tuple[str, int, int]]:
         """Every ``nn.Linear`` but the output head: (module name, in_features, out_features). The
-        2-D weights of :meth:`tensors` are exactly these, plus the embedding and ``lm_head``."""
+        2-D weights of :meth:`tensors` are exactly these, plus the embedding, ``lm_head`` and the
+        decoder's ``non_linear`` ones (a MoE router: a bare parameter, which PEFT cannot adapt)."""
         skip = ("model.embed_tokens.weight", "lm_head.weight")
+        plain = tuple("." + n for n in self.decoder.non_linear)
         return [(n[:-len(".weight")], s[1], s[0]) for n, s in self.tensors(with_vision)
-                if len(s) == 2 and n.endswith(".weight") and n not in skip]
+                if len(s) == 2 and n.endswith(".weight") and n not in skip and not (plain and n.endswith(plain))]
 
     def lora_tensors(self, rank: int, targets: tuple[str, ...] | list[str]) -> list[tuple[str, tuple[int, int]]]:
         """LoRA adapters as PEFT's ``inject_adapter_in_model`` adds them (fitrl/models/params.py):
@@ -156,7 +158,17 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        return sum(_numel(s) for _, s in self.layer_tensors(0))
+        """The largest decoder layer's parameters (what FSDP2 gathers for one unit; a mixture of
+        experts' dense layers are smaller than its sparse ones)."""
+        return max(self._layer_sizes())
+
+    @property
+    def decoder_params(self) -> int:
+        """Every decoder layer's parameters (the rest of :attr:`num_params` is the root unit's)."""
+        return sum(self._layer_sizes())
+
+    def _layer_sizes(self) -> list[int]:
+        return [sum(_numel(s) for _, s in self.layer_tensors(i)) for i in range(self.layers)]
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V of every layer for one token (the decoder's KV layout)."""

@@ -40,6 +40,14 @@ that renders ``{"type": "image"}`` / ``{"type": "video"}`` content parts as
   repeat each ``<|image_pad|>`` ``image_grid_thw.prod() // merge_size**2`` times, as the
   processor would. ``generate`` needs ``mm_token_type_ids`` (1 on image pads, 2 on video pads).
 
+One mixture-of-experts arch (``MOE_ARCHS``), on the ``qwen2`` ChatML tokenizer:
+
+* ``qwen3_moe`` -- the size row's decoder with every layer's MLP replaced by ``MOE_EXPERTS``: 4
+  routed experts, 2 per token (top-k probabilities renormalised, as Qwen3-30B-A3B's
+  ``norm_topk_prob``), each ``intermediate_size / 2`` wide, so a token's active MLP is the size's
+  dense width (Qwen3-30B-A3B's 8 x 768 is its dense 6144 too). Loads with
+  ``AutoModelForCausalLM``, as a real checkpoint does.
+
 Same arguments give byte-identical weights and tokenizer files. The tokenizer does not depend on
 ``seed``, so models built with different seeds share one vocabulary.
 
@@ -58,6 +66,7 @@ is cheap.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +75,7 @@ from fitrl.models.tiny_tokenizer import build_corpus, build_tokenizer, pin_token
 from fitrl.models.tiny_specs import ARCHS, MAX_POSITION_EMBEDDINGS, ROPE_PARAMETERS, ArchSpec
 from fitrl.models.tiny_vl import VISION_SIZES, VISION_TOKENS, VL_ARCHS, _vl_config, _write_processor, processor_configs
 
-__all__ = ["ARCHS", "SIZES", "VL_ARCHS", "VISION_SIZES", "VISION_TOKENS", "make_tiny_model", "describe",
+__all__ = ["ARCHS", "MOE_ARCHS", "MOE_EXPERTS", "SIZES", "VL_ARCHS", "VISION_SIZES", "VISION_TOKENS", "make_tiny_model", "describe",
            "head_dims", "processor_configs", "build_corpus"]
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +143,16 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 
+MOE_ARCHS: dict[str, ArchSpec] = {
+    "qwen3_moe": replace(ARCHS["qwen2"], config_class="Qwen3MoeConfig", model_class="Qwen3MoeForCausalLM"),
+}
+"""Mixture-of-experts archs: a text arch's tokenizer and chat template, a routed decoder."""
+
+MOE_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+"""The tiny MoE's routing (``moe_intermediate_size`` is the size's ``intermediate_size`` divided
+by the experts per token)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Builders.
 # ---------------------------------------------------------------------------------------------
@@ -142,11 +161,16 @@ def _check(arch: str, size: str) -> tuple[ArchSpec, dict[str, Any]]:
         if size not in VISION_SIZES:
             raise ValueError(f"size {size!r} has no vision tower; valid sizes for {arch}: {', '.join(VISION_SIZES)}")
         return VL_ARCHS[arch], dict(SIZES[size])
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(sorted(ARCHS) + sorted(VL_ARCHS))}")
+    text = {**ARCHS, **MOE_ARCHS}
+    if arch not in text:
+        raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(sorted(text) + sorted(VL_ARCHS))}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; valid sizes: {', '.join(SIZES)}")
-    return ARCHS[arch], dict(SIZES[size])
+    size_cfg = dict(SIZES[size])
+    if arch in MOE_ARCHS:
+        width = size_cfg["intermediate_size"] // MOE_EXPERTS["num_experts_per_tok"]
+        size_cfg.update(MOE_EXPERTS, moe_intermediate_size=width)
+    return text[arch], size_cfg
 
 
 def head_dims(arch: str, size: str) -> list[int]:
@@ -191,8 +215,8 @@ def make_tiny_model(out_dir, arch: str = "qwen2", size: str = "tiny", seed: int 
                     head_dim: int | None = None, head: str = "causal_lm") -> Path:
     """Write a random-initialised HF causal LM + tokenizer to ``out_dir`` and return its path.
 
-    ``arch``: one of ``ARCHS`` (``qwen2``, ``llama``) or ``VL_ARCHS`` (``qwen2_vl``,
-    ``qwen2_5_vl``, ``qwen3_vl``: also the processor's files, see :func:`processor_configs`);
+    ``arch``: one of ``ARCHS`` (``qwen2``, ``llama``), ``MOE_ARCHS`` (``qwen3_moe``) or ``VL_ARCHS``
+    (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``: also the processor's files, see :func:`processor_configs`);
     ``size``: one of ``SIZES`` (``tiny``, ``small``, ``deep``, ``medium``; VL archs: ``VISION_SIZES``).
     ``head_dim``: the decoder's attention head size (one of :func:`head_dims`; None: the size's
     own): the same width in ``hidden_size // head_dim`` heads, the q/kv ratio kept where possible,
@@ -286,6 +310,10 @@ def describe(out_dir) -> dict[str, Any]:
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "path": str(out),
     }
+    if getattr(text, "num_experts", None):  # a mixture of experts: its routing, before the path
+        info.update(num_experts=text.num_experts, num_experts_per_tok=text.num_experts_per_tok,
+                    moe_intermediate_size=text.moe_intermediate_size)
+        info["path"] = info.pop("path")
     vision = getattr(config, "vision_config", None)
     if vision is not None:  # the tower's own width: Qwen2-VL calls it embed_dim (its hidden_size is the output)
         info.update(vision_layers=vision.depth, vision_hidden_size=getattr(vision, "embed_dim", vision.hidden_size),

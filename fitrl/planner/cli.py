@@ -1,6 +1,7 @@
 """``fitrl plan CONFIG [overrides] --nodes N --gpus-per-node G --gpu-memory 80GiB --host-memory 2TiB``.
 
-Wired into the main parser by ``fitrl.cli`` through :func:`add_plan_command`. The config is loaded
+Wired into the main parser by ``fitrl.cli`` through :func:`add_plan_command`, whose subcommand
+parsers take options and overrides in any order (``fitrl.cli.IntermixedParser``). The config is loaded
 as for any command (its ``plan:`` section included); the flags override ``plan.hardware``. Exit
 status: 0 when the plan fits or is tight (``fitrl train`` would start), 1 when it does not fit, 2
 on a configuration error (raised as ConfigError).
@@ -24,6 +25,7 @@ from fitrl.planner.recommend import recommend
 from fitrl.planner.report import print_plan
 from fitrl.models.shape import ModelShape
 from fitrl.models.check import ModelDirError, read_model_config
+from fitrl.models.hub import resolve_plan_refs
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -51,6 +53,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import fitrl.rollout  # noqa: F401  (registers the engines, so the load checks rollout.engine)
+    import fitrl.sharding  # noqa: F401  (registers the sharding backends and their planners)
 
     cfg = load_config(args.config, args.overrides)
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
@@ -134,6 +137,7 @@ def check_hardware(hardware: Hardware, *, gpu_source: str, host_source: str) -> 
 
 
 def run_plan(cfg: FitrlConfig, hardware: Hardware, recommend_changes: bool = True, console=None) -> int:
+    resolve_plan_refs(cfg)  # Hub ids: config.json alone from the HF cache, never the weights (fitrl/models/hub.py)
     # config.json parsed and its shape keys checked first (the reference's and critic's too): one
     # line naming the file, not a KeyError
     config = _model_config(cfg, cfg.actor.model.path, "actor.model.path")

@@ -167,14 +167,25 @@ def verdict(plan: Plan) -> str:
     return "\n".join([head, *(f"  {problem_line(plan, p)}" for p in problems), limits_text(plan)])
 
 
+RECOMMENDATION_TITLES = {
+    # fits: recommend() offers only faster changes that keep it fitting
+    "fits": "speed-ups that still fit (the plan fits as it is)",
+    # tight and does not fit: changes that lower a peak, slow-downs among them (planner/recommend.py)
+    "tight": "changes that lower the peaks (cheapest in speed first, slower ones among them; tight: the run "
+             "starts as it is)",
+    "does not fit": "recommendations (cheapest in speed first; those that lower the deciding peak before the rest)",
+}
+"""The recommendation table's title by the plan's verdict: what :func:`recommend` lists for it."""
+
+
 def recommendation_table(recs: list[Recommendation], combo: Optional[Recommendation],
-                         fits: bool = False, cuda: bool = True) -> Optional[Table]:
+                         verdict: str = "does not fit", cuda: bool = True) -> Optional[Table]:
     """A row per change: the change and, under it, its cost; the predicted change of the peak per
-    GPU and per node; whether it then fits. Keys are folded, never cut, at 80 columns."""
+    GPU and per node; whether it then fits. Titled by what it lists for ``verdict``
+    (:data:`RECOMMENDATION_TITLES`). Keys are folded, never cut, at 80 columns."""
     if not recs and not combo:
         return None
-    title = ("speed-ups that still fit (the plan fits as it is)" if fits
-             else "recommendations (cheapest in speed first; those that lower the deciding peak before the rest)")
+    title = RECOMMENDATION_TITLES[verdict]
     t = Table(title=title, title_justify="left")
     t.add_column("change (cost)", overflow="fold")
     if cuda:
@@ -215,7 +226,7 @@ def print_plan(plan: Plan, recs: list[Recommendation], combo: Optional[Recommend
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False, soft_wrap=False)
     console.print(verdict(plan), soft_wrap=False)
-    table = recommendation_table(recs, combo, fits=plan.fits, cuda=plan.hardware.device == "cuda")
+    table = recommendation_table(recs, combo, verdict=plan.verdict, cuda=plan.hardware.device == "cuda")
     if table is not None:
         console.print(table)
         best = next((r for r in recs if r.fits), combo)

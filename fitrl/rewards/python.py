@@ -32,15 +32,21 @@ TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 """What TRL's GRPOTrainer passes besides the dataset's columns."""
 
 ROW_KEY = "_fitrl_row"
+SAMPLED_IDS_KEY = "_fitrl_completion_ids"
+"""In each sample's ``extra``: the token ids the policy sampled (response mask applied), what
+TRL's ``completion_ids`` are (fitrl/roles/reward_sources.py puts them there)."""
+STEP_KEY = "_fitrl_step"
+"""In each sample's ``extra`` of a training step's rollout: that step (1-based; absent in validation)."""
 """The column ``fitrl.train`` adds to the rows it writes (``train:3``): which row a completion
 answers, so ``prompts`` are the prompts as the user's dataset holds them. Never passed on."""
 
 
 @dataclass
 class TrainerState:
-    """What a TRL reward function reads from ``trainer_state``: ``global_step``, the training steps
-    scored before this call (a dynamic-sampling round counts as a step; a resumed run counts from 0),
-    and ``max_steps`` (``trainer.max_steps``)."""
+    """What a TRL reward function reads from ``trainer_state``: ``global_step``, the optimizer steps
+    completed before the rollout being scored (every dynamic-sampling round of a step sees the same;
+    a resumed run goes on from its checkpoint's; validation sees the last training call's), and
+    ``max_steps`` (``trainer.max_steps``)."""
 
     global_step: int = 0
     max_steps: int = 0
@@ -55,10 +61,9 @@ class TrlInputs:
     conversational: bool = False
     """The prompts are chat messages: completions are passed as messages too (TRL's rule)."""
     tokenizer_path: Optional[str] = None
-    """The policy's checkpoint, whose tokenizer makes ``completion_ids`` (loaded on first use)."""
+    """The policy's checkpoint, whose tokenizer makes ``completion_ids`` for a call outside a run
+    (a run hands the sampled ids in: :data:`SAMPLED_IDS_KEY`; loaded on first use)."""
     max_steps: int = 0
-    in_training_step: Callable[[], bool] = lambda: False
-    """Whether a call scores a training step's rollout (validation's and a baseline's are no step)."""
 
 
 def is_trl_style(fn: Callable[..., Any]) -> bool:
@@ -115,9 +120,10 @@ def register_python_rewards(fns: Sequence[Callable[..., Any]], weights: Optional
 
     def combined(responses: list[str], answers: list[Any], extras: Optional[list[dict]] = None) -> list[dict]:
         extras = extras if extras is not None else [{} for _ in responses]
+        steps = {e[STEP_KEY] for e in extras if STEP_KEY in e}
+        if steps:  # a training step's rollout: the steps completed before it
+            state.global_step = max(steps) - 1
         parts = [call(responses, answers, extras) for call in calls]
-        if inputs.in_training_step():
-            state.global_step += 1
         return [{"score": sum(w * p[i] for w, p in zip(weights, parts)), **{n: p[i] for n, p in zip(names, parts)}}
                 for i in range(len(responses))]
 
@@ -139,7 +145,9 @@ def _trl_caller(fn: Callable[..., Any], name: str, answer_key: str, inputs: TrlI
             kwargs["prompts"] = [inputs.prompts.get(e.get(ROW_KEY)) for e in extras]
         kwargs["completions"] = ([[{"role": "assistant", "content": r}] for r in responses] if inputs.conversational
                                  else list(responses))
-        if wanted("completion_ids"):
+        if wanted("completion_ids") and all(SAMPLED_IDS_KEY in e for e in extras):
+            kwargs["completion_ids"] = [list(e[SAMPLED_IDS_KEY]) for e in extras]
+        elif wanted("completion_ids"):  # a call outside a run: the text tokenised again
             if not tokenizer:
                 tokenizer.append(_tokenizer(inputs.tokenizer_path))
             kwargs["completion_ids"] = ([tokenizer[0](r, add_special_tokens=False)["input_ids"] for r in responses]
@@ -148,7 +156,7 @@ def _trl_caller(fn: Callable[..., Any], name: str, answer_key: str, inputs: TrlI
             kwargs["trainer_state"] = state
         columns: dict[str, list] = {answer_key: list(answers)} if answer_key else {}
         for key in dict.fromkeys(k for e in extras for k in e):
-            if key != ROW_KEY:
+            if not key.startswith("_fitrl_"):  # (fitrl's own: the row, the sampled ids, the step)
                 columns.setdefault(key, [e.get(key) for e in extras])
         kwargs.update({k: v for k, v in columns.items() if wanted(k) and k not in kwargs})
         if "completions" not in params and not accepts_any:

@@ -22,6 +22,7 @@ from fitrl.config.algorithm import RewardConfig
 from fitrl.config.reward_sources import RewardSourceConfig
 from fitrl.data.batch import Batch
 from fitrl.rewards.mix import parse_grade, weighted_total
+from fitrl.rewards.python import SAMPLED_IDS_KEY, STEP_KEY
 from fitrl.roles.reward import RewardScorer, Scored
 from fitrl.workers.group import RoleHandle
 
@@ -111,7 +112,7 @@ class RewardSources:
 
     def _function(self, name: str, batch: Batch) -> Scored:
         return self.functions[name].score(batch["response_text"], batch["answer"], batch["source"],
-                                          extras=batch["extra"])
+                                          extras=_with_sampled(batch))
 
     def _grades(self, name: str, src: RewardSourceConfig, replies: list[str],
                 batch: Batch) -> tuple[torch.Tensor, float]:
@@ -137,3 +138,21 @@ class RewardSources:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _with_sampled(batch: Batch) -> list[dict]:
+    """Each sample's ``extra`` with what a reward function may read of its sampling: the token ids
+    the policy sampled (the response mask applied: TRL's ``completion_ids``) and, in a training
+    step's rollout, the step (``batch.meta["step"]``, set by fitrl/trainer/collect.py)."""
+    step = batch.meta.get("step")
+    ids = ([row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
+           if "responses" in batch and "response_mask" in batch else None)
+    out = []
+    for i, extra in enumerate(batch["extra"]):
+        extra = dict(extra)
+        if ids is not None:
+            extra[SAMPLED_IDS_KEY] = ids[i]
+        if step is not None:
+            extra[STEP_KEY] = step
+        out.append(extra)
+    return out

@@ -126,6 +126,7 @@ class RolloutCollector:
         for k, v in agent_metrics(batch).items():  # multi-turn episodes: turns, tools, cuts (per round: the last)
             stats.metrics[k] = v
         with timer.phase("reward"):
+            batch.meta["step"] = step  # (a TRL reward function's trainer_state.global_step is step - 1)
             scored = self.reward.score_batch(batch)
             self._add_reward_health(stats, scored)
             batch.update(scores=self._shape(batch, scored.scores))

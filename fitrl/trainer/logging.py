@@ -1,11 +1,14 @@
-"""What the user sees: one compact console line per step, metrics.jsonl, a progress bar."""
+"""What the user sees: one compact console line per step, metrics.jsonl, a progress bar (on a
+terminal; elsewhere, a log file or a pipe, a plain progress line with the ETA every minute)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -68,8 +71,77 @@ class MetricsWriter:
         self.file.close()
 
 
-def make_progress(console: Console, enabled: bool) -> Progress:
-    return Progress(
+PLAIN_PROGRESS_EVERY_S = 60.0
+"""How often a console that is not a terminal gets a progress line (and at the last step)."""
+
+
+class PlainProgress(Progress):
+    """The progress bar's counterpart where the console is not a terminal (a log file, a pipe, a
+    job scheduler's output, where a live bar cannot redraw): no bar, but a line at most every
+    ``every_s`` seconds and at the last step, ``progress: step 12/300 (4%), elapsed 0:02:05, ETA
+    0:50:00``. The ETA is the mean time of the steps this process ran (a resumed run's earlier
+    steps are not among them) times the steps left."""
+
+    def __init__(self, *columns, every_s: float = PLAIN_PROGRESS_EVERY_S, **kw) -> None:
+        super().__init__(*columns, **{**kw, "disable": True})
+        self.every_s = every_s
+        self._started: dict = {}  # task -> (its clock at add_task, its steps then)
+        self._printed = 0.0
+
+    def add_task(self, description: str, **kw):
+        task = super().add_task(description, **kw)
+        self._started[task] = (self.get_time(), self._task(task).completed)
+        self._printed = self.get_time()
+        return task
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        t = self._task(task_id)
+        now = self.get_time()
+        done = t.total is not None and t.completed >= t.total
+        if done or now - self._printed >= self.every_s:
+            self._printed = now
+            self.console.print(progress_line(t.completed, t.total, *self._started[task_id], now), highlight=False,
+                               markup=False)
+
+
+    def _task(self, task_id):
+        return next(t for t in self.tasks if t.id == task_id)
+
+
+def progress_line(step: float, total: Optional[float], started_at: float, started_step: float, now: float) -> str:
+    """``progress: step 12/300 (4%), elapsed 0:02:05, ETA 0:50:00`` (no ETA before a step is timed;
+    ``done`` at the last).
+
+    >>> progress_line(12, 300, 0.0, 2, 100.0)
+    'progress: step 12/300 (4%), elapsed 0:01:40, ETA 0:48:00'
+    >>> progress_line(300, 300, 0.0, 0, 3600.0)
+    'progress: step 300/300 (100%), elapsed 1:00:00, done'
+    """
+    elapsed = now - started_at
+    text = f"progress: step {step:.0f}"
+    if total:
+        text += f"/{total:.0f} ({100 * step / total:.0f}%)"
+    text += f", elapsed {_clock(elapsed)}"
+    ran = step - started_step
+    if total and step >= total:
+        return text + ", done"
+    if total and ran > 0:
+        text += f", ETA {_clock(elapsed / ran * (total - step))}"
+    return text
+
+
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def make_progress(console: Console, enabled: bool, every_s: float = PLAIN_PROGRESS_EVERY_S,
+                  clock: Optional[Callable[[], float]] = None) -> Progress:
+    """A bar on a terminal; elsewhere :class:`PlainProgress`'s lines; nothing when not ``enabled``
+    (``trainer.progress_bar``). ``clock``: seconds (tests pass their own)."""
+    kind = Progress if console.is_terminal or not enabled else PlainProgress
+    extra = {"every_s": every_s} if kind is PlainProgress else {}
+    return kind(
         TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        console=console, disable=not (enabled and console.is_terminal), transient=False,
+        console=console, disable=not enabled, transient=False, get_time=clock or time.monotonic, **extra,
     )

@@ -22,13 +22,16 @@ from fitrl.core.errors import DataError, EngineBroken, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.check import check_model_configs, check_run_models
 from fitrl.models.families import media_spec_of
+from fitrl.models.hub import resolve_run_refs
 from fitrl.roles.model_reward import check_reward_sources
 from fitrl.roles.reward_sources import RewardSources
 from fitrl.memory.roles import ROLE_PLANNERS
 from fitrl.roles.workers import ROLES
 from fitrl.rollout.agent import check_agent
 from fitrl.rollout.vllm_build import check_vllm_installed
+from fitrl.telemetry.run_memory import LoadMemory, write_end_memory
 from fitrl.tracking import check_installed
+from fitrl.trainer.console_log import ConsoleLog
 from fitrl.trainer.loop import RLTrainer
 from fitrl.trainer.preflight import PLAN_FILE, preflight, write_plan
 from fitrl.trainer.rundir import check_shared, open_run_dir
@@ -261,6 +264,8 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         # last) before anything loads; nothing in it is read or written before the lock is held.
         lock = stack.enter_context(open_run_dir(cfg.trainer, notice=lambda line: console.print(line, highlight=False)))
         run_dir = where["run_dir"] = lock.path
+        console_log = stack.enter_context(ConsoleLog(console, run_dir))  # what it prints from here: console.log
+        resolve_run_refs(cfg, run_dir)  # Hub ids -> snapshot directories of the HF cache, recorded (fitrl/models/hub.py)
         check_model_configs(cfg)  # config.json of every model: what the memory plan reads
         layout = run_layout(cfg, supervised)  # the groups built below: what preflight plans for this mode
         plan = preflight(cfg, console, supervised)  # memory.plan: stops a run predicted not to fit before loading
@@ -276,6 +281,7 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         checkpoints = CheckpointManager(cfg, run_dir, console)
         resume = checkpoints.resume_point()  # config checked against the checkpoint's before any model loads
         save_config(cfg, run_dir / "config.yaml")
+        console_log.keep()  # the checks passed: the run writes its files, its console log among them
         if plan is not None:  # `fitrl report` draws these predictions beside the measured memory
             write_plan(plan, run_dir / PLAN_FILE)
         else:  # an earlier run's plan in this directory would be drawn against this run's memory
@@ -291,7 +297,8 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         elif not cfg.trainer.val_only:  # step 0 in a directory that may hold an earlier run's metrics
             checkpoints.restart_metrics()
 
-        groups = build_groups(cfg, layout, stack, run_dir)
+        with LoadMemory(cfg.memory.telemetry) as load:  # its memory: a metrics.jsonl event (telemetry/run_memory.py)
+            groups = build_groups(cfg, layout, stack, run_dir)
         policy, ref, critic, rollout = (groups.get(name) for name in ("actor", "ref", "critic", "rollout"))
         reward.attach(groups.get("reward_model"), groups.get("judge"))
 
@@ -319,7 +326,9 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
             trainer.restore(resume)
         if restart_event is not None:  # (after the resume rewrote metrics.jsonl to the checkpoint's step)
             trainer.writer.write({"step": resume.step if resume is not None else 0, **restart_event})
+        load.write(trainer.writer.write, trainer.memory.driver, resumed=resume is not None)
         history = trainer.fit()
+        write_end_memory(trainer.writer.write, trainer.memory.collect, max(trainer.step, trainer.start_step))
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return history
 

@@ -12,14 +12,22 @@ from torch import nn
 
 from fitrl.config.schema import ModelConfig
 from fitrl.core.model_types import decoder_family
-from fitrl.models.decoder import DecoderLayout, DenseLayout
+from fitrl.models.decoder import DecoderLayout, DenseLayout, MoeLayout
 from fitrl.models.families.base import DTYPES, HEADS, MODEL_FAMILIES, Builder, ModelFamily, auto_builders
+
+QWEN3_MOE_DEFAULTS = (("num_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 768),
+                      ("decoder_sparse_step", 1), ("norm_topk_prob", False))
+"""``Qwen3MoeConfig``'s values of the keys a ``config.json`` may leave out (transformers 5.x): the
+model is built with them, so the plan reads them too."""
 
 DECODERS: dict[str, DecoderLayout] = {
     "qwen2": DenseLayout(qkv_bias=True),             # q, k, v always biased
     "qwen3": DenseLayout(qk_norm=True),              # q/k RMSNorm per head
     "llama": DenseLayout(o_bias_from_config=True),   # attention_bias biases o_proj too
     "mistral": DenseLayout(o_bias_from_config=True),
+    # Qwen3's attention (attention_bias biases all four projections), top-k routed experts
+    "qwen3_moe": MoeLayout(qk_norm=True, o_bias_from_config=True, defaults=QWEN3_MOE_DEFAULTS,
+                           aliases=(("num_experts", "num_local_experts"),)),
 }
 """Each decoder family's layout (the ``decoder`` of a row of fitrl/core/model_types.py): what the
 memory plan and the FLOP counter add to its ``config.json`` (fitrl/models/decoder.py)."""

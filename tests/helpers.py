@@ -21,8 +21,11 @@ def toy_config(model_dir, run_dir, *overrides):
         "trainer.progress_bar=false", 'memory.plan=off', *overrides])
 
 
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run_dir, memory_events=False):
+    """The records of a run's metrics.jsonl; without ``memory_events``, less the load's and the end's
+    memory records (fitrl/telemetry/run_memory.py), which every run writes beside its steps."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if memory_events or r.get("event") != "memory"]
 
 
 def tiny_rollout(model_dir):

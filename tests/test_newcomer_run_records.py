@@ -94,7 +94,7 @@ def test_a_short_run_saves_its_console_and_the_memory_outside_its_steps(tiny_mod
         assert text in screen and text in log, text
     assert log.startswith("--- ") and not ANSI.search(log)
     # the memory no step record holds: the load, then the final validation and save
-    events = [r for r in read_metrics(run) if r.get("event") == "memory"]
+    events = [r for r in read_metrics(run, memory_events=True) if r.get("event") == "memory"]
     assert [(e["at"], e["step"]) for e in events] == [("load", 0), ("end", 2)]
     load, end = events
     assert load["mem/rank0/load/host_peak_gib"] >= load["mem/rank0/load/host_rss_gib"] > 0
@@ -111,5 +111,5 @@ def test_a_short_run_saves_its_console_and_the_memory_outside_its_steps(tiny_mod
                      "actor.micro_batch_size=4"), Console(file=io.StringIO(), width=120))
     assert (run / "console.log").read_text() == first
     assert "step    3 |" in (run / "console-2.log").read_text()
-    events = [r for r in read_metrics(run) if r.get("event") == "memory"]
+    events = [r for r in read_metrics(run, memory_events=True) if r.get("event") == "memory"]
     assert [(e["at"], e["step"]) for e in events] == [("load", 0), ("end", 2), ("end", 3)]

@@ -123,6 +123,8 @@ def memory_section(run: RunData, F, make: _Figures) -> Section:
             + (f", GPU {hw['gpu_memory_gib']:.1f} GiB" if hw.get("gpu_memory_gib") else "")
             + "); its predicted peak per process and phase is the dashed red line")
     for e in run.events:
+        if e.get("event") == "memory":  # (the load's and the end's readings: numbers, not something that happened)
+            continue
         text = e.get("message") or ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("step", "event"))
         section.events.append({"step": e.get("step"), "event": e.get("event"), "text": text})
     for process, phases in K.memory_processes(run.step_keys()).items():

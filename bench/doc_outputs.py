@@ -74,9 +74,10 @@ class Block:
     slow: bool = False                     # a minute or more (tests mark it slow)
 
 
-def fitrl(*args: str, cwd: Path = ROOT, columns: int = 110) -> tuple[int, str]:
-    """Run ``fitrl ARGS`` as a user would (a fresh process, no terminal); stdout then stderr."""
-    env = {**os.environ, "COLUMNS": str(columns), "FITRL_DEBUG": "", "PYTHONUNBUFFERED": "1"}
+def fitrl(*args: str, cwd: Path = ROOT, columns: int = 110, **env: str) -> tuple[int, str]:
+    """Run ``fitrl ARGS`` as a user would (a fresh process, no terminal; ``env``: variables set
+    for it); stdout then stderr."""
+    env = {**os.environ, "COLUMNS": str(columns), "FITRL_DEBUG": "", "PYTHONUNBUFFERED": "1", **env}
     proc = subprocess.run([sys.executable, "-m", "fitrl.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=1800)
     return proc.returncode, proc.stdout + proc.stderr
@@ -160,6 +161,37 @@ def _plan_story(scratch: Path) -> str:
     return "\n".join([f"$ fitrl plan {config}", *lines, f"(exit status {rc})"])
 
 
+QWEN_72B_CONFIG = {  # https://huggingface.co/Qwen/Qwen2.5-72B-Instruct/blob/main/config.json, as published
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 8192, "initializer_range": 0.02, "intermediate_size": 29568,
+    "max_position_embeddings": 32768, "max_window_layers": 70, "model_type": "qwen2", "num_attention_heads": 64,
+    "num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
+
+
+def _plan_hub(scratch: Path) -> str:
+    """``fitrl plan`` of a Hub id whose cache holds its config.json alone (what ``hf download
+    Qwen/Qwen2.5-72B-Instruct config.json`` leaves; built here without a network), offline."""
+    import json
+
+    from fitrl.core.hub import cache_repo
+
+    model, config = "Qwen/Qwen2.5-72B-Instruct", "examples/failure_stories/3_host_grows_each_rollout.yaml"
+    snap = cache_repo(model, {"config.json": json.dumps(QWEN_72B_CONFIG, indent=2) + "\n"}, cache=scratch / "hub")
+    args = [config, f"actor.model.path={model}", f"ref.model.path={model}", "rollout.tensor_parallel_size=8",
+            "--nodes", "4", "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--host-memory", "2TiB"]
+    rc, out = fitrl("plan", *args, HF_HUB_CACHE=str(scratch / "hub"), HF_HUB_OFFLINE="1")
+    lines = select(out, [r"^qwen2 ", r"^on 4 node", r"^256 prompts", r"^peak (GPU|host) memory", r"^┃ phase",
+                         r"^│ (rollout|ref_logprob|update) ", r"^┃ process", r"^│ (trainer rank|rollout engine)",
+                         r"^(does not fit|tight|fits)", r"^  (GPU|host) ", r"^recommendations", r"^┃ change",
+                         r"│ fits +│$", r"^to apply", r"^(actor|ref|rollout|plan|data)\.\S+="])
+    return "\n".join(["$ ls $HF_HUB_CACHE/models--Qwen--Qwen2.5-72B-Instruct/snapshots/*/",
+                      *sorted(p.name for p in snap.path.iterdir()),
+                      f"$ HF_HUB_OFFLINE=1 fitrl plan {args[0]} \\", "    " + " ".join(args[1:3]) + " \\",
+                      "    " + " ".join(args[3:]), *lines, f"(exit status {rc})"])
+
+
 def _plan_on_train(scratch: Path) -> str:
     demo_model()
     fits = ["train", "examples/arith.yaml", "trainer.max_steps=1", f"trainer.run_dir={scratch}/fits"]
@@ -216,6 +248,7 @@ BLOCKS: dict[str, Block] = {b.name: b for b in (
     Block("vl-demo", "docs/vision.md", _vl_demo, trained=True, slow=True),
     Block("config-errors", "docs/config.md", _config_errors),
     Block("plan-story", "docs/memory.md", _plan_story),
+    Block("plan-hub", "docs/hub.md", _plan_hub),
     Block("plan-on-train", "docs/memory.md", _plan_on_train, masks=(GIB, re.compile(r"\d+% of"))),
     Block("guard", "docs/memory.md", _guard, masks=MEMORY),
     Block("leak", "docs/memory.md", _leak, masks=(*MEMORY, re.compile(r"\d+\.\d MiB/step")), slow=True),

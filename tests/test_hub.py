@@ -110,6 +110,101 @@ def test_plan_samples_prompt_lengths_with_the_cached_tokenizer(hub_model, capsys
     assert "qwen2 156K params" in out and "prompt 25 (the longest of 80 prompts read from" in out
 
 
+@pytest.fixture
+def opened(hub_model):
+    """A function giving the names (in the snapshot) of ``hub_model``'s files opened since its last
+    call, by anything in any process (Python, safetensors' Rust, a subprocess): the kernel's own
+    record (inotify's ``IN_OPEN`` on the cache's ``blobs/``, where every link of the snapshot
+    leads). The weight file is made unreadable too (for a user other than root)."""
+    import ctypes
+    import os
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "inotify_init1"):
+        pytest.skip("needs Linux's inotify")
+    blobs = {os.path.basename(os.path.realpath(p)): p.name for p in hub_model.path.iterdir()}  # sha256 -> name
+    weights = os.path.realpath(hub_model.path / "model.safetensors")
+    os.chmod(weights, 0)
+    fd, in_open = libc.inotify_init1(os.O_NONBLOCK), 0x20
+    assert fd >= 0 and libc.inotify_add_watch(fd, os.path.dirname(weights).encode(), in_open) >= 0
+
+    def names() -> list[str]:
+        found = []
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return found
+            i = 0
+            while i < len(data):  # struct inotify_event: int wd; uint32 mask, cookie, len; char name[len]
+                _, _, _, size = struct.unpack_from("iIII", data, i)
+                found.append(blobs[data[i + 16:i + 16 + size].rstrip(b"\0").decode()])
+                i += 16 + size
+
+    yield names
+    os.close(fd)
+    os.chmod(weights, 0o644)
+
+
+def test_the_plan_opens_config_json_and_the_tokenizer_never_a_weight_file(hub_model, opened, capsys, monkeypatch):
+    """A cache holding the whole model: the plan opens its config.json, and its tokenizer's files
+    only to sample prompt lengths from local data; never a weight file."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from fitrl.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert (hub_model.path / "model.safetensors").is_file() and opened() == []
+    assert main(["plan", EXAMPLE, f"actor.model.path={MODEL}", "--no-recommend"]) == 0
+    assert "prompt 25 (the longest of 80 prompts read from" in " ".join(capsys.readouterr().out.split())
+    names = set(opened())
+    assert {"config.json", "tokenizer_config.json"} <= names <= {"config.json", *hub.TOKENIZER_FILES}, names
+    assert main(["plan", EXAMPLE, f"actor.model.path={MODEL}", "plan.expected_prompt_length=null",
+                 "--no-recommend"]) == 0
+    assert "fits" in capsys.readouterr().out and set(opened()) == {"config.json"}
+    os.chmod(os.path.realpath(hub_model.path / "model.safetensors"), 0o644)  # the watch sees what a load
+    AutoModelForCausalLM.from_pretrained(str(hub_model.path))                # opens (in safetensors' Rust)
+    assert "model.safetensors" in opened()
+
+
+def test_the_plan_of_a_hub_dataset_is_at_the_prompt_cap_and_says_why(hub_model, capsys, monkeypatch):
+    from fitrl.cli import main
+
+    monkeypatch.chdir(ROOT)
+    hub.cache_repo("data-org/arith", ARITH_DATA, repo_type="dataset")
+    assert main(["plan", EXAMPLE, f"actor.model.path={MODEL}", "data.train_files=[data-org/arith@train]",
+                 "--no-recommend"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("note: plan.expected_prompt_length=auto sampled no prompt lengths: data.train_files names a Hub "
+            "dataset (data-org/arith@train), which the plan does not read: the expected prompt length is the "
+            "cap") in out and "not on this machine" not in out
+
+
+def test_a_trl_reward_outside_a_run_tokenises_with_the_hub_models_tokenizer(hub_model, tiny_model_dir):
+    """``completion_ids`` for a call outside a run come from the tokenizer of ``fitrl.train(model=...)``,
+    a Hub id here: read from its snapshot in the cache."""
+    from transformers import AutoTokenizer
+
+    from fitrl.rewards.python import PYTHON_REWARDS, TrlInputs, register_python_rewards
+
+    got = []
+
+    def length(completions, completion_ids, **kwargs):
+        got.extend(completion_ids)
+        return [float(len(ids)) for ids in completion_ids]
+
+    name = register_python_rewards([length], inputs=TrlInputs(tokenizer_path=MODEL))
+    assert PYTHON_REWARDS[name](["12 + 30"], [None])[0]["score"] == len(got[0]) > 0
+    assert got == [AutoTokenizer.from_pretrained(str(tiny_model_dir))("12 + 30", add_special_tokens=False)["input_ids"]]
+    name = register_python_rewards([length], inputs=TrlInputs(tokenizer_path="nobody/nothing"))
+    with pytest.raises(ModelDirError, match=r"^the tokenizer of 'nobody/nothing': no local path of that name, and "
+                                            r"nobody/nothing is not in the Hugging Face cache"):
+        PYTHON_REWARDS[name](["12"], [None])
+
+
 def test_train_by_hub_ids_records_the_commits_and_a_resume_keeps_them(hub_model, tiny_model_dir, tmp_path, capsys):
     """The Python API trains a Hub model on a Hub dataset; ``hub_refs.json`` holds their commits; a
     resume in the same run directory reads those commits after ``main`` moved to commits that would
@@ -324,3 +419,4 @@ def _parquet(rows: list[dict]) -> bytes:
     out = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), out)
     return out.getvalue()
+

@@ -37,6 +37,13 @@ REPO_ID = re.compile(rf"{_PART}/{_PART}")
 """``org/name`` as the Hub spells a repository (huggingface_hub's ``validate_repo_id`` rules)."""
 TIMEOUT_S = 10.0
 """Seconds the revision look-up waits for the Hub (huggingface_hub's own default for its checks)."""
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
+"""A tokenizer's files (those a repository has): what the plan reads to sample prompt lengths
+(fitrl/models/hub.py)."""
+TOKENIZER_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
+"""What is downloaded of a repository for its tokenizer alone: a run's ``tokenizer_path``
+(fitrl/models/hub.py), a TRL reward's ``completion_ids`` outside a run (fitrl/rewards/python.py)."""
 _TRUE = {"1", "on", "yes", "true"}
 
 

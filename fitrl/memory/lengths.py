@@ -17,7 +17,8 @@ first rows, not a random draw: reading stops after them whatever the file's size
 0.25-0.5 s for 1,000 GSM8K-sized prompts of a 50,000-row jsonl on 2 busy cores, once transformers
 is imported, which planning does anyway), and the same file gives the same number. A file sorted by length misleads
 it: set the number then. Whatever cannot be read here (no file: a config planned on another
-machine; no tokenizer: a model directory holding only config.json) leaves the cap, and a note.
+machine; no tokenizer: a model directory holding only config.json), and a Hub dataset, which the
+plan does not read (:func:`hub_dataset`), leave the cap, and a note.
 
 The sample is read before the plan cache's key is made (fitrl/trainer/preflight.py passes the
 result into :func:`fitrl.memory.cache.plan_key`): a changed dataset changes the number, and with
@@ -80,6 +81,9 @@ def expected_lengths(cfg: FitrlConfig) -> Lengths:
     prompt, prompt_source, note = caps.prompt, "cap", ""
     if isinstance(p.expected_prompt_length, int):
         prompt, prompt_source = p.expected_prompt_length, "config"
+    elif p.expected_prompt_length == "auto" and (remote := hub_dataset(cfg.data.train_files)):
+        note = (f"plan.expected_prompt_length=auto sampled no prompt lengths: data.train_files names a Hub dataset "
+                f"({remote}), which the plan does not read")
     elif p.expected_prompt_length == "auto":
         try:
             prompt, sampled = sample_prompt_length(cfg)
@@ -91,6 +95,15 @@ def expected_lengths(cfg: FitrlConfig) -> Lengths:
             first = (str(e).strip().splitlines() or [""])[0][:160]
             note = f"plan.expected_prompt_length=auto could not read data.train_files ({type(e).__name__}: {first})"
     return Lengths(prompt, response, prompt_source, response_source, note).within(cfg)
+
+
+def hub_dataset(files: list[str]) -> str:
+    """The first entry of ``files`` that names a Hub dataset (fitrl/data/hub.py), else ``""``: the
+    plan does not read one (online, ``datasets`` would download it; offline it would build its
+    whole split into Arrow tables to read 1,000 rows), so it is planned at the prompt cap."""
+    from fitrl.data.hub import parse_dataset_ref  # (standard library only, like fitrl/core/hub.py)
+
+    return next((f for f in files if parse_dataset_ref(f) is not None), "")
 
 
 def sample_prompt_length(cfg: FitrlConfig) -> tuple[int, int]:

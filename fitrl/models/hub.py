@@ -44,11 +44,6 @@ NOT_LOADED = ("original/*", "*.pth", "*.pt", "*.ckpt", "*.onnx", "*.onnx_data", 
 """Files of a model repository that transformers does not load (other formats, the original
 release's checkpoints): never downloaded."""
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
-"""A tokenizer's files (those a repository has): what ``tokenizer_path`` downloads, and what the plan
-reads to sample prompt lengths."""
-TOKENIZER_PATTERNS = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
 
 
 def model_settings(cfg: Any, prefix: str = "") -> Iterator[tuple[str, ModelConfig]]:
@@ -83,7 +78,7 @@ def resolve_run_refs(cfg: Any, run_dir: Optional[Path] = None) -> dict[str, dict
             pin = old.get("commit") if (old.get("id"), old.get("revision")) == (ref.repo_id, ref.revision or "main") \
                 else None
             if attr == "tokenizer_path":
-                snap, _ = hub.snapshot(ref, what, pin=pin, allow=TOKENIZER_PATTERNS)
+                snap, _ = hub.snapshot(ref, what, pin=pin, allow=hub.TOKENIZER_PATTERNS)
             elif id(model) in built:
                 snap = _with_weights(ref, what, pin)
             else:  # named but not built by this run: the plan reads its config.json, nothing else does
@@ -122,7 +117,7 @@ def resolve_plan_refs(cfg: Any) -> None:
         tokenizer = sample and prefix == "actor.model"
         if ref is not None:
             what = f"{prefix}.path={model.path!r}"
-            snap = hub.files(ref, what, ["config.json"], TOKENIZER_FILES if tokenizer and not model.tokenizer_path
+            snap = hub.files(ref, what, ["config.json"], hub.TOKENIZER_FILES if tokenizer and not model.tokenizer_path
                              else ())
             config = read_config_json(snap.path / "config.json", f"{prefix}.path")
             if is_vision_language(str(config.get("model_type", ""))):  # pixels -> tokens: its patching, if
@@ -132,7 +127,7 @@ def resolve_plan_refs(cfg: Any) -> None:
         if tok is not None and tokenizer:
             try:  # (best effort: without it the plan takes the prompt cap, and says so)
                 model.tokenizer_path = str(hub.files(tok, f"{prefix}.tokenizer_path", ["tokenizer_config.json"],
-                                                     TOKENIZER_FILES).path)
+                                                     hub.TOKENIZER_FILES).path)
             except UserError:
                 pass
 

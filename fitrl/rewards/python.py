@@ -182,10 +182,18 @@ def _per_sample(fn: Callable[..., Any]) -> Callable[[list, list, list], list[flo
 
 
 def _tokenizer(path: Optional[str]) -> Any:
+    """The policy's tokenizer at ``path``: a local directory, or a Hub id (``fitrl.train(model=
+    "Qwen/...")`` registers the functions before the run resolves it), read from its snapshot in
+    the Hugging Face cache (its tokenizer files downloaded first when online: fitrl/core/hub.py)."""
     if path is None:
         return None
     from transformers import AutoTokenizer
 
+    from fitrl.core import hub
+
+    ref = hub.parse_model_ref(path)
+    if ref is not None:
+        path = str(hub.snapshot(ref, f"the tokenizer of {path!r}", allow=hub.TOKENIZER_PATTERNS)[0].path)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 

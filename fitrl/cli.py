@@ -159,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="write a random-initialised HF model + locally trained tokenizer")
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
-                   help="qwen2_vl, qwen2_5_vl, qwen3_vl: vision-language (sizes tiny, small), with the image "
-                        "processor's files")
+    archs = ["qwen2", "llama", "qwen3_moe", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+    p.add_argument("--arch", default="qwen2", choices=archs, help="qwen3_moe: a mixture of experts (4 experts, top "
+                   "2); qwen2_vl, qwen2_5_vl, qwen3_vl: vision-language (sizes tiny, small), with the image processor's files")
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "medium", "agent"],
                    help="agent: ~1M parameters, its tokenizer trained on tool-calling conversations too")
     p.add_argument("--seed", type=int, default=0)

@@ -275,7 +275,7 @@ def dummy_lm_dir(tiny_model_dir, tmp_path):
 
 def test_every_builtin_model_type_has_its_decoder():
     assert missing_counterparts() == []
-    assert {t.kind for t in MODEL_TYPES.values()} == {"dense"}
+    assert {t.kind for t in MODEL_TYPES.values()} == {"dense", "moe"}  # qwen3_moe: tests/test_moe_decoder.py
     with pytest.raises(ValueError, match="kind='mixture'; valid: dense, moe"):
         ModelType("dummy_lm", "qwen2", kind="mixture")
     assert all(QWEN_VL.decoder_layout(n) is CAUSAL_LM.decoder_layout(t.decoder)
@@ -362,7 +362,8 @@ def dummy_role():
 
 def test_every_builtin_role_has_its_planner():
     assert missing_counterparts() == []
-    assert ROLES.names() == ROLE_PLANNERS.names() == ["actor", "critic", "judge", "ref", "reward_model", "rollout"]
+    assert ROLES.names() == ROLE_PLANNERS.names() == ["actor", "critic", "judge", "ref", "reward_model", "rollout",
+                                                  "teacher"]
 
 
 @pytest.mark.parametrize("backend", ["inprocess", "ray"])

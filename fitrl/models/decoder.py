@@ -45,10 +45,17 @@ class Decoder(Protocol):
     kv_heads: int      # key-value heads (GQA: fewer than the query heads)
     head_dim: int
     intermediate: int  # the MLP's width (what the activation formulas of fitrl/memory/passes.py read)
-    non_linear: tuple[str, ...]  # suffixes of 2-D layer parameters that are no nn.Linear's weight (LoRA skips them)
 
     def layer_tensors(self, i: int) -> Tensors:
         """Every parameter of decoder layer ``i``, named as the transformers module names it."""
+
+    def parameter_adapters(self, i: int, rank: int, targets: list[str]) -> Tensors:
+        """PEFT's LoRA adapters on layer ``i``'s parameters that are no ``nn.Linear``'s weight
+        (a mixture of experts' stacked experts), for ``targets`` as ``actor.lora.target_modules``
+        names them; the linear layers' adapters are :meth:`fitrl.models.shape.ModelShape.lora_tensors`'."""
+
+    def adapts(self, module: str) -> bool:
+        """Whether PEFT puts an adapter on the targeted linear layer ``module`` (a full name)."""
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V of every layer for one token."""
@@ -100,7 +107,6 @@ class DenseDecoder:
     fitrl/models/flops.py's (docs/metrics.md, "Model FLOPs")."""
 
     kind: ClassVar[str] = "dense"
-    non_linear: ClassVar[tuple[str, ...]] = ()
     hidden: int
     layers: int
     heads: int
@@ -122,6 +128,12 @@ class DenseDecoder:
             if self.mlp_bias:
                 out.append((p + f"mlp.{name}.bias", (shape[0],)))
         return out
+
+    def parameter_adapters(self, i: int, rank: int, targets: list[str]) -> Tensors:
+        return []  # every parameter with an adapter is a linear layer's
+
+    def adapts(self, module: str) -> bool:
+        return True
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """2 * L * n_kv * d_head * bytes (56 KiB for Qwen2.5-7B in bf16)."""
@@ -200,7 +212,6 @@ class MoeDecoder:
     experts: the active parameters), its KV cache the dense layer's."""
 
     kind: ClassVar[str] = "moe"
-    non_linear: ClassVar[tuple[str, ...]] = ("mlp.gate.weight",)  # the router: a bare parameter, no nn.Linear
     hidden: int
     layers: int
     heads: int
@@ -247,6 +258,35 @@ class MoeDecoder:
         else:
             out += _mlp_tensors(p + "mlp.", h, self.dense_intermediate)
         return out + [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+
+    def parameter_adapters(self, i: int, rank: int, targets: list[str]) -> Tensors:
+        """As PEFT 0.21 adapts the stacked experts (checked against it in tests/test_moe_decoder.py):
+        ``all-linear`` or the per-expert names of transformers 4 (``gate_proj`` with ``up_proj``,
+        ``down_proj``) target the 3-D ``gate_up_proj`` (rank doubled: two fused matrices) and
+        ``down_proj``; a parameter of E stacked (out, in) matrices gets ``lora_A`` (r E, in) and
+        ``lora_B`` (out, r E). With both, PEFT nests the first wrapper under ``base_layer``. The
+        same mapping takes those names away from the module targets: :meth:`adapts`."""
+        if not self.sparse(i):
+            return []
+        every = list(targets) == ["all-linear"]
+
+        def named(name: str) -> bool:
+            return every or any(t == name or t.endswith("." + name) for t in targets)
+
+        h, e, n = self.hidden, self.expert_intermediate, self.experts
+        wrapped = [(2 * rank, 2 * e, h)] if named("gate_proj") and named("up_proj") else []
+        wrapped += [(rank, h, e)] if named("down_proj") else []
+        p = f"model.layers.{i}.mlp.experts."
+        out = []
+        for k, (r, rows, cols) in enumerate(wrapped):
+            at = p + "base_layer." * (len(wrapped) - 1 - k)
+            out += [(at + "lora_A.default.weight", (r * n, cols)), (at + "lora_B.default.weight", (rows, r * n))]
+        return out
+
+    def adapts(self, module: str) -> bool:
+        """Not a dense layer's ``mlp.gate_proj``, ``up_proj`` or ``down_proj``: PEFT 0.21 turns those
+        targets into the experts' parameters, and ``all-linear`` as well."""
+        return not module.endswith((".mlp.gate_proj", ".mlp.up_proj", ".mlp.down_proj"))
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return _kv_bytes(self, dtype_bytes)

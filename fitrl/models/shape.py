@@ -130,26 +130,29 @@ class ModelShape:
 
     def linear_layers(self, with_vision: bool = True) -> list[tuple[str, int, int]]:
         """Every ``nn.Linear`` but the output head: (module name, in_features, out_features). The
-        2-D weights of :meth:`tensors` are exactly these, plus the embedding, ``lm_head`` and the
-        decoder's ``non_linear`` ones (a MoE router: a bare parameter, which PEFT cannot adapt)."""
+        2-D weights of :meth:`tensors` are exactly these, plus the embedding and ``lm_head`` (a MoE
+        router's bare weight is one too: PEFT adapts it as a linear layer)."""
         skip = ("model.embed_tokens.weight", "lm_head.weight")
-        plain = tuple("." + n for n in self.decoder.non_linear)
         return [(n[:-len(".weight")], s[1], s[0]) for n, s in self.tensors(with_vision)
-                if len(s) == 2 and n.endswith(".weight") and n not in skip and not (plain and n.endswith(plain))]
+                if len(s) == 2 and n.endswith(".weight") and n not in skip]
 
     def lora_tensors(self, rank: int, targets: tuple[str, ...] | list[str]) -> list[tuple[str, tuple[int, int]]]:
         """LoRA adapters as PEFT's ``inject_adapter_in_model`` adds them (fitrl/models/params.py):
         ``lora_A`` (r, in) and ``lora_B`` (out, r) on every targeted linear layer, r*(in + out)
         parameters each. ``targets``: ``["all-linear"]`` (every linear but ``lm_head``) or module
-        names, matched as PEFT does (the whole name, or its last dotted components)."""
+        names, matched as PEFT does (the whole name, or its last dotted components). Then the
+        decoder's adapters on other parameters (a mixture of experts' stacked experts:
+        ``Decoder.parameter_adapters``), less the linear layers PEFT leaves out (``Decoder.adapts``)."""
         if rank <= 0:
             return []
         every = list(targets) == ["all-linear"]
         out = []
         for name, fan_in, fan_out in self.linear_layers():
-            if every or any(name == t or name.endswith("." + t) for t in targets):
+            if (every or any(name == t or name.endswith("." + t) for t in targets)) and self.decoder.adapts(name):
                 out += [(f"{name}.lora_A.default.weight", (rank, fan_in)),
                         (f"{name}.lora_B.default.weight", (fan_out, rank))]
+        for i in range(self.layers):
+            out += self.decoder.parameter_adapters(i, rank, list(targets))
         return out
 
     @property

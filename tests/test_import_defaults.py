@@ -252,3 +252,44 @@ def test_no_reason_says_async_or_agents_are_not_built():
         assert "not built" not in seen[key][1] and ("docs/async.md" in seen[key][1] or "rollout.agent" in seen[key][1])
     assert seen["actor_rollout_ref.rollout.mode"][0] == "translated"
     assert imp.config["rollout.agent.env"] == "tools"
+
+
+# ----------------------------------------------------------------- an older release's own layer
+
+FILES["easyr1-0.2"] = FOREIGN / "defaults" / "easyr1-0.2" / "config_defaults.yaml"
+RULES["easyr1-0.2"] = RULES["easyr1"]
+
+
+def test_easyr1_0_2_s_layer_is_its_published_defaults():
+    """EasyR1 0.2's layer (its KL switch under worker.actor) against the defaults of its own
+    dataclasses, as the current layers are against theirs."""
+    name = "easyr1-0.2"
+    test_each_defaults_file_names_its_repository_path_and_commit(name)
+    test_every_key_that_differs_from_fitrl_is_mirrored_or_left_with_a_reason(name)
+    file = published(name)
+    in_reward = with_defaults(name, {"worker.actor.use_kl_loss": False})  # (the reward's KL keys count only then)
+    for key, value in DEFAULTS[name].items():
+        assert key in file, key
+        if key not in BEYOND_FILE[name]:
+            assert (value, type(value) is bool) == (file[key], type(file[key]) is bool), key
+        assert translated(name, key, value, with_defaults(name, {})) or translated(name, key, value, in_reward), key
+
+
+def test_easyr1_0_2_is_told_by_its_layout_and_its_kl_is_in_the_loss(tmp_path):
+    imp = import_config(None, ["worker.actor.model.model_path=/m", "worker.rollout.n=5",
+                               "worker.actor.use_kl_loss=true"])
+    c = imp.config
+    assert (c["algorithm.use_kl_loss"], c["algorithm.kl_in_reward.enable"], c["algorithm.kl_coef"],
+            c["algorithm.kl_estimator"]) == (True, False, 1e-3, "low_var_kl")  # worker.actor's, not algorithm's
+    assert (c["actor.clip_ratio_low"], c["actor.clip_ratio_high"], c["actor.entropy_coeff"]) == (0.2, 0.2, 1e-3)
+    assert c["reward.function"] == "math" and "actor.micro_batch_token_budget" not in c  # 0.2: no dynamic batching
+    assert any(n.startswith("EasyR1 0.2's layout (it sets worker.actor.use_kl_loss)") for n in imp.notes)
+    assert "(EasyR1 0.2's default)" in next(k for _, k, _ in imp.lines if k.startswith("worker.actor.clip_ratio="))
+    reward = import_config(None, ["worker.actor.model.model_path=/m", "worker.rollout.n=5",
+                                  "worker.actor.use_kl_loss=false", "algorithm.kl_coef=0.02"]).config
+    assert (reward["algorithm.use_kl_loss"], reward["algorithm.kl_in_reward.enable"],
+            reward["algorithm.kl_in_reward.coef"], reward["algorithm.kl_in_reward.estimator"]) == \
+        (False, True, 0.02, "k1")
+    today = import_config(None, ["worker.actor.model.model_path=/m", "worker.rollout.n=5"]).config
+    assert today["actor.clip_ratio_high"] == 0.3 and today["algorithm.kl_in_reward.enable"] is True
+    _loads_and_plans(imp, tmp_path)

@@ -303,7 +303,12 @@ def test_verl_multi_turn_is_fitrls_agent(tmp_path):
 
 def test_no_reason_says_fitrl_lacks_async_or_agents():
     scripts = sorted(FOREIGN.rglob("*.sh")) + sorted(FOREIGN.rglob("*.yaml"))
-    imports = [import_config(str(p)) for p in scripts]
+    imports = []
+    for p in scripts:
+        try:
+            imports.append(import_config(str(p)))
+        except ConfigError:  # (the corpus's inputs that stop in one line: tests/test_import_corpus.py)
+            continue
     imports.append(verl("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=true",
                         "actor_rollout_ref.rollout.multi_turn.interaction_config_path=i.yaml",
                         "actor_rollout_ref.rollout.agent.agent_loop_config_path=a.yaml"))

@@ -57,8 +57,41 @@ EASYR1_DEFAULTS: dict[str, Any] = {
 """EasyR1 (``verl.trainer.main``, whose ``PPOConfig()`` is the base ``config=`` and the command line
 merge into): tests/data/foreign/defaults/easyr1/config_defaults.yaml."""
 
-DEFAULTS: dict[str, dict[str, Any]] = {"verl": VERL_DEFAULTS, "easyr1": EASYR1_DEFAULTS}
-SOURCE_NAMES = {"verl": "veRL", "easyr1": "EasyR1"}
+EASYR1_V02_DEFAULTS: dict[str, Any] = {
+    "data.max_prompt_length": 512, "data.max_response_length": 512, "data.rollout_batch_size": 512,
+    "data.min_pixels": 262144, "data.max_pixels": 4194304,
+    "algorithm.adv_estimator": "grpo", "algorithm.kl_penalty": "kl", "algorithm.kl_coef": 1e-3,
+    # the KL in the actor's loss unless worker.actor.use_kl_loss=false (then in the reward: import_kl.py)
+    "worker.actor.use_kl_loss": True, "worker.actor.kl_loss_coef": 1e-3, "worker.actor.kl_loss_type": "low_var_kl",
+    "worker.actor.global_batch_size": 256, "worker.actor.micro_batch_size_per_device_for_update": 4,
+    "worker.actor.micro_batch_size_per_device_for_experience": 16,
+    "worker.actor.clip_ratio": 0.2, "worker.actor.entropy_coeff": 1e-3,  # one clip ratio; an entropy bonus
+    "worker.actor.padding_free": False, "worker.actor.model.enable_gradient_checkpointing": True,
+    "worker.actor.optim.lr": 1e-6, "worker.actor.optim.weight_decay": 0.01,
+    "worker.actor.fsdp.mp_param_dtype": "bf16", "worker.ref.fsdp.mp_param_dtype": "bf16",
+    "worker.ref.fsdp.torch_dtype": "bf16",
+    "worker.actor.fsdp.enable_rank0_init": False, "worker.ref.fsdp.enable_rank0_init": False,
+    "worker.rollout.name": "vllm", "worker.rollout.n": 1, "worker.rollout.tensor_parallel_size": 2,
+    "worker.rollout.gpu_memory_utilization": 0.5,
+    "worker.reward.compute_score": "math",
+    "trainer.n_gpus_per_node": 8, "trainer.nnodes": 1,
+}
+"""EasyR1 0.2 (0.2.0.dev, until March 2025, before v0.3.0; its layout holds the KL switch under
+``worker.actor``): tests/data/foreign/defaults/easyr1-0.2/config_defaults.yaml."""
+
+DEFAULTS: dict[str, dict[str, Any]] = {"verl": VERL_DEFAULTS, "easyr1": EASYR1_DEFAULTS,
+                                       "easyr1-0.2": EASYR1_V02_DEFAULTS}
+"""Each defaults layer by name: a source framework, or one of its releases (:func:`layer`)."""
+SOURCE_NAMES = {"verl": "veRL", "easyr1": "EasyR1", "easyr1-0.2": "EasyR1 0.2"}
+LAYOUTS = {"easyr1-0.2": ("easyr1", ("worker.actor.use_kl_loss", "worker.actor.kl_loss_coef",
+                                     "worker.actor.kl_loss_type"))}
+"""An older release's layer: its framework and the keys only that release's layout has."""
+
+
+def layer(fmt: str, flat: dict[str, Any]) -> str:
+    """The defaults layer a source of ``fmt`` (its dotted keys ``flat``) means: an older release's
+    when it sets a key only that release's layout has, else the framework's current one."""
+    return next((name for name, (of, keys) in LAYOUTS.items() if of == fmt and any(k in flat for k in keys)), fmt)
 
 BEYOND_FILE: dict[str, dict[str, str]] = {
     "verl": {"actor_rollout_ref.rollout.name": "the file makes it mandatory (???); veRL's ppo_trainer.yaml named "
@@ -66,6 +99,8 @@ BEYOND_FILE: dict[str, dict[str, str]] = {
                                                "would plan a run veRL never makes"},
     "easyr1": {"worker.ref.fsdp.torch_dtype": "null in the file: EasyR1's FSDP worker then loads the reference in "
                                               "bf16 (the actor in fp32)"},
+    "easyr1-0.2": {"worker.ref.fsdp.torch_dtype": "null in the file: EasyR1's FSDP worker then loads the reference "
+                                                  "in bf16 (the actor in fp32)"},
 }
 """Layer values the file leaves null or mandatory, and where they come from instead."""
 
@@ -83,8 +118,16 @@ LEFT_TO_FITRL: dict[str, dict[str, str]] = {
                                                        "(and the weights, pushed back after every update)",
         "trainer.project_name": _LOGGED, "trainer.experiment_name": _LOGGED, "trainer.logger": _LOGGED,
         "trainer.log_val_generations": _LOGGED, "trainer.default_local_dir": _LOGGED,
+        "trainer.device": "fitrl's auto is CUDA where the run has a GPU (and the CPU where none)",
+        "critic.model.tokenizer_path": "veRL's interpolation of the actor's model path: fitrl's critic reads the "
+                                       "actor's tokenizer unless told",
     },
     "easyr1": {
+        "data.train_files": "every run names its data", "data.val_files": "every run names its data",
+        "trainer.project_name": _LOGGED, "trainer.experiment_name": _LOGGED, "trainer.logger": _LOGGED,
+        "trainer.val_generations_to_log": _LOGGED,
+    },
+    "easyr1-0.2": {
         "data.train_files": "every run names its data", "data.val_files": "every run names its data",
         "trainer.project_name": _LOGGED, "trainer.experiment_name": _LOGGED, "trainer.logger": _LOGGED,
         "trainer.val_generations_to_log": _LOGGED,

@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from fitrl.config.import_defaults import EASYR1_DEFAULTS, VERL_DEFAULTS  # noqa: F401  (read by the importer)
+from fitrl.config.import_kl import (KL_COEF_WHY, easyr1_disable_kl, easyr1_kl, easyr1_kl_penalty,
+                                    easyr1_use_kl_loss)
+from fitrl.config.import_more import EASYR1_MORE, EASYR1_MORE_PREFIXES, LORA_EXCLUDE, VERL_MORE, VERL_MORE_PREFIXES
 from fitrl.config.import_rules import (AGENTS, APPROXIMATED, EASYR1_LOSSES, NOT_TRANSLATED,  # noqa: F401
                                        REWARD_FILES, ROLLOUT_MODE_ASYNC, TRANSLATED, VERL_LOSSES, Rule, drop,
-                                       easyr1_disable_kl, easyr1_dynamic_batching, easyr1_filter_key, easyr1_kl,
-                                       easyr1_kl_penalty, easyr1_use_kl_loss, expand_dict_values, kl_name,
+                                       easyr1_dynamic_batching, easyr1_filter_key, expand_dict_values, kl_name,
                                        multi_turn_enable, policy_loss, reward_file, reward_kwargs, reward_name, to,
                                        verl_dynamic_bsz, verl_filter_metric, warmup_ratio, warmup_steps,
                                        when_multi_turn)
@@ -174,7 +176,7 @@ VERL: dict[str, Rule] = {
     "critic.use_dynamic_bsz": drop(CRITIC_BY_COUNT),
     "critic.forward_max_token_len_per_gpu": drop(CRITIC_BY_COUNT),
     "critic.ppo_max_token_len_per_gpu": drop(CRITIC_BY_COUNT),
-    "actor_rollout_ref.rollout.name": ENGINE,
+    "actor_rollout_ref.rollout.name": Rule(None, choose=lambda v: ENGINE_APPROX if str(v) == "sglang" else ENGINE),
     # multi-turn (veRL's rollout.multi_turn; fitrl's rollout.agent, docs/agents.md)
     "actor_rollout_ref.rollout.multi_turn.enable": multi_turn_enable(),
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": when_multi_turn("rollout.agent.max_turns"),
@@ -279,6 +281,7 @@ VERL: dict[str, Rule] = {
                                     why="fitrl writes a run directory (checkpoints inside) below it"),
 }
 """veRL (``verl.trainer.main_ppo``; its ``ppo_trainer.yaml`` keys)."""
+VERL.update(VERL_MORE)
 
 VERL_PREFIXES: dict[str, Rule] = {
     "actor_rollout_ref.rollout.engine_kwargs.": drop(NO_EFFECT),
@@ -290,6 +293,7 @@ VERL_PREFIXES: dict[str, Rule] = {
     "actor_rollout_ref.actor.checkpoint.": drop("fitrl's checkpoints always hold what a resume needs"),
     "actor_rollout_ref.actor.profiler.": drop(NO_EFFECT),
     "reward_model.model.": drop(NO_EFFECT),
+    **VERL_MORE_PREFIXES,
 }
 """Rules for every key below a section."""
 
@@ -325,7 +329,7 @@ EASYR1: dict[str, Rule] = {
     "algorithm.disable_kl": easyr1_disable_kl(),
     "algorithm.use_kl_loss": easyr1_use_kl_loss(),
     "algorithm.kl_penalty": easyr1_kl_penalty(),
-    "algorithm.kl_coef": easyr1_kl("algorithm.kl_coef", "algorithm.kl_in_reward.coef"),
+    "algorithm.kl_coef": easyr1_kl("algorithm.kl_coef", "algorithm.kl_in_reward.coef", why=KL_COEF_WHY),
     "algorithm.kl_type": easyr1_kl(None, "algorithm.kl_in_reward.controller",
                                    why="the controller of a KL in the reward (EasyR1's loss KL keeps kl_coef)"),
     "algorithm.kl_horizon": easyr1_kl(None, "algorithm.kl_in_reward.horizon", lambda v: int(float(v))),
@@ -359,10 +363,7 @@ EASYR1: dict[str, Rule] = {
     "worker.actor.model.lora.alpha": to("actor.lora.alpha"),
     "worker.actor.model.lora.target_modules": to("actor.lora.target_modules",
                                                  lambda v: v.split(",") if isinstance(v, str) else list(v)),
-    "worker.actor.model.lora.exclude_modules": drop(
-        "fitrl has no exclude list, and all-linear adapts a vision tower's linears too: to keep LoRA off the tower, "
-        "set actor.lora.target_modules to names only the language model has, e.g. q_proj,k_proj,v_proj,o_proj "
-        "(docs/vision.md)"),
+    "worker.actor.model.lora.exclude_modules": LORA_EXCLUDE,
     "worker.actor.optim.lr": to("actor.optim.lr"),
     "worker.actor.optim.weight_decay": to("actor.optim.weight_decay"),
     "worker.actor.optim.strategy": to("actor.optim.fused", lambda v: True, APPROXIMATED,
@@ -374,7 +375,7 @@ EASYR1: dict[str, Rule] = {
     "worker.actor.fsdp.enable_rank0_init": to("actor.fsdp.init", lambda v: "rank0" if v else "every_rank"),
     "worker.actor.offload.offload_params": to("actor.fsdp.offload_params"),
     "worker.actor.offload.offload_optimizer": to("actor.fsdp.offload_optimizer"),
-    "worker.rollout.name": ENGINE,
+    "worker.rollout.name": Rule(None, choose=lambda v: ENGINE_APPROX if str(v) == "sglang" else ENGINE),
     "worker.rollout.n": to("rollout.n"),
     "worker.rollout.temperature": to("rollout.temperature"),
     "worker.rollout.top_p": to("rollout.top_p"),
@@ -422,6 +423,7 @@ EASYR1: dict[str, Rule] = {
     "trainer.find_last_checkpoint": Rule(lambda v, src: [("checkpoint.resume", "auto")] if v else [], TRANSLATED),
 }
 """EasyR1 (``verl.trainer.main config=...``; its ``examples/config.yaml`` keys)."""
+EASYR1.update(EASYR1_MORE)
 
 EASYR1.update(reward_kwargs("worker.reward.reward_function_kwargs."))
 EASYR1.update(reward_kwargs("worker.reward.score_function_kwargs."))
@@ -431,6 +433,7 @@ EASYR1_PREFIXES: dict[str, Rule] = {
                                                   "take theirs in reward.kwargs (fitrl config --doc)"),
     "worker.reward.score_function_kwargs.": drop("an argument of EasyR1's reward function: fitrl's built-ins "
                                                  "take theirs in reward.kwargs (fitrl config --doc)"),
+    **EASYR1_MORE_PREFIXES,
 }
 """Rules for every key below a section."""
 

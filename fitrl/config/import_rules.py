@@ -135,62 +135,9 @@ def kl_name(key: str, in_loss: bool, source_key: str) -> Rule:
     return Rule(None, choose=choose)
 
 
-def easyr1_kl_mode(src: dict) -> str:
-    """Where EasyR1 puts the KL (``trainer/ray_trainer.py``): nowhere with ``algorithm.disable_kl``
-    (no reference model), in the actor's loss with ``use_kl_loss``, else in the reward
-    (``apply_kl_penalty``, ``kl_coef`` under the ``kl_type`` controller). Both default to false."""
-    if _true(src.get("algorithm.disable_kl", False)):
-        return "off"
-    return "loss" if _true(src.get("algorithm.use_kl_loss", False)) else "reward"
-
-
-def _true(v: Any) -> bool:
+def is_true(v: Any) -> bool:
+    """A source's boolean as Hydra and YAML write it (``True``, ``true``, ``1``)."""
     return v is True or str(v).lower() in ("true", "1")
-
-
-def easyr1_use_kl_loss() -> Rule:
-    """``algorithm.use_kl_loss``: the KL in the actor's loss, or (false) in the reward."""
-    def convert(v: Any, src: dict) -> list[tuple[str, Any]]:
-        mode = easyr1_kl_mode(src)
-        if mode == "off":
-            return []  # (disable_kl says so)
-        return [("algorithm.use_kl_loss", mode == "loss"), ("algorithm.kl_in_reward.enable", mode == "reward")]
-    return Rule(None, choose=lambda v: Rule(convert, TRANSLATED, "" if _true(v) else
-                                            "EasyR1 subtracts the KL from the reward when it is not in the loss "
-                                            "(unless algorithm.disable_kl)"))
-
-
-def easyr1_disable_kl() -> Rule:
-    def choose(v: Any) -> Rule:
-        if not _true(v):
-            return Rule(None, TRANSLATED, "the KL is in the loss or the reward (algorithm.use_kl_loss)")
-        return Rule(lambda v, src: [("algorithm.use_kl_loss", False), ("algorithm.kl_in_reward.enable", False)],
-                    TRANSLATED, "no KL, no reference model")
-    return Rule(None, choose=choose)
-
-
-def easyr1_kl(loss_key: Optional[str], reward_key: str, convert: Callable[[Any], Any] = lambda v: v,
-              why: str = "") -> Rule:
-    """An EasyR1 KL setting: to ``loss_key`` or ``reward_key`` as :func:`easyr1_kl_mode` says."""
-    def setter(v: Any, src: dict) -> list[tuple[str, Any]]:
-        mode = easyr1_kl_mode(src)
-        key = {"loss": loss_key, "reward": reward_key}.get(mode)
-        return [(key, convert(v))] if key else []
-    return Rule(setter, TRANSLATED, why)
-
-
-def easyr1_kl_penalty() -> Rule:
-    """``algorithm.kl_penalty``: the estimator of the loss's or the reward's KL."""
-    def choose(v: Any) -> Rule:
-        loss, status, why_loss = kl_estimator(True, "algorithm.kl_penalty")(v)
-        reward, _, why_reward = kl_estimator(False, "algorithm.kl_penalty")(v)
-        why = why_loss if loss == reward else f"in a loss: {why_loss}; in the reward: {reward}"
-        def setter(v: Any, src: dict) -> list[tuple[str, Any]]:
-            mode = easyr1_kl_mode(src)
-            return {"loss": [("algorithm.kl_estimator", loss)],
-                    "reward": [("algorithm.kl_in_reward.estimator", reward)]}.get(mode, [])
-        return Rule(setter, status, why)
-    return Rule(None, choose=choose)
 
 
 # ------------------------------------------------------------------------------ policy losses
@@ -307,7 +254,7 @@ def easyr1_filter_key() -> Rule:
 
 # ------------------------------------------------------------------------- batches and warm-up
 
-def warmup_ratio(steps_key: str, total_key: str) -> Rule:
+def warmup_ratio(steps_key: str, total_key: str, target: str = "actor.optim.warmup_steps") -> Rule:
     """A warm-up as a ratio of the run's steps (``int(ratio * steps)`` in veRL and EasyR1), used only
     when the warm-up steps are not given: known when the source sets its total steps."""
     def setter(v: Any, src: dict) -> list[tuple[str, Any]]:
@@ -315,16 +262,16 @@ def warmup_ratio(steps_key: str, total_key: str) -> Rule:
         if steps is not None and int(steps) >= 0:
             return []  # the steps win
         if not v:
-            return [("actor.optim.warmup_steps", 0)]
+            return [(target, 0)]
         total = src.get(total_key)
-        return [("actor.optim.warmup_steps", int(float(v) * int(total)))] if total and int(total) > 0 else []
+        return [(target, int(float(v) * int(total)))] if total and int(total) > 0 else []
     return Rule(setter, APPROXIMATED, f"int(ratio x {total_key}) when the source sets it (epochs need the data's "
-                                      f"size: else set actor.optim.warmup_steps); {steps_key} wins when set")
+                                      f"size: else set {target}); {steps_key} wins when set")
 
 
-def warmup_steps(v: Any, src: dict) -> list[tuple[str, Any]]:
+def warmup_steps(v: Any, src: dict, target: str = "actor.optim.warmup_steps") -> list[tuple[str, Any]]:
     """veRL writes -1, EasyR1 null, for "from the ratio"."""
-    return [("actor.optim.warmup_steps", int(v))] if v is not None and int(v) >= 0 else []
+    return [(target, int(v))] if v is not None and int(v) >= 0 else []
 
 
 VERL_TOKEN_LEN = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
@@ -333,7 +280,7 @@ VERL_TOKEN_LEN_DEFAULT = 16384  # veRL's, tests/data/foreign/defaults/verl/_gene
 
 def verl_dynamic_bsz(v: Any) -> Rule:
     """veRL's ``use_dynamic_bsz``: micro-batches by ``ppo_max_token_len_per_gpu`` tokens (16,384 when unset)."""
-    if not _true(v):
+    if not is_true(v):
         return Rule(None, TRANSLATED, "micro-batches by count (actor.micro_batch_size), as fitrl by default")
     return Rule(lambda v, src: [] if src.get(VERL_TOKEN_LEN) is not None else
                 [("actor.micro_batch_token_budget", VERL_TOKEN_LEN_DEFAULT)], APPROXIMATED,
@@ -344,7 +291,7 @@ def verl_dynamic_bsz(v: Any) -> Rule:
 def easyr1_dynamic_batching(v: Any) -> Rule:
     """EasyR1's ``dynamic_batching`` (``dp_actor.py``): an update micro-batch holds up to
     ``micro_batch_size_per_device_for_update`` x (prompt + response length) tokens."""
-    if not _true(v):
+    if not is_true(v):
         return Rule(None, TRANSLATED, "micro-batches by count (actor.micro_batch_size), as fitrl by default")
     def setter(v: Any, src: dict) -> list[tuple[str, Any]]:
         per = int(src.get("worker.actor.micro_batch_size_per_device_for_update", 4))
@@ -392,7 +339,7 @@ AGENTS = "fitrl's multi-turn agents are rollout.agent (docs/agents.md)"
 def multi_turn_enable() -> Rule:
     """veRL's ``rollout.multi_turn.enable``: episodes with tool calls; fitrl's ``tools`` environment."""
     def choose(v: Any) -> Rule:
-        if not _true(v):
+        if not is_true(v):
             return Rule(None, TRANSLATED, "single-turn, as fitrl by default")
         return to("rollout.agent.env", lambda _: "tools", APPROXIMATED,
                   f"{AGENTS}: the tools environment (a tool call answered, done at the first turn without one); "
@@ -403,7 +350,7 @@ def multi_turn_enable() -> Rule:
 def when_multi_turn(key: str, convert: Callable[[Any], Any] = int, why: str = "") -> Rule:
     """A multi-turn limit, set only when the source turns multi-turn on (veRL reads it only then)."""
     def setter(v: Any, src: dict) -> list[tuple[str, Any]]:
-        on = _true(src.get("actor_rollout_ref.rollout.multi_turn.enable", False))
+        on = is_true(src.get("actor_rollout_ref.rollout.multi_turn.enable", False))
         return [(key, convert(v))] if on and v is not None else []
     return Rule(setter, TRANSLATED, why)
 

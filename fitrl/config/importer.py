@@ -20,7 +20,8 @@ import yaml
 
 from fitrl.config.import_maps import (APPROXIMATED, EASYR1, HUB, NOT_TRANSLATED, REWARD_FILES, SPECIAL, TRANSLATED,
                                       VERL, VERL_PREFIXES, EASYR1_PREFIXES, Rule, expand_dict_values)
-from fitrl.config.import_defaults import SOURCE_NAMES, with_defaults
+from fitrl.config.import_defaults import LAYOUTS, SOURCE_NAMES, layer, with_defaults
+from fitrl.config.import_more import per_key_rules
 from fitrl.config.shell import SOURCE, Arg, Launch, explain, read_launch
 from fitrl.config.text_file import read_text
 from fitrl.core.errors import ConfigError
@@ -67,11 +68,11 @@ def import_config(source: Optional[str], overrides: list[str] = (), fmt: str = "
         if not path.exists():
             raise ConfigError(f"{source}: no such file (give {SOURCE})")
         if path.suffix in (".yaml", ".yml"):
-            flat.update(flatten(_read_yaml(path)))
+            flat.update(_own_keys(_read_yaml(path), f"{path} is a Hydra config", notes))
         else:
             base, args, notes = read_script(path)
             flat.update(base)
-            script_dir = path.parent
+        script_dir = path.parent  # (relative files are the source's, from its repository: _relative)
     unknown: dict[str, Arg] = {}  # key -> the script's argument whose value only running would tell
     for arg in [*args, *(Arg(item, (), 0) for item in overrides)]:
         key, sep, value = arg.text.partition("=")
@@ -134,7 +135,12 @@ def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None)
     rules = FORMATS[fmt]
     flat = expand_dict_values(flat)  # a dict-valued override merges into its section (import_rules)
     given = dict(flat)
-    flat = with_defaults(fmt, flat)  # keys left out keep the source's values, not fitrl's
+    name = layer(fmt, flat)  # (an older release's layout has a layer of its own)
+    flat = with_defaults(name, flat)  # keys left out keep the source's values, not fitrl's
+    rules = {**rules, **per_key_rules(fmt, flat)}
+    if name != fmt:
+        out.notes.append(f"{SOURCE_NAMES[name]}'s layout (it sets {_layout_key(name, given)}): keys it leaves out "
+                         f"keep {SOURCE_NAMES[name]}'s defaults")
     if fmt == "verl":
         out.config.update({"data.answer_key": "reward_model.ground_truth", "reward.function": "by_source"})
         out.lines.append((TRANSLATED, "(veRL's dataset layout)",
@@ -144,7 +150,7 @@ def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None)
         if key in SPECIAL or value is None:  # (a null in the source leaves the key unset)
             continue
         rule = rules.get(key) or next((r for p, r in PREFIXES[fmt].items() if key.startswith(p)), None)
-        shown = f"{key}={_text(value)}" + (f" ({SOURCE_NAMES[fmt]}'s default)" if key not in given else "")
+        shown = f"{key}={_text(value)}" + (f" ({SOURCE_NAMES[name]}'s default)" if key not in given else "")
         if rule is None:
             if key in given:
                 out.lines.append((NOT_TRANSLATED, shown, "no fitrl key for it"))
@@ -154,13 +160,20 @@ def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None)
     return out
 
 
+def _layout_key(name: str, given: dict) -> str:
+    return next(k for k in LAYOUTS[name][1] if k in given)
+
+
 def _apply(out: Imported, rule: Rule, key: str, value: Any, flat: dict, shown: str) -> None:
-    if rule.choose is not None:
-        rule = rule.choose(value)
+    try:
+        if rule.choose is not None:
+            rule = rule.choose(value)
+        pairs = [] if rule.set is None else rule.set(value, flat)
+    except (ValueError, TypeError) as e:  # a placeholder (TO_BE_FILLED) where the source takes a number
+        raise ConfigError(f"{shown}: not a value this key takes ({e}); give {key}=VALUE after the script") from e
     if rule.set is None:
         out.lines.append((rule.status, shown, rule.why))
         return
-    pairs = rule.set(value, flat)
     status, why = rule.status, rule.why
     hub = [v for k, v in pairs if k in ("actor.model.path", "critic.model.path") and _is_hub_id(v)]
     hub += [f for k, v in pairs if k in ("data.train_files", "data.val_files") for f in v if _is_hub_dataset(f)]
@@ -191,7 +204,9 @@ def _special(out: Imported, fmt: str, flat: dict, script_dir: Optional[Path]) ->
                               "reward.function=path.py:fn"))
     template = flat.get("data.format_prompt")
     if template:
-        found = _find(str(template), script_dir)
+        found, how = _relative(str(template), script_dir)
+        if how:
+            out.notes.append(how)
         if found is None:
             out.lines.append((NOT_TRANSLATED, f"data.format_prompt={template}",
                               "file not found here: set data.prompt_template to its text"))
@@ -219,10 +234,12 @@ def read_script(path: Path) -> tuple[dict[str, Any], list[Arg], list[str]]:
         if arg.unknown:
             raise ConfigError(f"{path}:{arg.line}: config={value}: {explain(arg.unknown[0])}; give the YAML as "
                               f"the source instead")
-        found = _find(value, path.parent)
+        found, how = _relative(value, path.parent)
         if found is None:
             raise ConfigError(f"{path}: config={value} not found (looked beside the script and in its parent "
-                              f"folders)")
+                              f"folders, then in the current directory)")
+        if how:
+            notes.append(how)
         base.update(flatten(_read_yaml(found)))
     return base, args, notes
 
@@ -252,27 +269,55 @@ def _hydra_base(launch: Launch, script: Path, notes: list[str]) -> dict[str, Any
     file = Path(text) / (name.text if name.text.endswith((".yaml", ".yml")) else name.text + ".yaml")
     module_dir = Path(*launch.entry.split(".")[:-1])
     tops = (script.parent, *script.parent.resolve().parents)
-    candidates = [file] if file.is_absolute() else [d / module_dir / file for d in tops] + [d / file for d in tops]
-    found = next((c for c in candidates if c.is_file()), None)
+    candidates = [(file, "an absolute path")] if file.is_absolute() else (
+        [(d / module_dir / file, f"Hydra's, relative to the entry point's folder {module_dir} in {d}") for d in tops]
+        + [(d / file, f"relative to {d}, the folder the script runs from") for d in tops])
+    found, how = next(((c, how) for c, how in candidates if c.is_file()), (None, ""))
     if found is None:
         notes.append(f"--config-path {folder.text} --config-name {name.text}: {file.name} not found beside the "
-                     f"script or the entry point: not read (keys the script leaves out keep the source "
-                     f"framework's defaults)")
+                     f"script or the entry point: not read ("
+                     + OWN_CONFIGS.get(file.stem, "keys the script leaves out keep the source framework's defaults")
+                     + ")")
         return {}
-    data = _read_yaml(found)
+    notes.append(f"--config-name {name.text}: {found} is the base the script's arguments apply to ({how})")
+    return _own_keys(_read_yaml(found), f"{found.name}", notes)
+
+
+OWN_CONFIGS = {
+    "ppo_trainer": "veRL's own ppo_trainer.yaml: keys the script leaves out keep veRL's defaults, as there",
+    "ppo_megatron_trainer": "veRL's own ppo_megatron_trainer.yaml, for its Megatron backend: keys the script leaves "
+                            "out keep veRL's FSDP defaults (fitrl trains with FSDP2)",
+}
+"""veRL's trainer configs a script names by --config-name: its defaults layer (fitrl/config/import_defaults.py)."""
+
+
+def _own_keys(data: dict, what: str, notes: list[str]) -> dict[str, Any]:
+    """A YAML config's own keys: its Hydra composition (``defaults:``, ``hydra:``) is not followed, and
+    what it would bring is the defaults layer's (fitrl/config/import_defaults.py)."""
     skipped = [k for k in ("defaults", "hydra") if k in data]
-    notes.append(f"--config-name {name.text}: {found} is the base the script's arguments apply to"
-                 + (f" (its Hydra `{'`, `'.join(skipped)}` not followed: keys it leaves out keep the source "
-                    f"framework's defaults)" if skipped else ""))
+    if skipped:
+        notes.append(f"{what}: its Hydra `{'`, `'.join(skipped)}` not followed: keys it leaves out keep the source "
+                     f"framework's defaults")
     return flatten({k: v for k, v in data.items() if k not in skipped})
 
 
-def _find(name: str, start: Optional[Path]) -> Optional[Path]:
-    """``name`` as given, or relative to ``start`` and its parents (a repository's scripts folder)."""
-    candidates = [Path(name)]
-    if start is not None:
-        candidates += [p / name for p in (start, *start.resolve().parents)]
-    return next((c for c in candidates if c.is_file()), None)
+def _relative(name: str, start: Optional[Path]) -> tuple[Optional[Path], str]:
+    """``name`` (a source's ``config=``, ``format_prompt``) as the source finds it, and how: a
+    relative path is read from the working directory the source's scripts assume, their
+    repository's root (veRL's and EasyR1's examples run as ``bash examples/x.sh`` from it), which
+    is the first folder from ``start`` (the script's or config's own) up that holds the path; the
+    current directory only when none does (so a file of the same name there is never read instead)."""
+    path = Path(name)
+    if path.is_absolute():
+        return (path if path.is_file() else None), ""
+    for folder in ((start, *start.resolve().parents) if start is not None else ()):
+        if (folder / path).is_file():
+            return folder / path, (f"{name}: {folder / path}, read from {folder}, the folder the source runs from "
+                                   f"(its repository's root: the first folder from the source's own up that holds "
+                                   f"{name})")
+    if path.is_file():
+        return path, f"{name}: {path.resolve()}, from the current directory (no folder above the source holds it)"
+    return None, ""
 
 
 def _read_yaml(path: Path) -> dict:

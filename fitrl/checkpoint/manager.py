@@ -38,7 +38,7 @@ from fitrl.checkpoint.layout import Checkpoint, CheckpointError
 from fitrl.config import ConfigError, FitrlConfig, config_to_dict, save_config
 from fitrl.core.errors import CheckpointUsageError, Hung, Interrupted, RunDirError, RunStopped, UserError, WorkerFailed
 from fitrl.core.nested import flatten
-from fitrl.config.schema import LoRAConfig, RolloutCorrectionConfig
+from fitrl.config.schema import DistillConfig, LoRAConfig, RolloutCorrectionConfig, TeacherConfig
 
 # Settings that may change between a checkpoint and its resume without changing what the run
 # computes (beyond float rounding): sizes of the work per forward, where and on how many ranks
@@ -57,7 +57,8 @@ RESUME_SAFE = [
     "trainer.divergence.*", "trainer.signal_grace_s",  # when a run stops, never what it trains
 ]  # actor.lora.* is not here: adapters of another rank, targets or scale are another model
 # Sections added after checkpoints were written: a checkpoint without one was saved with its defaults.
-ADDED_SECTIONS = {"actor.lora": LoRAConfig, "algorithm.rollout_correction": RolloutCorrectionConfig}
+ADDED_SECTIONS = {"actor.lora": LoRAConfig, "algorithm.rollout_correction": RolloutCorrectionConfig,
+                  "algorithm.distill": DistillConfig, "teacher": TeacherConfig}
 NOT_STORAGE = (UserError, RunStopped, WorkerFailed, Interrupted, Hung, KeyboardInterrupt, SystemExit)
 """Errors of a save that say what happened themselves: never read as the storage's fault."""
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.index.json")

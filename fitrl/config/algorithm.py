@@ -1,5 +1,5 @@
 """The ``algorithm`` and ``reward`` sections: the estimator and losses, KL, DAPO's filters and
-shaping, rollout correction, and the reward function. Field docstrings are what ``fitrl config --doc`` prints."""
+shaping, rollout correction, on-policy distillation, and the reward function. Field docstrings are what ``fitrl config --doc`` prints."""
 
 from __future__ import annotations
 
@@ -61,6 +61,32 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillConfig:
+    weight: float = 0.0
+    """On-policy distillation (docs/algorithms.md): the loss is ``(1 - weight) * policy loss + weight * distillation loss``, the distillation term scored by a teacher (``teacher.model``) on the student's own samples. 0: off, pure RL (no teacher is built); 1: pure distillation (rewards are still computed and logged)."""
+    loss: Literal["reverse_kl", "topk_forward_kl"] = "reverse_kl"
+    """``reverse_kl``: ``KL(student || teacher)`` on the sampled tokens, ``log pi - log teacher`` as a per-token policy-gradient signal (needs only the teacher's log-prob of each sampled token); ``topk_forward_kl``: ``KL(teacher || student)`` over the teacher's ``top_k`` likeliest tokens per position plus one bucket for the rest (fitrl/algo/distill.py)."""
+    top_k: int = 0
+    """Tokens per position whose teacher log-probs and ids the teacher's pass keeps (``topk_forward_kl`` needs >= 1, e.g. 20; with ``reverse_kl`` optional, for ``distill/teacher_agreement``). Costs tokens x k x 12 bytes per step; at most the vocabulary size."""
+    agg_mode: Optional[str] = None
+    """Aggregation of the per-token distillation loss (as ``algorithm.loss_agg_mode``); unset: ``algorithm.loss_agg_mode``'s."""
+
+    def __post_init__(self) -> None:
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise ConfigError(f"algorithm.distill.weight must be in [0, 1] (0: pure RL, 1: pure distillation), got {w}")
+        if self.top_k < 0:
+            raise ConfigError(f"algorithm.distill.top_k must be >= 0 (0: no top-k), got {self.top_k}")
+        if self.loss == "topk_forward_kl" and w > 0 and self.top_k < 1:
+            raise ConfigError("algorithm.distill.loss=topk_forward_kl needs the teacher's top-k tokens: set "
+                              "algorithm.distill.top_k >= 1 (e.g. 20)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight > 0
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, from the registry in ``fitrl.algo.advantages`` (e.g. ``grpo``)."""
@@ -92,6 +118,8 @@ class AlgorithmConfig:
     """DAPO overlong reward shaping."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Correction of the rollout engine's log-probs towards the trainer's (truncated importance sampling)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher (``teacher.model``), mixed with the policy loss."""
 
     def __post_init__(self) -> None:
         if self.rollout_correction.mode != "off" and not self.recompute_old_logprob:

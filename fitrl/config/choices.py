@@ -41,6 +41,8 @@ def check_choices(cfg: "FitrlConfig") -> None:
     LOSS_AGGREGATIONS.check(cfg.critic.loss_agg_mode, "critic.loss_agg_mode")
     KL_ESTIMATORS.check(a.kl_estimator)
     KL_ESTIMATORS.check(a.kl_in_reward.estimator, "algorithm.kl_in_reward.estimator")
+    if a.distill.agg_mode is not None:
+        LOSS_AGGREGATIONS.check(a.distill.agg_mode, "algorithm.distill.agg_mode")
     check_reward_spec(cfg.reward.function)
     check_agent_spec(cfg.rollout.agent.env, cfg.rollout.agent.tools)
     for name in cfg.trainer.loggers:
@@ -56,7 +58,7 @@ def check_choices(cfg: "FitrlConfig") -> None:
 def sharded_sections(cfg: "FitrlConfig") -> list[tuple[str, object]]:
     """``(key, section)`` of every config section that names a sharding backend (the roles and
     the model reward sources), whether or not this run builds it."""
-    found = [("actor", cfg.actor), ("ref", cfg.ref), ("critic", cfg.critic)]
+    found = [("actor", cfg.actor), ("ref", cfg.ref), ("critic", cfg.critic), ("teacher", cfg.teacher)]
     return found + [(f"reward.sources.{name}", src) for name, src in cfg.reward.sources.items()]
 
 

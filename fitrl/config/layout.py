@@ -110,6 +110,8 @@ def _roles(cfg: "FitrlConfig", mode: Mode, reward: dict, rollout: Optional[Rollo
     roles = [Role("actor", "policy", "actor")]
     if trains and needs.reference:  # with LoRA the policy's frozen base is the reference: no second model
         roles.append(Role("ref", "ref", "actor" if cfg.actor.lora.enabled else "ref"))
+    if mode == "rl" and cfg.algorithm.distill.enabled:  # a teacher of its own, frozen, scoring the rollouts
+        roles.append(Role("teacher", "teacher", "teacher"))
     if trains and needs.critic:
         roles.append(Role("critic", "critic", "critic"))
     # validation scores by the reward in every mode, so the reward's models are built in every mode

@@ -1,5 +1,5 @@
 """The sections of the models and their roles: the model, its optimizer, FSDP and LoRA, and the
-actor, critic and reference. Field docstrings are what ``fitrl config --doc`` prints."""
+actor, critic, reference and teacher. Field docstrings are what ``fitrl config --doc`` prints."""
 
 from __future__ import annotations
 
@@ -150,8 +150,15 @@ class ActorConfig:
     """Sharding, mixed precision and offload of the actor (used by the Ray backend)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters on the policy (``actor.lora.rank > 0``), through PEFT."""
+    router_aux_loss_coef: Optional[float] = None
+    """A mixture-of-experts policy: the weight of the router's load-balancing loss in the update (transformers' ``load_balancing_loss_func``, logged as ``actor/router_aux_loss``; fitrl/roles/moe.py); unset: the model's own ``router_aux_loss_coef`` (Qwen3-MoE's config default: 0.001). Ignored for a dense policy."""
+    routing_replay: bool = False
+    """A mixture-of-experts policy: every training forward (old log-probs, reference, update) runs each response token on the experts the rollout engine chose for it (recorded by the HF engine; "rollout routing replay"), so that the trainer's log-probs of the sampled tokens are the engine's; ``moe/routing_mismatch`` still reports how often the router would have chosen otherwise."""
 
     def __post_init__(self) -> None:
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise ConfigError(f"actor.router_aux_loss_coef must be >= 0 (unset: the model's), got "
+                              f"{self.router_aux_loss_coef}")
         if self.model.dtype != "float32":
             # AdamW stepping bf16 weights rounds most updates away (measured: 2% of a tiny
             # model's parameters changed after one step at lr 1e-6); mixed precision keeps fp32
@@ -205,3 +212,19 @@ class RefConfig:
     """How the reference model is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``ref.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding and offload of the reference model (used by the Ray backend)."""
+
+
+@dataclass
+class TeacherConfig:
+    model: Optional[ModelConfig] = None
+    """The teacher of on-policy distillation (``algorithm.distill``): a local model directory or Hub id, loaded as every role's model, frozen. It scores the student's own samples token by token, so it must share the actor's tokenizer (checked before anything loads). Built only when ``algorithm.distill.weight > 0``."""
+    logprob_micro_batch_size: int = 16
+    """Sequences per forward when computing the teacher's log-probs (and top-k)."""
+    sharding: str = "fsdp2"
+    """How the teacher is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``teacher.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding, mixed precision and offload of the teacher (used by the Ray backend; in one process, ``mixed_precision`` is autocast)."""
+
+    def __post_init__(self) -> None:
+        if self.logprob_micro_batch_size < 1:
+            raise ConfigError(f"teacher.logprob_micro_batch_size must be >= 1, got {self.logprob_micro_batch_size}")

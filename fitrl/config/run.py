@@ -96,7 +96,7 @@ class TrainerConfig:
     max_restarts: int = 0
     """After a dead worker (a Ray rank killed or crashed) or a hang, start again up to this many times: the worker groups rebuilt, the run resumed from its newest complete checkpoint in the same run directory (``metrics.jsonl`` reads as one run, with a ``restart`` event). A config, data or reward error, a divergence or a memory-guard stop is never retried."""
     hang_timeouts: dict[str, float] = field(default_factory=dict)
-    """Per-phase limits over ``hang_timeout_s``, e.g. ``{checkpoint_save: 3600}`` (0 turns one phase's watchdog off). The phases: ``data``, ``rollout``, ``baseline_rollout``, ``reward``, ``old_logprob``, ``ref``, ``values``, ``advantage``, ``critic_update``, ``update``, ``weight_sync``, ``validation``, ``checkpoint_save``; another key is refused."""
+    """Per-phase limits over ``hang_timeout_s``, e.g. ``{checkpoint_save: 3600}`` (0 turns one phase's watchdog off). The phases: ``data``, ``rollout``, ``baseline_rollout``, ``reward``, ``old_logprob``, ``ref``, ``teacher_logprob``, ``values``, ``advantage``, ``critic_update``, ``update``, ``weight_sync``, ``validation``, ``checkpoint_save``; another key is refused."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for ``perf/mfu`` (e.g. ``989e12``); 0: the GPU's datasheet figure from a table, or on CPU a matmul benchmark measured once and cached in fitrl's cache directory (``$FITRL_CACHE_DIR``, default ``~/.cache/fitrl``)."""
 

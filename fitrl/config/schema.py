@@ -21,19 +21,24 @@ from dataclasses import dataclass, field
 
 from fitrl.config.batch_sizes import BatchSizes
 from fitrl.config.plan import PlanConfig
-from fitrl.config.algorithm import (AlgorithmConfig, FilterGroupsConfig, KLRewardConfig, OverlongConfig, RewardConfig,
-                                    RolloutCorrectionConfig)
+from fitrl.config.algorithm import (AlgorithmConfig, DistillConfig, FilterGroupsConfig, KLRewardConfig, OverlongConfig,
+                                    RewardConfig, RolloutCorrectionConfig)
 from fitrl.config.data import DataConfig
-from fitrl.config.roles import ActorConfig, CriticConfig, FSDPConfig, LoRAConfig, ModelConfig, OptimConfig, RefConfig
+from fitrl.config.roles import (ActorConfig, CriticConfig, FSDPConfig, LoRAConfig, ModelConfig, OptimConfig, RefConfig,
+                                TeacherConfig)
 from fitrl.config.rollout import RolloutConfig, SamplingConfig
 from fitrl.config.run import CheckpointConfig, MemoryConfig, TrainerConfig
 from fitrl.core.errors import ConfigError
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
-           "FSDPConfig", "FilterGroupsConfig", "FitrlConfig", "KLRewardConfig", "LoRAConfig", "MemoryConfig", "ModelConfig",
+           "DistillConfig", "FSDPConfig", "FilterGroupsConfig", "FitrlConfig", "KLRewardConfig", "LoRAConfig", "MemoryConfig", "ModelConfig",
            "OptimConfig", "OverlongConfig", "PlanConfig", "RefConfig", "RewardConfig", "RolloutConfig",
-           "RolloutCorrectionConfig", "SamplingConfig", "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes",
+           "RolloutCorrectionConfig", "SamplingConfig", "TeacherConfig", "TrainerConfig", "check_batch_sizes", "check_critic_batch_sizes",
            "derived_batch_numbers"]
+
+
+MODEL_ROLES = ("actor", "ref", "critic", "teacher")
+"""The sections of the roles built from ``<role>.model`` with ``<role>.fsdp`` options."""
 
 
 def default_mixed_precision(role: str, device_type: str, backend: str) -> bool:
@@ -58,6 +63,8 @@ class FitrlConfig:
     """The trained policy: model, optimizer, mini/micro batches."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The frozen reference policy (built only when KL is used)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The frozen teacher of on-policy distillation (built only when ``algorithm.distill.weight > 0``)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (built only for estimators that need values, e.g. ``gae``)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -103,7 +110,7 @@ class FitrlConfig:
         planner's ``plan.hardware.device``): each role's unset ``fsdp.mixed_precision``
         (:func:`default_mixed_precision`). A shallow copy; what the user set is kept."""
         roles = {}
-        for role in ("actor", "ref", "critic"):
+        for role in MODEL_ROLES:
             section = getattr(self, role)
             if section.fsdp.mixed_precision is None:
                 on = default_mixed_precision(role, device_type, self.trainer.backend)
@@ -126,8 +133,10 @@ class FitrlConfig:
         check_sequence_parallel(self)
         check_rollout_placement(self)
         check_batch_sizes(self, world_size=self.data_parallel_size)
+        check_distill(self)
+        check_routing_replay(self)
         if self.trainer.backend == "inprocess":
-            for role in ("actor", "ref", "critic"):
+            for role in MODEL_ROLES:
                 f = getattr(self, role).fsdp
                 # (mixed precision of the actor and the reference: torch.autocast in one process)
                 if (f.mixed_precision and role == "critic") or f.cpu_offload or f.strategy == "hybrid":
@@ -158,6 +167,34 @@ class FitrlConfig:
                 raise ConfigError(f"checkpoint.keep_best ranks checkpoints by a validation metric, but "
                                   f"trainer.val_freq={t.val_freq} does not divide checkpoint.save_freq={c.save_freq}: "
                                   f"set trainer.val_freq={c.save_freq}")
+
+
+def check_distill(cfg: FitrlConfig) -> None:
+    """``algorithm.distill`` against the teacher it needs (the teacher's tokenizer and vocabulary
+    against the actor's are checked with the model directories: fitrl/models/teacher_check.py)."""
+    d = cfg.algorithm.distill
+    if d.enabled and (cfg.teacher.model is None or not cfg.teacher.model.path):
+        raise ConfigError(f"algorithm.distill.weight={d.weight:g} distills from a teacher, and none is set: set "
+                          "teacher.model.path to the teacher's model directory (or Hub id), or "
+                          "algorithm.distill.weight=0 for pure RL")
+    if d.enabled and d.loss == "topk_forward_kl" and cfg.actor.ulysses_size > 1:
+        raise ConfigError(f"algorithm.distill.loss=topk_forward_kl with actor.ulysses_size={cfg.actor.ulysses_size}: "
+                          "the student's top-k pass has no sequence parallelism yet; use algorithm.distill.loss="
+                          "reverse_kl, or actor.ulysses_size=1")
+
+
+def check_routing_replay(cfg: FitrlConfig) -> None:
+    """``actor.routing_replay`` needs rollouts that carry each sampled token's experts (a MoE
+    policy itself is checked when the actor is built: fitrl/roles/moe.py)."""
+    if not cfg.actor.routing_replay:
+        return
+    r = cfg.rollout
+    if not r.capabilities.records_routing:
+        raise ConfigError(f"actor.routing_replay=true needs an engine that records each sampled token's experts, and "
+                          f"rollout.engine={r.engine} does not; use rollout.engine=hf, or actor.routing_replay=false")
+    if r.agent.enabled:
+        raise ConfigError("actor.routing_replay=true with rollout.agent: multi-turn episodes do not carry the "
+                          "engine's routing yet; set actor.routing_replay=false")
 
 
 def check_rollout_placement(cfg: FitrlConfig) -> None:

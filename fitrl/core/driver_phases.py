@@ -9,10 +9,11 @@ Standard library only: the config imports it.
 
 from __future__ import annotations
 
-DRIVER_PHASES = ("data", "rollout", "baseline_rollout", "reward", "old_logprob", "ref", "values", "advantage",
-                 "critic_update", "update", "weight_sync", "validation", "checkpoint_save")
+DRIVER_PHASES = ("data", "rollout", "baseline_rollout", "reward", "old_logprob", "ref", "teacher_logprob", "values",
+                 "advantage", "critic_update", "update", "weight_sync", "validation", "checkpoint_save")
 """In the order a step runs them (``data``: drawing the prompts; ``baseline_rollout``: ReMax's
-greedy pass; ``ref``: the reference's log-probs; ``values``: the critic's)."""
+greedy pass; ``ref``: the reference's log-probs; ``teacher_logprob``: the distillation teacher's;
+``values``: the critic's)."""
 
 OTHER_NAMES = {"ref_logprob": "ref", "value_update": "critic_update", "ref_log_prob": "ref",
                "old_log_prob": "old_logprob", "actor_update": "update", "generate": "rollout",

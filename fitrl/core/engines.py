@@ -37,6 +37,10 @@ class EngineCapabilities:
     """It shards one engine over ``rollout.tensor_parallel_size`` devices, whose ranks must then
     generate in lockstep (one agent episode per rank cannot; a rollout worker runs one device so far).
     False: ``tensor_parallel_size`` does not apply to it."""
+    records_routing: bool = False
+    """It records the experts a mixture-of-experts policy's router chose for every sampled token
+    (the batch's ``routed_experts``: fitrl/models/moe_routing.py), which ``actor.routing_replay``
+    needs."""
     title: str = ""
     """Its name in prose ("vLLM"), for messages and the plan's notes; empty: the registered name."""
 

@@ -152,12 +152,12 @@ device used (``cudaMemGetInfo``) minus reserved at the end of every phase of the
 ``make gpu-check`` runs, 1.26-1.27 GiB (1.18 GiB right after start-up and one matmul);
 ``bench/gpu_calibration/h100-2026-11-27.json``. NCCL buffers (several ranks) are not in it."""
 GPU_RESERVED_FACTORS = {"rollout": 1.04, "validation": 1.04, "old_logprob": 1.16, "ref_logprob": 1.16,
-                        "update": 1.10}
+                        "teacher_logprob": 1.16, "update": 1.10}
 """Measured: the caching allocator's high-water mark over the peak of live tensors (peak reserved /
 peak allocated) in a phase that computes, the largest of the ``make gpu-check`` runs on an H100
 (``bench/gpu_calibration/h100-2026-11-27.json``): generation 1.019-1.035 (five runs), the LoRA
-reference's log-probs 1.155 (one run), the update 1.043-1.097 (five; the largest with gradient
-checkpointing and 1,024-token responses). Applied to everything the allocator holds in such a
+reference's log-probs 1.155 (one run; the distillation teacher's pass, unmeasured, is taken as
+it), the update 1.043-1.097 (five; the largest with gradient checkpointing and 1,024-token responses). Applied to everything the allocator holds in such a
 phase ("allocator reserve"); a phase that computes nothing (a reference rank during the rollout)
 reserves no more than it allocated."""
 GPU_PLAN_BAND = 0.06

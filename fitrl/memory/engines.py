@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from fitrl.config.layout import run_layout
 from fitrl.core.errors import ConfigError
 from fitrl.core.registry import Registry
 from fitrl.memory.change import Change
-from fitrl.memory.model import PHASES, ProcessPlan, Usage
+from fitrl.memory.model import PHASES, ROLE_PHASES, ProcessPlan, Usage
 
 if TYPE_CHECKING:  # (fitrl.algo imports torch; the planner only holds its spec)
     from fitrl.algo import AlgorithmSpec
@@ -118,8 +119,8 @@ def unused_engine_emulation(run: "Run", notes: list[str], where: str) -> None:
 
 
 def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
-    """The phases a run has (no reference phase without KL, no weight sync for an engine without
-    weights of its own ...), in :data:`~fitrl.memory.model.PHASES` order."""
+    """The phases a run has (no reference phase without KL, no teacher's without distillation, no
+    weight sync for an engine without weights of its own ...), in :data:`~fitrl.memory.model.PHASES` order."""
     ck = getattr(cfg, "checkpoint", None)
     reward = getattr(cfg, "reward", None)  # a reward model's or a judge's phase: only with one
     skip = {"reward": reward is None or not any(s.kind != "function" for s in reward.sources.values()),
@@ -128,4 +129,6 @@ def active_phases(cfg: FitrlConfig, spec: AlgorithmSpec) -> list[str]:
             "weight_sync": not (engine_planner(cfg).syncs_weights(cfg) or getattr(cfg.rollout, "workers", 0)),
             "validation": not cfg.data.val_files,
             "checkpoint_save": ck is None or not (ck.save_freq or ck.save_final)}
+    layout = run_layout(cfg)  # a role's own phase (the teacher's) where the run builds it
+    skip.update({ph: not layout.builds(role) for ph, role in ROLE_PHASES.items()})
     return [ph for ph in PHASES if not skip.get(ph, False)]

@@ -35,8 +35,17 @@ from fitrl.models.shape import ModelShape
 if TYPE_CHECKING:  # fitrl.algo imports torch; the planner only holds its spec
     from fitrl.algo import AlgorithmSpec
 
-PHASES = ("load", "rollout", "reward", "weight_sync", "old_logprob", "ref_logprob", "update", "validation", "checkpoint_save")
+PHASES = ("load", "rollout", "reward", "weight_sync", "old_logprob", "ref_logprob", "teacher_logprob", "update",
+          "validation", "checkpoint_save")
 ACTOR_PHASES = {"rollout", "weight_sync", "old_logprob", "update", "validation", "checkpoint_save"}
+ROLE_PHASES = {"teacher_logprob": "teacher"}
+"""Phases a step has only in a run that builds the role named (fitrl/config/layout.py): the
+processes' tables list every other phase whatever the run, these only where the role is built."""
+
+
+def listed_phases(layout: RunLayout) -> tuple[str, ...]:
+    """:data:`PHASES` less those of :data:`ROLE_PHASES` whose role ``layout`` does not build."""
+    return tuple(ph for ph in PHASES if ph not in ROLE_PHASES or layout.builds(ROLE_PHASES[ph]))
 
 
 DEVICE_KINDS = ("trainer", "engine")

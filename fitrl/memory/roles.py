@@ -25,7 +25,7 @@ from fitrl.memory.model import ACTOR_PHASES, Usage
 from fitrl.memory.sharding import sharding_plan
 from fitrl.memory.states import (DTYPE_BYTES, WEIGHT_CHANNEL, States, frozen_states, layer_bytes, lora_states,
                                  root_bytes, trained_states)
-from fitrl.memory.trace import model_transient
+from fitrl.memory.trace import model_transient, trace_spec, transient_bytes
 from fitrl.models.config_json import read_config_json
 from fitrl.models.shape import ModelShape
 
@@ -97,7 +97,8 @@ class RolePlanner(ABC):
 
 
 ROLE_PLANNERS: Registry[RolePlanner] = Registry("role memory planner", "")
-"""The plan lists the roles' states (and processes) in registration order: policy, reference, critic."""
+"""The plan lists the roles' states (and processes) in registration order: policy, reference, teacher,
+critic (the run layout's order: fitrl/config/layout.py)."""
 
 
 class PolicyPlanner(RolePlanner):
@@ -125,6 +126,13 @@ class PolicyPlanner(RolePlanner):
     def channel_communicators(self, run: Run) -> int:
         return int(run.weight_channel)
 
+    def own_pass(self, run: Run, phase: str) -> dict[str, int]:  # (the update batch's copy on the device)
+        return self.own_host(run, phase) if run.cuda else {}
+
+    def own_host(self, run: Run, phase: str) -> dict[str, int]:  # the teacher's top-k in its update batch
+        built = phase == "update" and run.layout.builds("teacher")
+        return {"top-k buffers": _topk_bytes(run, run.seqs_per_rank)} if built else {}
+
 
 def _with_sequence_group(run: Run, n: int) -> int:
     """``n`` communicators and the sequence-parallel group the policy's and the reference's ranks
@@ -151,6 +159,70 @@ class ReferencePlanner(RolePlanner):
 
     def communicators(self, run: Run, section) -> int:
         return _with_sequence_group(run, super().communicators(run, section))
+
+
+TOPK_ENTRY_BYTES = 4 + 8
+"""One entry of the teacher's top-k: its fp32 log-prob and its int64 id (fitrl/roles/teacher.py)."""
+
+
+def _topk_bytes(run: Run, seqs: int) -> int:
+    """The teacher's top-k log-probs and ids of ``seqs`` sequences' responses (0 without top-k)."""
+    return seqs * run.response_len * run.cfg.algorithm.distill.top_k * TOPK_ENTRY_BYTES
+
+
+class TeacherPlanner(RolePlanner):
+    """On-policy distillation's teacher (fitrl/roles/teacher.py): frozen weights of its own shape and
+    dtype, sharded like the reference's; in ``teacher_logprob`` its log-prob pass over its share
+    of the rollout (traced on its own shape, micro-batches and compute dtype), its full weights in
+    flight when sharded, the batch it gets and the top-k buffers it returns (tokens x k x 12 bytes).
+    Under Ray a process of its own on the policy's bundles, each rank 1/world of the step's sequences."""
+    name, title = "teacher", "teacher rank (Ray actor)"
+
+    @staticmethod
+    def _shape(run: Run) -> ModelShape:
+        return _source_shape(run.cfg.teacher.model.path, "teacher.model.path")
+
+    def states(self, run: Run) -> tuple[States, Any]:
+        t = run.cfg.teacher
+        sh = sharding_plan(t)
+        return frozen_states(self._shape(run), sh.world(run, t), t.model.dtype, pinned=sh.pinned(run, t)), t
+
+    def active_phases(self, run: Run) -> set[str]:
+        return {"teacher_logprob"}
+
+    @staticmethod
+    def _seqs(run: Run) -> int:
+        """Sequences one teacher rank scores: the step's over every rank (``dispatch("dp")``)."""
+        return max(1, -(-run.batch.sequences_per_step // run.world))
+
+    def own_pass(self, run: Run, phase: str) -> dict[str, int]:
+        if phase != "teacher_logprob":
+            return {}
+        t, a, shape = run.cfg.teacher, run.cfg.actor, self._shape(run)
+        sh = sharding_plan(t)
+        dtype = "bfloat16" if sh.mixed_precision(t) else t.model.dtype
+        seqs = self._seqs(run)
+        b = min(t.logprob_micro_batch_size, seqs)
+        spec = trace_spec(shape, phase="logprob", batch=b, seq_len=run.seq_len, response_len=run.response_len,
+                          dtype=dtype, chunk=a.logprob_chunk_size, attn=t.model.attn_implementation)
+        traced = transient_bytes(spec, shape.layers)
+        logits = min(traced, 2 * min(a.logprob_chunk_size, b * run.response_len) * shape.vocab * 4)  # two (chunk, V) fp32
+        out = {"activations": traced - logits, "logits": logits, "top-k buffers": _topk_bytes(run, seqs)}
+        cb = DTYPE_BYTES[dtype]
+        if run.distributed:
+            out["gathered weights"] = sh.gathered(root_bytes(shape, cb), layer_bytes(shape, cb), shape.num_params * cb)
+        elif sh.mixed_precision(t):  # autocast casts a frozen weight at each use: the largest matrix at a time
+            out["autocast weights"] = max(shape.vocab, shape.intermediate) * shape.hidden * cb
+        if run.cuda:
+            out["batch"] = run.batch_bytes(seqs)
+        return out
+
+    def own_host(self, run: Run, phase: str) -> dict[str, int]:
+        if phase != "teacher_logprob":
+            return {}
+        seqs = self._seqs(run)
+        # what it receives, and on CUDA what it returns to the host (on CPU that is own_pass's)
+        return {"batch": run.batch_bytes(seqs), "top-k buffers (host)": _topk_bytes(run, seqs) if run.cuda else 0}
 
 
 class CriticPlanner(RolePlanner):
@@ -277,7 +349,7 @@ class JudgePlanner(_ModelRewardPlanner):
         return {"kv cache": kv, "activations": max(prefill, 2 * b * shape.vocab * 4)}
 
 
-OVERLAPPED_PHASES = {"rollout", "reward", "weight_sync", "old_logprob", "ref_logprob", "update"}
+OVERLAPPED_PHASES = {"rollout", "reward", "weight_sync", "old_logprob", "ref_logprob", "teacher_logprob", "update"}
 """The phases of a step a rollout worker may generate in when ``rollout.mode`` overlaps it."""
 
 
@@ -335,8 +407,8 @@ def _engine_copy(run: Run) -> int | None:
     return engine_planner(run.cfg, "worker").worker_copy(run)
 
 
-for _planner in (PolicyPlanner(), ReferencePlanner(), CriticPlanner(), RewardModelPlanner(), JudgePlanner(),
-                 RolloutPlanner()):
+for _planner in (PolicyPlanner(), ReferencePlanner(), TeacherPlanner(), CriticPlanner(), RewardModelPlanner(),
+                 JudgePlanner(), RolloutPlanner()):
     ROLE_PLANNERS.add(_planner.name, _planner)
 
 

@@ -266,6 +266,6 @@ class Run:
             return -(-d.rollout_batch_size // self.world)
         if phase == "validation":
             return -(-d.val_batch_size // self.world)
-        if phase in ("old_logprob", "ref_logprob", "update"):
+        if phase in ("old_logprob", "ref_logprob", "teacher_logprob", "update"):
             return min(self.seqs_per_rank, d.rollout_batch_size)
         return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fitrl.memory import calibration as C
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.gpu_terms import DRIVER_CONTEXT
-from fitrl.memory.model import PHASES, ProcessPlan, Usage
+from fitrl.memory.model import ProcessPlan, Usage, listed_phases
 from fitrl.memory.run import Run
 from fitrl.memory.sharding import sharding_plan
 from fitrl.memory.states import DTYPE_BYTES, WEIGHT_CHANNEL, full_weights, tensors_bytes
@@ -39,7 +39,7 @@ def driver_and_node_plans(run: Run) -> list[ProcessPlan]:
     cfg, hw = run.cfg, run.hw
     seqs_step = run.batch.sequences_per_step
     driver, node, rank0 = {}, {}, {}
-    for ph in PHASES:
+    for ph in listed_phases(run.layout):
         d, n, r0 = Usage(), Usage(), Usage()
         if run.distributed:  # in-process, the driver is the trainer's process (runtime and batch counted there)
             d.add("host", "runtime", C.DRIVER_RUNTIME)

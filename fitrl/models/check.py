@@ -37,6 +37,7 @@ from fitrl.core.errors import ModelDirError
 from fitrl.distributed.heads import INNER as ULYSSES_INNER, check_heads
 from fitrl.ops.sharing import full_attention
 from fitrl.models.config_json import check_path, read_config_json
+from fitrl.models.teacher_check import check_same_tokenizer, check_topk_fits
 from fitrl.models.vl_types import IMAGE_PROCESSOR_FILE, is_vision_language
 
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -332,7 +333,8 @@ def _files_note(where: str) -> str:
 
 def run_models(cfg) -> list[tuple[Any, str, str]]:
     """``(ModelConfig, key prefix, head)`` of every model directory the run will load: the
-    actor's, and the reference's and critic's when they are set and the algorithm builds them."""
+    actor's, the reference's and critic's when they are set and the algorithm builds them, and
+    the teacher's when distillation is on."""
     from fitrl.config.choices import algorithm_needs
 
     models = [(cfg.actor.model, "actor.model", "causal_lm")]
@@ -341,16 +343,20 @@ def run_models(cfg) -> list[tuple[Any, str, str]]:
         models.append((cfg.ref.model, "ref.model", "causal_lm"))
     if needs.critic and cfg.critic.model is not None:
         models.append((cfg.critic.model, "critic.model", "value"))
+    if cfg.algorithm.distill.enabled and cfg.teacher.model is not None:
+        models.append((cfg.teacher.model, "teacher.model", "causal_lm"))
     return models
 
 
 def check_model_configs(cfg) -> None:
     """Every ``config.json`` the run reads, and its model type: what the memory plan needs, so
     this runs before it (a directory holding only ``config.json`` can still be planned)."""
+    vocab = {}
     for model, prefix, head in run_models(cfg):
         config = read_model_config(model.path, f"{prefix}.path")
         check_model_type(config, model.path, head)
-        if head == "causal_lm" and cfg.actor.ulysses_size > 1:
+        vocab[prefix] = shape_value(config, "vocab_size")
+        if head == "causal_lm" and cfg.actor.ulysses_size > 1 and prefix != "teacher.model":  # (no SP: its own pass)
             check_sequence_parallel(config, model, prefix, cfg.actor.ulysses_size)
         if prefix == "actor.model" and cfg.actor.packing and is_vision_language(config.get("model_type", "")):
             adjusted(cfg, "actor.packing does not apply to a vision-language model (its images ride with the prompt "
@@ -359,6 +365,8 @@ def check_model_configs(cfg) -> None:
         if src.kind != "function":
             config = read_model_config(src.model.path, f"reward.sources.{name}.model.path")
             check_model_type(config, src.model.path, "reward" if src.kind == "model" else "causal_lm")
+    if "teacher.model" in vocab:
+        check_topk_fits(cfg, min(vocab["teacher.model"], vocab["actor.model"]))
 
 
 def check_sequence_parallel(config: dict[str, Any], model, prefix: str, size: int) -> None:
@@ -396,4 +404,7 @@ def check_run_models(cfg) -> Any:
             raise ModelDirError(f"{prefix}.path={model.path!r} has vocab_size={shape_value(config, 'vocab_size')} but "
                                 f"the actor's tokenizer has {len(tokenizer)} tokens: the {prefix.split('.')[0]} "
                                 "model must share the actor's vocabulary")
+        if prefix == "teacher.model":  # it scores the actor's token ids: the same tokenizer
+            check_same_tokenizer(cfg, tokenizer, check_tokenizer(model.path, model.tokenizer_path, config,
+                                                                 prefix=prefix))
     return tokenizer

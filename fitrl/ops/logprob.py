@@ -25,6 +25,7 @@ from fitrl.distributed.sharding import sharded_over_ranks
 from fitrl.distributed.ulysses import SequenceGroup
 from fitrl.ops.packed import can_pack, packed_forward
 from fitrl.ops.shared_prompt import PromptGroups, can_share, find_prompt_groups, shared_prompt_forward
+from fitrl.ops.token_origin import ORIGINS
 
 
 def _stats(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool):
@@ -200,6 +201,7 @@ def response_logprobs(
         if getattr(model.config, name, None) not in (None, 1.0):
             raise NotImplementedError(f"{type(model).__name__} has {name}; chunked log-probs assume a linear lm_head")
     full_length = response_length
+    origin = ORIGINS.columns(attention_mask, position_ids, response_length)  # for layer hooks (a MoE's routers)
     # columns that are padding in every row cost compute and activation memory for nothing
     input_ids, attention_mask, position_ids, response_length = trim_padding(
         input_ids, attention_mask, position_ids, response_length)
@@ -221,6 +223,7 @@ def response_logprobs(
     else:
         layout = choose_layout(model, input_ids, attention_mask, position_ids, response_length, model_kwargs,
                                share_prompts=share_prompts, pack=pack)
+    ORIGINS.feed_layout(origin, layout, response_length)  # where each token of the calls below comes from
     if isinstance(layout, PackedLayout):
         out = packed_forward(model, head, chunked_head, input_ids, position_ids, response_length, layout,
                              sequence_group=sequence_group)

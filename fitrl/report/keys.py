@@ -21,6 +21,7 @@ SOURCE_WORDS = {"by_source", "source", "sources"}
 MEMORY_PREFIX = "mem/"
 TIME_PREFIX = "time/"
 PERF_PREFIX = "perf/"
+MOE_PREFIX = "moe/"
 
 
 @dataclass
@@ -93,11 +94,20 @@ def training_charts(step_keys: list[str], val_keys: list[str]) -> list[ChartKeys
                    if k in step_keys or k in val_keys],
                   [k for k in ("response/clip_ratio", "val/response/clip_ratio") if k in step_keys or k in val_keys],
                   y_title="tokens", secondary_title="truncated fraction"),
-        ChartKeys("Entropy", matching(step_keys, lambda k: "entropy" in last(k)), y_title="nats/token"),
+        ChartKeys("Entropy", matching(step_keys, lambda k: "entropy" in last(k) and not k.startswith(MOE_PREFIX)),
+                  y_title="nats/token"),
         ChartKeys("KL", matching(step_keys, lambda k: any(re.search(r"(^|_)kl($|_)", p) for p in _segments(k)))),
         ChartKeys("Clip fractions", matching(step_keys, lambda k: "clip_frac" in last(k))),
         ChartKeys("Gradient norm", matching(step_keys, lambda k: last(k) == "grad_norm")),
         ChartKeys("Learning rate", matching(step_keys, lambda k: last(k) in ("lr", "learning_rate"))),
+        # a mixture of experts (fitrl/models/moe_routing.py, RoutingCounts.metrics; fitrl/roles/moe.py)
+        ChartKeys("Expert load", matching(step_keys, lambda k: k.startswith(MOE_PREFIX + "expert_load")
+                                          or k.startswith(MOE_PREFIX + "max_expert")),
+                  matching(step_keys, lambda k: "router_aux_loss" in last(k)),
+                  y_title="entropy / log E, busiest expert's share", secondary_title="load-balancing loss"),
+        ChartKeys("Routing mismatch (engine vs trainer)",
+                  matching(step_keys, lambda k: k.startswith(MOE_PREFIX + "routing_mismatch")),
+                  y_title="fraction of response tokens"),
     ]
     return [c for c in charts if c]
 

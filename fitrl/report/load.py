@@ -132,7 +132,7 @@ class PlanPredictions:
         return total
 
 
-ROLES_OF_THEIR_OWN = ("ref", "critic", "reward_model", "judge", "rollout")
+ROLES_OF_THEIR_OWN = ("ref", "teacher", "critic", "reward_model", "judge", "rollout")
 """Roles whose Ray ranks are processes of their own: the plan's kind of the same name
 (fitrl/memory/roles.py, ``own_process``; tests/test_report.py checks the two agree)."""
 

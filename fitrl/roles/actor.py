@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from fitrl.algo.distill import mix_distill_loss
 from fitrl.algo.kl import KL_ESTIMATORS
 from fitrl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, Denominators, aggregate
 from fitrl.algo.mismatch import mismatch_metrics, truncated_is_weights
@@ -27,6 +28,8 @@ from fitrl.ops.varlen import packed_attention
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.packed import can_pack
+from fitrl.roles.distill import DistillTerm
+from fitrl.roles.moe import MoeTerms, moe_pass
 from fitrl.telemetry.guard import GUARD
 from fitrl.telemetry.progress import PROGRESS
 
@@ -127,6 +130,9 @@ class Actor:
         LOSS_AGGREGATIONS.get(algo_cfg.loss_agg_mode)  # fail at start-up on a typo
         self.kl_fn = KL_ESTIMATORS.get(algo_cfg.kl_estimator) if algo_cfg.use_kl_loss else None
         self.correction = algo_cfg.rollout_correction if algo_cfg.rollout_correction.mode != "off" else None
+        # on-policy distillation (the batch carries the teacher's columns: fitrl/roles/teacher.py)
+        self.distill = DistillTerm(algo_cfg, self.policy_loss) if algo_cfg.distill.enabled else None
+        self.moe = MoeTerms.for_model(model, actor_cfg)  # a mixture of experts' loss, replay, metrics; None: dense
 
     def state_dict(self) -> dict:
         """What a checkpoint needs besides the weights and AdamW moments (saved by DCP)."""
@@ -138,8 +144,9 @@ class Actor:
         self.num_updates = int(state["num_updates"])
 
     @torch.no_grad()
-    def compute_logprob(self, batch: Batch, temperature: float) -> Batch:
-        """(B, R) log-probs and entropies of the responses under the current weights."""
+    def compute_logprob(self, batch: Batch, temperature: float, measure_routing: bool = True) -> Batch:
+        """(B, R) log-probs and entropies of the responses under the current weights.
+        ``measure_routing``: a MoE's routing here is the step's ``moe/*`` (fitrl/roles/moe.py)."""
         self.model.eval()
         shape = batch["responses"].shape
         logp = torch.zeros(shape, dtype=torch.float32, device=batch["responses"].device)
@@ -148,7 +155,9 @@ class Actor:
             for ix in self.partition(batch, self.cfg.logprob_micro_batch_size):
                 GUARD.check(logp.device)  # safe point (read-only phase; same count on every rank)
                 PROGRESS.beat()
-                logp[ix], entropy[ix] = self._forward(batch.index(ix), temperature, with_entropy=True)
+                micro = batch.index(ix)
+                with moe_pass(self.moe, micro, measure=measure_routing):
+                    logp[ix], entropy[ix] = self._forward(micro, temperature, with_entropy=True)
                 self.after_micro_batch()
         return Batch({"old_logprobs": logp, "entropy": entropy})
 
@@ -193,7 +202,8 @@ class Actor:
     def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float,
                old_logprobs_from: str = "batch", supervised: bool = False) -> dict[str, float]:
         """One RL step of optimisation over ``batch`` (needs advantages, ref_logprobs when KL is in
-        the loss, and rollout_logprobs with ``algorithm.rollout_correction``). ``old_logprobs_from``
+        the loss, rollout_logprobs with ``algorithm.rollout_correction``, and the teacher's columns
+        with ``algorithm.distill``: fitrl/roles/teacher.py). ``old_logprobs_from``
         (FitrlConfig.old_logprob_source, said by the caller): ``batch``, the batch's old_logprobs
         (a pass before the update, or the engine's); ``update``, this update's own forward,
         detached: one optimizer step on fresh samples, whose weights are the behaviour policy.
@@ -241,6 +251,8 @@ class Actor:
             out.update(self.folded_mismatch(batch, folded[torch.argsort(order)]))
         # read by the driver's divergence judge (fitrl/trainer/divergence.py)
         out["actor/weights_nonfinite"] = nonfinite_weights(self.model, batch["response_mask"].device)
+        if self.moe is not None:
+            out.update(self.moe.metrics())
         self.scheduler.step()
         self.num_updates += 1
         return out
@@ -255,12 +267,15 @@ class Actor:
             for ix in self.partition(mini, self.cfg.micro_batch_size):
                 PROGRESS.beat()  # a micro-batch: progress for the hang watchdog
                 micro = mini.index(ix)
-                if supervised:
-                    loss, m, logp = self._micro_nll(micro, denom)
-                else:
-                    loss, m, logp = self._micro_loss(micro, denom, temperature, own_old_logprobs=folded is not None)
-                with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):
-                    loss.backward()
+                # a MoE's routers over forward and backward (a checkpointed layer routes again): fitrl/roles/moe.py
+                with moe_pass(self.moe, micro, measure=folded is not None, loss=not supervised):
+                    if supervised:
+                        loss, m, logp = self._micro_nll(micro, denom)
+                    else:
+                        loss, m, logp = self._micro_loss(micro, denom, temperature,
+                                                         own_old_logprobs=folded is not None)
+                    with low_precision_backward(micro["input_ids"].device, self.autocast_dtype):
+                        loss.backward()
                 if folded is not None:
                     folded[ix] = logp
                 metrics.add(m, float(micro["response_mask"].sum()) / denom.tokens)
@@ -290,8 +305,11 @@ class Actor:
         mask = micro["response_mask"].float()
         mode = self.algo.loss_agg_mode
         # entropy is logged every step; it joins the graph only when it is in the loss
-        logp, entropy = self._forward(micro, temperature, with_entropy=True,
-                                      entropy_grad=self.cfg.entropy_coeff != 0)
+        entropy_grad = self.cfg.entropy_coeff != 0
+        if self.distill is not None:  # (with the student's log-probs at the teacher's top-k ids, when its loss needs them)
+            logp, entropy, student_topk = self.distill.forward(self, micro, temperature, entropy_grad)
+        else:
+            logp, entropy = self._forward(micro, temperature, with_entropy=True, entropy_grad=entropy_grad)
         # the behaviour policy: recomputed before the update, or (one on-policy step) these very
         # weights, so ratio = exp(logp - sg(logp)) = 1 with the gradient of logp
         old_logprobs = logp.detach() if own_old_logprobs else micro["old_logprobs"]
@@ -305,17 +323,22 @@ class Actor:
             # from this micro-batch's own columns (a sequence's from its row): micro-batch invariant.
             advantages = advantages * truncated_is_weights(old_logprobs, micro["rollout_logprobs"], mask,
                                                            self.correction.mode, self.correction.cap)
-        pg_loss, m = self.policy_loss(
-            logp, old_logprobs, advantages, mask, agg_mode=mode, denom=denom,
-            clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
-            clip_ratio_c=self.cfg.clip_ratio_c,
-        )
+        clip = dict(clip_ratio_low=self.cfg.clip_ratio_low, clip_ratio_high=self.cfg.clip_ratio_high,
+                    clip_ratio_c=self.cfg.clip_ratio_c)
+        pg_loss, m = self.policy_loss(logp, old_logprobs, advantages, mask, agg_mode=mode, denom=denom, **clip)
         m = {k: v for k, v in m.items()}
         loss = pg_loss
         # Loss terms are globally scaled pieces of the mini-batch loss; the logged values are
         # rescaled to this micro-batch's own token mean so WeightedMetrics can average them.
         local = Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(len(micro)),
                              max_response_length=denom.max_response_length)
+        if self.distill is not None:  # (1 - w) * policy loss + w * distillation loss (w = 1: rewards only logged)
+            d = self.distill
+            distill_loss, dm = d.loss(micro, logp, old_logprobs, student_topk, mask, denom,
+                                      on_policy=own_old_logprobs, **clip)
+            loss = mix_distill_loss(pg_loss, distill_loss, d.weight)
+            m.update(dm)
+            m["distill/loss"] = aggregate_like(distill_loss, denom, local, d.agg_mode)
         with torch.no_grad():
             m["actor/pg_loss"] = aggregate_like(pg_loss, denom, local, mode)
             m["actor/entropy"] = aggregate(entropy.detach(), mask, "token-mean", local)
@@ -325,6 +348,8 @@ class Actor:
             kl = self.kl_fn(logp, micro["ref_logprobs"])
             loss = loss + self.algo.kl_coef * aggregate(kl, mask, mode, denom)
             m["actor/kl_loss"] = aggregate(kl.detach(), mask, "token-mean", local)
+        if self.moe is not None:  # the router's load-balancing loss, this micro-batch's token share of it
+            loss = loss + self.moe.aux_term(m, local.tokens / denom.tokens)
         return loss, m, logp.detach()
 
     def _micro_nll(self, micro: Batch, denom: Denominators):

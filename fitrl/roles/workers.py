@@ -4,7 +4,8 @@
 ``rollout.engine`` names (:class:`~fitrl.rollout.engine.RolloutEngine`; the default ``hf`` engine
 shares the trained module, so generation sees the latest weights without a copy).
 ``ReferenceWorker`` = a frozen model computing log-probs. ``CriticWorker`` = a value model + a
-:class:`Critic`. The reward models' and judges' ranks are in fitrl/roles/model_reward.py. No role flags; each is registered in :data:`ROLES` with its memory planner
+:class:`Critic`. The reward models' and judges' ranks are in fitrl/roles/model_reward.py, the
+distillation teacher's in fitrl/roles/teacher.py. No role flags; each is registered in :data:`ROLES` with its memory planner
 beside it (fitrl/memory/roles.py). Under the Ray backend each rank's model is an
 FSDP2-sharded module (:func:`fitrl.models.loading.build_model`); the code here is the same.
 """
@@ -34,6 +35,7 @@ from fitrl.models.params import parameter_set
 from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
 from fitrl.roles.critic import Critic
+from fitrl.roles.moe import replay_routers, replaying
 from fitrl.roles.offload import OffloadBetweenPhases, low_precision
 from fitrl.roles.rollout_worker import RolloutWorker, episode_runner
 from fitrl.rollout import build_engine
@@ -107,7 +109,8 @@ class PolicyWorker:
         """The reference log-probs of a LoRA run: the same weights with every adapter off (no
         reference model is built)."""
         with self.offload.phase(), self.params.base_only(self.model):
-            out = self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature)
+            out = self.actor.compute_logprob(batch.to(self.device), self.cfg.rollout.temperature,
+                                             measure_routing=False)  # (the policy's pass measures)
         return Batch({"ref_logprobs": out["old_logprobs"]}).to("cpu")
 
     @dispatch("dp", sequence_parallel=True)
@@ -240,6 +243,7 @@ class ReferenceWorker:
         self.inputs = family_for(model_cfg.path).inputs_for(self.model)
         self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device, trim=cfg.memory.trim_heap)
         self.sequence_group = sequence_groups(cfg.actor.ulysses_size)  # as the policy's ranks
+        self.routers = replay_routers(self.model, cfg.actor)  # actor.routing_replay on a MoE (fitrl/roles/moe.py)
 
     def _attention(self):
         """As the policy's passes (fitrl/roles/actor.py, ``Actor.sequence_parallel``)."""
@@ -256,12 +260,14 @@ class ReferenceWorker:
                 self._attention():
             for micro in batch.split(self.cfg.ref.logprob_micro_batch_size):
                 GUARD.check(self.device)  # safe point (read-only phase)
-                lp, _ = response_logprobs(
-                    self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
-                    micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
-                    chunk_size=self.cfg.actor.logprob_chunk_size, model_kwargs=self.inputs.extra(micro, self.device),
-                    share_prompts=self.cfg.actor.share_prompts, pack=self.cfg.actor.packing,
-                    sequence_group=self.sequence_group)
+                with replaying(self.routers, micro):
+                    lp, _ = response_logprobs(
+                        self.model, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+                        micro["responses"].shape[1], temperature=self.cfg.rollout.temperature,
+                        chunk_size=self.cfg.actor.logprob_chunk_size,
+                        model_kwargs=self.inputs.extra(micro, self.device),
+                        share_prompts=self.cfg.actor.share_prompts, pack=self.cfg.actor.packing,
+                        sequence_group=self.sequence_group)
                 out.append(lp)
                 self.offload.micro_batch_done()
         return Batch({"ref_logprobs": torch.cat(out).cpu()})
@@ -310,7 +316,9 @@ class CriticWorker:
 
 
 from fitrl.roles.model_reward import JudgeWorker, RewardModelWorker  # noqa: E402  (needs no name of this module)
+from fitrl.roles.teacher import TeacherWorker  # noqa: E402
 
-for _name, _worker in (("actor", PolicyWorker), ("ref", ReferenceWorker), ("critic", CriticWorker),
+for _name, _worker in (("actor", PolicyWorker), ("ref", ReferenceWorker), ("teacher", TeacherWorker),
+                       ("critic", CriticWorker),
                        ("reward_model", RewardModelWorker), ("judge", JudgeWorker), ("rollout", RolloutWorker)):
     ROLES.add(_name, _worker)

@@ -39,6 +39,7 @@ from fitrl.config.schema import SamplingConfig
 from fitrl.core.errors import Diverged
 from fitrl.core.padding import first_eos_mask, position_ids_from_mask
 from fitrl.ops.shared_prompt import find_prompt_groups
+from fitrl.ops.token_origin import ORIGINS
 from fitrl.rollout.engine import GENERATION
 
 
@@ -216,6 +217,8 @@ def decode_loop(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
             if live.numel() < rows.numel():  # the rows that ended leave the batch and the cache
                 rows, tokens, mask, next_pos, done = rows[live], tokens[live], mask[live], next_pos[live], done[live]
                 _keep_rows(cache, live)
+        if ORIGINS.listening:  # this call runs token t of the rows left (a MoE's recorded routing: fitrl/rollout/hf.py)
+            ORIGINS.feed((rows * T + t)[:, None])
         logits = model(input_ids=tokens[:, None], attention_mask=mask[:, :P + t + 1], position_ids=next_pos,
                        past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         next_pos = next_pos + 1

@@ -27,6 +27,9 @@ R = longest response actually generated (<= ``sampling.max_tokens``):
   response_mask    (B, R)    1 up to and including the first EOS
   finished         (B,)      1 when the response emitted EOS (0: cut at max_tokens)
   rollout_logprobs (B, R)    log-prob of each sampled token at the sampling temperature
+  routed_experts   (B, R, L, k) int16, a mixture of experts' only, from an engine that records
+                   routing: each sampled token's experts on the L sparse layers (-1: none;
+                   fitrl/models/moe_routing.py)
   fields: the prompts' per-prompt fields repeated n times (a vision-language prompt's
           ``multi_modal_inputs`` among them, shared, not copied), and ``response_text``
 """

@@ -17,6 +17,7 @@ which is what the trainer recomputes (as veRL does).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -28,6 +29,8 @@ from fitrl.core.padding import left_pad
 from fitrl.data.batch import Batch
 from fitrl.distributed.sharding import gathered_for_generation
 from fitrl.models.families.base import TEXT_INPUTS, ModelInputs
+from fitrl.models.moe_routing import Routers, RoutingRecorder
+from fitrl.ops.token_origin import ORIGINS
 from fitrl.rollout.decode import decode_loop, loop_unsupported, raise_if_nonfinite, sample_step
 from fitrl.rollout.engine import GENERATION, ROLLOUT_ENGINES, RolloutEngine
 from fitrl.rollout.layout import assemble_rollout, eos_ids
@@ -57,6 +60,9 @@ class SampleAndRecord(LogitsProcessor):
             self._gather(input_ids[:, -1])
         # the math both decode paths share; a NaN/+inf logit is noted without a sync and reported in finish()
         scores, self.pending, seen = sample_step(scores, self.sampling, self.eos_ids, self.never_ids)
+        if ORIGINS.listening:  # the next forward runs each row's token t (a MoE's recorded routing: RoutingRecorder)
+            rows = torch.arange(scores.shape[0], device=scores.device)[:, None]
+            ORIGINS.feed(rows * self.sampling.max_tokens + len(self.logprobs))
         self.nonfinite = seen if self.nonfinite is None else self.nonfinite | seen
         return scores
 
@@ -74,7 +80,8 @@ class SampleAndRecord(LogitsProcessor):
 
 @ROLLOUT_ENGINES.register("hf")
 class HFRollout(RolloutEngine):
-    capabilities = EngineCapabilities(holds_own_weights=False, sleeps=False, tensor_parallel=False, title="HF")
+    capabilities = EngineCapabilities(holds_own_weights=False, sleeps=False, tensor_parallel=False, title="HF",
+                                      records_routing=True)
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, micro_batch_size: int = 64,
                  inputs: ModelInputs = TEXT_INPUTS, decode: str = "generate"):
@@ -95,6 +102,8 @@ class HFRollout(RolloutEngine):
         """Why ``decode="loop"`` falls back to ``generate`` for this model (None: it does not)."""
         self.decode = "loop" if decode == "loop" and self.loop_unsupported is None else "generate"
         """The decode path generation takes."""
+        self.routers = Routers.of(model)
+        """A mixture of experts' routers, whose choice for every sampled token is recorded; None: dense."""
         # generate() fills every unset field from model.generation_config and then from HF's
         # global defaults (top_k=50): replace the checkpoint's and pass neutral values below.
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
@@ -111,7 +120,7 @@ class HFRollout(RolloutEngine):
         seqs = prompts.repeat_interleave(sampling.n)
         width = max(len(p) for p in seqs["prompt_ids"])
         prompt_ids, prompt_mask = left_pad(seqs["prompt_ids"], self.pad_id, width)
-        responses, logprobs = [], []
+        responses, logprobs, routed = [], [], []
         was_training = self.model.training
         self.model.eval()
         try:
@@ -124,14 +133,24 @@ class HFRollout(RolloutEngine):
                     ids = prompt_ids[sl].to(device)
                     # the micro-batch's images (one concatenated copy per sequence), made in the
                     # call so that they are freed before the next micro-batch makes its own
-                    r, lp = self._generate_micro(ids, prompt_mask[sl].to(device), sampling,
-                                                 self.inputs.generate_extra(ids, seqs.index(sl), device))
+                    with self._recording(len(ids), sampling.max_tokens, device) as recorder:
+                        r, lp = self._generate_micro(ids, prompt_mask[sl].to(device), sampling,
+                                                     self.inputs.generate_extra(ids, seqs.index(sl), device))
                     responses.append(r)
                     logprobs.append(lp)
+                    if recorder is not None:
+                        routed.append(recorder.result(r.shape[1]))  # (b, r, layers, k)
         finally:
             self.model.train(was_training)
         return assemble_rollout(prompts, seqs, prompt_ids.to(device), prompt_mask.to(device), responses, logprobs,
-                                eos_ids=self.eos_ids, pad_id=self.pad_id, inputs=self.inputs, tokenizer=self.tokenizer)
+                                eos_ids=self.eos_ids, pad_id=self.pad_id, inputs=self.inputs, tokenizer=self.tokenizer,
+                                routed_experts=routed if self.routers is not None else None)
+
+    def _recording(self, rows: int, width: int, device: torch.device):
+        """A MoE's :class:`RoutingRecorder` around one generate call (nothing for a dense model)."""
+        if self.routers is None:
+            return contextlib.nullcontext()
+        return RoutingRecorder(self.routers, rows, width, device)
 
     def _generate_micro(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
                         extra: dict[str, torch.Tensor]):

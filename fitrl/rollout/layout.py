@@ -2,16 +2,20 @@
 
 ``input_ids``/``attention_mask``/``position_ids`` are (B, P+R): a left-padded prompt of width P
 then a right-padded response of width R; ``responses``/``response_mask``/``rollout_logprobs``
-are (B, R). Each generate call (each DAPO round, each data-parallel rank) picks its own P and R.
+are (B, R), a mixture of experts' optional ``routed_experts`` (B, R, layers, k). Each generate
+call (each DAPO round, each data-parallel rank) picks its own P and R.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from fitrl.core.padding import first_eos_mask, pad_right
 from fitrl.data.batch import Batch
 from fitrl.models.families.base import ModelInputs
+from fitrl.models.moe_routing import ROUTED_EXPERTS, pad_routed
 
 FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
 RESPONSE_WIDTH = ("responses", "response_mask", "rollout_logprobs")
@@ -37,6 +41,8 @@ def concat_rollouts(batches: list[Batch], pad_id: int = 0) -> Batch:
         for k in RESPONSE_WIDTH:
             fill = pad_id if k == "responses" else 0
             tensors[k] = torch.nn.functional.pad(tensors[k], (0, resp_w - r), value=fill)
+        if ROUTED_EXPERTS in tensors:  # (B, R, layers, k): a MoE's recorded experts
+            tensors[ROUTED_EXPERTS] = pad_routed(tensors[ROUTED_EXPERTS], resp_w)
         out.append(Batch(tensors, b.fields, b.meta))
     return Batch.concat(out)
 
@@ -49,13 +55,15 @@ def gather_rollouts(results: list[Batch]) -> Batch:
 
 def assemble_rollout(prompts: Batch, seqs: Batch, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                      responses: list[torch.Tensor], logprobs: list[torch.Tensor], *, eos_ids: list[int], pad_id: int,
-                     inputs: ModelInputs, tokenizer) -> Batch:
+                     inputs: ModelInputs, tokenizer, routed_experts: Optional[list[torch.Tensor]] = None) -> Batch:
     """The rollout batch of :mod:`fitrl.rollout.engine` from an engine's raw output.
 
     ``seqs``: the prompts' fields repeated n times (one row per sequence); ``prompt_ids`` /
     ``prompt_mask``: (B, P) left-padded; ``responses`` / ``logprobs``: chunks of (b, r) rows in
     sequence order, each chunk padded to its own width r (any EOS-ended tail after the first EOS
-    is masked out here)."""
+    is masked out here). ``routed_experts``: a MoE's chunks of (b, r, layers, k) experts per
+    sampled token (fitrl/models/moe_routing.py), the optional ``routed_experts`` column, -1 where
+    the response mask is 0."""
     device = prompt_ids.device
     resp_len = max(r.shape[1] for r in responses)
     responses = torch.cat([pad_right(r.to(device), resp_len, pad_id) for r in responses])
@@ -65,6 +73,9 @@ def assemble_rollout(prompts: Batch, seqs: Batch, prompt_ids: torch.Tensor, prom
     out = rollout_batch(prompts, seqs, prompt_ids, prompt_mask, responses, response_mask, response_mask, finished,
                         logprobs, pad_id=pad_id, inputs=inputs)
     out.fields["response_text"] = decode_responses(tokenizer, responses, response_mask, eos_ids)
+    if routed_experts is not None:
+        routed = torch.cat([pad_routed(x.to(device), resp_len) for x in routed_experts])
+        out.tensors[ROUTED_EXPERTS] = routed.masked_fill(~response_mask.bool()[:, :, None, None], -1)
     return out
 
 

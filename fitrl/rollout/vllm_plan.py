@@ -16,7 +16,7 @@ from fitrl.memory import calibration as C
 from fitrl.memory.change import Change
 from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner, unused_engine_emulation
 from fitrl.memory.gpu_terms import ENGINE_ASLEEP, NCCL
-from fitrl.memory.model import PHASES, Hardware, ProcessPlan, Usage
+from fitrl.memory.model import Hardware, ProcessPlan, Usage, listed_phases
 from fitrl.memory.run import Run
 from fitrl.models.shape import numel
 from fitrl.memory.states import DTYPE_BYTES, full_weights
@@ -129,7 +129,7 @@ def vllm_plan(run: Run, notes: list[str]) -> tuple[ProcessPlan, int]:
     swap = int(workers * em.swap_space_gib * C.GIB)  # vLLM's swap_space is per GPU: every TP worker's
     asleep_nccl = C.VLLM_TP_COMMUNICATORS * C.NCCL_COMMUNICATOR_BYTES if tp > 1 else 0  # its TP group's
     phases = {}
-    for ph in PHASES:
+    for ph in listed_phases(run.layout):
         u = Usage()
         if em.separate_processes:  # each TP worker is a process of its own (CUDA runtime, vLLM)
             u.add("host", "runtime", workers * C.VLLM_PROCESS_RUNTIME)

@@ -69,15 +69,28 @@ def masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, fl
     return {f"{name}/mean": valid.mean().item(), f"{name}/max": valid.max().item(), f"{name}/min": valid.min().item()}
 
 
+def teacher_metrics(batch: Batch, mask: torch.Tensor) -> dict[str, float]:
+    """The teacher on the step's samples: its mean log-prob of the sampled tokens and, with its
+    top-k, ``distill/teacher_agreement``, the fraction of sampled tokens that are its top-1."""
+    valid = mask.bool()
+    m = {"distill/teacher_logprob": batch["teacher_logprobs"][valid].mean().item() if valid.any() else 0.0}
+    if "teacher_topk_ids" in batch:
+        top1 = batch["teacher_topk_ids"][..., 0] == batch["responses"]  # (B, R)
+        m["distill/teacher_agreement"] = top1[valid].float().mean().item() if valid.any() else 0.0
+    return m
+
+
 class RLTrainer:
     def __init__(self, cfg: FitrlConfig, *, policy: RoleHandle, ref: Optional[RoleHandle],
                  critic: Optional[RoleHandle], train_data: Optional[PromptDataset],
                  val_data: Optional[PromptDataset], reward: RewardSources, run_dir: Path, console: Console,
                  pad_id: int, checkpoints: Optional[CheckpointManager] = None,
-                 history: Optional[list[dict[str, float]]] = None, rollout: Optional[RoleHandle] = None):
+                 history: Optional[list[dict[str, float]]] = None, rollout: Optional[RoleHandle] = None,
+                 teacher: Optional[RoleHandle] = None):
         """``rollout``: rollout workers of their own (``rollout.workers``): they generate the
-        training samples, the policy only validation's (fitrl/trainer/pipeline.py)."""
-        self.cfg, self.policy, self.ref, self.critic = cfg, policy, ref, critic
+        training samples, the policy only validation's (fitrl/trainer/pipeline.py). ``teacher``:
+        on-policy distillation's (``algorithm.distill``), scoring every step's rollout."""
+        self.cfg, self.policy, self.ref, self.critic, self.teacher = cfg, policy, ref, critic, teacher
         self.train_data, self.val_data, self.reward = train_data, val_data, reward
         self.run_dir, self.console = run_dir, console
         self.writer = RunLog(cfg, run_dir, console)  # metrics.jsonl, trainer.loggers, generations.jsonl
@@ -104,6 +117,7 @@ class RLTrainer:
         # the memory guard, signals and divergence (a LoRA run's reference is the policy group
         # itself: its memory records are the policy's)
         self.stops = RunStops(cfg, watched={"policy": policy, **({"ref": ref} if ref and ref is not policy else {}),
+                                            **({"teacher": teacher} if teacher else {}),
                                             **({"critic": critic} if critic else {}),
                                             **({"rollout": rollout} if rollout else {}),
                                             **reward.groups()},
@@ -130,7 +144,8 @@ class RLTrainer:
         t = self.cfg.trainer
         if not t.hang_timeout_s and not any(t.hang_timeouts.values()):
             return contextlib.nullcontext()
-        groups = [self.policy.group] + [h.group for h in (self.ref, self.critic) if h is not None and h is not self.policy]
+        groups = [self.policy.group] + [h.group for h in (self.ref, self.teacher, self.critic)
+                                        if h is not None and h is not self.policy]
         groups += [self.pipeline.rollout.group] if self.pipeline is not None else []
         groups += [h.group for h in self.reward.groups().values()]  # reward models', judges' ranks
 
@@ -247,6 +262,9 @@ class RLTrainer:
         if self.ref is not None:
             with timer.phase("ref"):
                 batch.update(self.ref.compute_ref_logprob(batch))
+        if self.teacher is not None:  # its log-prob of every sampled token (and top-k): the distillation signal
+            with timer.phase("teacher_logprob"):
+                batch.update(self.teacher.compute_teacher_logprob(batch))
         if self.critic is not None:
             with timer.phase("values"):
                 batch.update(self.critic.compute_values(batch))
@@ -319,7 +337,10 @@ class RLTrainer:
         groups = group_index(batch["uid"])
         varied = groups[group_is_informative(batch["scores"], groups)].unique().numel()
         m["adv/zero_variance_groups"] = float(int(groups.max()) + 1 - varied) if len(groups) else 0.0
-        if not bool((batch["advantages"] * mask).any()):
+        if self.teacher is not None:
+            m.update(teacher_metrics(batch, mask))
+        pure_distill = self.cfg.algorithm.distill.weight == 1.0  # (the teacher's signal alone trains then)
+        if not pure_distill and not bool((batch["advantages"] * mask).any()):
             self.console.print(f"[yellow]step {step}: no learning signal: every advantage is 0 "
                                f"({int(m['adv/zero_variance_groups'])} of {int(groups.max()) + 1} groups scored "
                                f"alike); the update only moves the weights by its other terms[/]")

@@ -44,6 +44,8 @@ KNOBS = {
     "old_logprob": ["actor.logprob_micro_batch_size", "actor.logprob_chunk_size (logits per chunk)",
                     "actor.micro_batch_token_budget"],
     "ref": ["ref.logprob_micro_batch_size", "actor.logprob_chunk_size", "ref.fsdp.offload_params (GPU)"],
+    "teacher_logprob": ["teacher.logprob_micro_batch_size", "actor.logprob_chunk_size", "algorithm.distill.top_k",
+                        "teacher.fsdp.offload_params (GPU)"],
     "values": ["critic.values_micro_batch_size"],
     "update": ["actor.micro_batch_size (or actor.micro_batch_token_budget)", "actor.model.gradient_checkpointing=true",
                "actor.fsdp.offload_optimizer (GPU; costs host memory)"],

@@ -299,7 +299,8 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
 
         with LoadMemory(cfg.memory.telemetry) as load:  # its memory: a metrics.jsonl event (telemetry/run_memory.py)
             groups = build_groups(cfg, layout, stack, run_dir)
-        policy, ref, critic, rollout = (groups.get(name) for name in ("actor", "ref", "critic", "rollout"))
+        policy, ref, critic, rollout, teacher = (groups.get(name) for name in ("actor", "ref", "critic", "rollout",
+                                                                              "teacher"))
         reward.attach(groups.get("reward_model"), groups.get("judge"))
 
         numbers = derived_batch_numbers(cfg, world_size=cfg.data_parallel_size)
@@ -307,7 +308,7 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         console.print(f"model: {cfg.actor.model.path} ({policy.num_parameters() / 1e6:.2f}M params, "
                       f"{cfg.actor.model.dtype}) on {resolve_device(cfg.trainer.device)} x {cfg.world_size} "
                       f"({cfg.trainer.backend}{_sequence_parallel_text(cfg)}); reference: {_reference_text(cfg, ref)}; "
-                      f"critic: {'yes' if critic else 'none'}")
+                      f"critic: {'yes' if critic else 'none'}{_teacher_text(cfg, teacher)}")
         for ds in (train_data, val_data):
             if ds is not None:
                 console.print(ds.summary(), highlight=False)
@@ -320,7 +321,8 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         trainer = (SFTTrainer if supervised else RLTrainer)(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
                             reward=reward, run_dir=run_dir, console=console,
                             pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                            checkpoints=checkpoints, history=history, **({"rollout": rollout} if rollout else {}))
+                            checkpoints=checkpoints, history=history, **({"rollout": rollout} if rollout else {}),
+                            **({"teacher": teacher} if teacher else {}))
         stack.callback(trainer.close)
         if resume is not None:
             trainer.restore(resume)
@@ -340,6 +342,15 @@ def _rollout_text(cfg: FitrlConfig) -> str:
            "one_step_off": "step k+1 generates while step k trains (samples 1 update old)",
            "async": f"up to {r.max_staleness} steps ahead, new weights taken between micro-batches"}[r.mode]
     return f"rollout: {r.workers} worker(s) of their own ({where}), mode {r.mode}: {lag}"
+
+
+def _teacher_text(cfg: FitrlConfig, teacher: RoleHandle | None) -> str:
+    if teacher is None:
+        return ""
+    d = cfg.algorithm.distill
+    loss = f"{d.loss}, top {d.top_k}" if d.top_k else d.loss
+    return (f"; teacher: {cfg.teacher.model.path} ({teacher.num_parameters() / 1e6:.2f}M params, {loss}, "
+            f"weight {d.weight:g})")
 
 
 def _reference_text(cfg: FitrlConfig, ref: RoleHandle | None) -> str:

@@ -117,7 +117,28 @@ class _CallOrigins:
         return origin, copies.reshape(-1) if copies is not None else None
 
 
-class RoutingRecorder:
+class _Hooked:
+    """``self._hook`` on every router of ``self.routers`` while the ``with`` block lasts, the
+    token origins of the forwards listened to (fitrl/ops/token_origin.py)."""
+
+    routers: Routers
+
+    def _hook(self, j: int, module: nn.Module, output) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._listen = ORIGINS.listen()
+        self._listen.__enter__()
+        self._handles = self.routers.hooks(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._listen.__exit__(*exc)
+
+
+class RoutingRecorder(_Hooked):
     """Records the experts of each sampled token of one generate call of ``rows`` sequences of
     at most ``width`` tokens (the decode paths feed a slot ``row * width + t`` for the call that
     runs response token t, nothing for the prompt's prefill). Kept per call, as int16 on the
@@ -134,16 +155,6 @@ class RoutingRecorder:
         if origin is not None:
             self.calls[j].append((origin, indices.to(torch.int16)))
 
-    def __enter__(self) -> "RoutingRecorder":
-        self._listen = ORIGINS.listen()
-        self._listen.__enter__()
-        self._handles = self.routers.hooks(self._hook)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._listen.__exit__(*exc)
 
     def result(self, length: int) -> torch.Tensor:
         """(rows, length, layers, k): the first ``length`` response slots of every row, -1 where
@@ -204,7 +215,7 @@ class RoutingCounts:
         return out
 
 
-class RouterPass:
+class RouterPass(_Hooked):
     """One micro-batch's training forward through the routers (the module docstring).
 
     ``attention_mask`` (B, T) and ``response_mask`` (B, R) are the micro-batch's, ``recorded``
@@ -287,14 +298,6 @@ class RouterPass:
         self.logits, self.masks = [[] for _ in self.logits], []
         return load_balancing_loss_func(logits, self.routers.experts, self.routers.top_k, mask)
 
-    def __enter__(self) -> "RouterPass":
-        self._listen = ORIGINS.listen()
-        self._listen.__enter__()
-        self._handles = self.routers.hooks(self._hook)
-        return self
-
     def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._listen.__exit__(*exc)
+        super().__exit__(*exc)
         self.logits, self.masks = [], []

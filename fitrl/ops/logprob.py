@@ -54,6 +54,36 @@ def _chunk_logits(hidden, weight, bias, temperature):
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
+class HeadGrads:
+    """A linear head's input, weight and bias gradients, accumulated chunk by chunk from each
+    chunk's fp32 ``dL/dz`` (n, V): what every chunked head's backward shares (this module's, and
+    the top-k heads' of fitrl/roles/topk_heads.py). The weight's is summed in its own dtype, as
+    autograd would sum per-chunk gradients."""
+
+    def __init__(self, ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        self.need_h, self.need_w, self.need_b = ctx.needs_input_grad[:3]
+        self.weight, self.bias = weight, bias
+        self.h = torch.empty_like(hidden) if self.need_h else None
+        self.w = torch.zeros_like(weight) if self.need_w else None
+        self.b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if self.need_b else None
+
+    def add(self, grad: torch.Tensor, h: torch.Tensor, start: int, temperature: float) -> None:
+        """``grad``: dL/dz of the chunk of hidden states ``h`` starting at row ``start`` (divided
+        in place by the temperature: dL/dlogits)."""
+        if temperature != 1.0:
+            grad.div_(temperature)
+        if self.need_b:
+            self.b += grad.sum(0)
+        grad = grad.to(self.weight.dtype)
+        if self.need_h:
+            self.h[start:start + h.shape[0]] = grad @ self.weight
+        if self.need_w:
+            self.w.addmm_(grad.T, h)
+
+    def result(self) -> tuple:
+        return self.h, self.w, self.b.to(self.bias.dtype) if self.need_b else None
+
+
 class _ChunkedHeadLogprobs(torch.autograd.Function):
     """logp and entropy of N tokens from hidden states, chunk by chunk, forward and backward.
 
@@ -100,11 +130,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy):
         hidden, weight, bias, labels, log_norm, entropy, kept = ctx.saved_tensors
         t, c = ctx.temperature, ctx.chunk_size
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # Accumulated over chunks in the weight's dtype, as autograd would sum per-chunk gradients.
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        grads = HeadGrads(ctx, hidden, weight, bias)
         for i in range(0, hidden.shape[0], c):
             h, gl = hidden[i:i + c], g_logp[i:i + c, None]
             # the kept chunk is consumed in place (once_differentiable: there is one backward)
@@ -118,17 +144,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 grad.mul_(gl)
             del logp
             grad.neg_().scatter_add_(-1, labels[i:i + c, None], gl)  # dL/dz (n, V)
-            if t != 1.0:
-                grad.div_(t)  # dL/dlogits
-            if need_b:
-                grad_b += grad.sum(0)
-            grad = grad.to(weight.dtype)
-            if need_h:
-                grad_h[i:i + c] = grad @ weight
-            if need_w:
-                grad_w.addmm_(grad.T, h)
+            grads.add(grad, h, i, t)
             del grad  # else the last chunk's gradient lives on while the next chunk's logits are built
-        return grad_h, grad_w, grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None
+        return (*grads.result(), None, None, None, None, None)
 
 
 def head_logprobs(

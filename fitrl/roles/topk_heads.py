@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from fitrl.core.packing import PackedLayout
 from fitrl.core.padding import model_positions, trim_padding
-from fitrl.ops.logprob import choose_layout, head_logprobs
+from fitrl.ops.logprob import HeadGrads, choose_layout, head_logprobs
 from fitrl.ops.packed import packed_forward
 from fitrl.ops.shared_prompt import PromptGroups, shared_prompt_forward
 from fitrl.ops.token_origin import ORIGINS
@@ -150,25 +150,14 @@ class _ChunkedHeadTopk(torch.autograd.Function):
     def backward(ctx, g):
         hidden, weight, bias, ids, lse = ctx.saved_tensors
         t, c = ctx.temperature, ctx.chunk_size
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        grads = HeadGrads(ctx, hidden, weight, bias)
         for i in range(0, hidden.shape[0], c):
             h, gc = hidden[i:i + c], g[i:i + c].float()
             grad = _logits(h, weight, bias, t).sub_(lse[i:i + c, None]).exp_()  # (n, V) p
             grad.mul_(gc.sum(-1, keepdim=True)).neg_().scatter_add_(-1, ids[i:i + c], gc)  # dL/dz
-            if t != 1.0:
-                grad.div_(t)  # dL/dlogits
-            if need_b:
-                grad_b += grad.sum(0)
-            grad = grad.to(weight.dtype)
-            if need_h:
-                grad_h[i:i + c] = grad @ weight
-            if need_w:
-                grad_w.addmm_(grad.T, h)
+            grads.add(grad, h, i, t)
             del grad
-        return grad_h, grad_w, grad_b.to(bias.dtype) if need_b else None, None, None, None
+        return (*grads.result(), None, None, None, None)
 
 
 def head_topk_logprobs(hidden: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,

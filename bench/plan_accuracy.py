@@ -24,6 +24,7 @@ planner models with measured factors (``fitrl/memory/calibration.py``).
     .venv/bin/python bench/plan_accuracy.py                  # every configuration, both allocators
     .venv/bin/python bench/plan_accuracy.py --only 0 3 --malloc mmap
     .venv/bin/python bench/plan_accuracy.py --only 11 12 13       # KL: full vs LoRA r=16 (medium), LoRA (small)
+    .venv/bin/python bench/plan_accuracy.py --only 0 7 --arch qwen3_moe   # the tiny mixture of experts, 1 and 2 ranks
     .venv/bin/python bench/plan_accuracy.py --malloc glibc --factors --json rows.json   # the trimmed factors
     .venv/bin/python bench/plan_accuracy.py --malloc glibc --factors --set memory.trim_heap=false  # untrimmed
 """
@@ -293,6 +294,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more config overrides for every run and its plan (e.g. memory.trim_heap=false)")
+    parser.add_argument("--arch", help="run the chosen cases on this architecture instead of their own "
+                                       "(e.g. qwen3_moe: the tiny mixture of experts)")
     parser.add_argument("--factors", action="store_true",
                         help="glibc rows: also print what the plan holds without glibc's factors, the transients a "
                              "factor multiplies, and the factor measured, (measured - held) / transients")
@@ -300,7 +303,8 @@ def main() -> None:
     from fitrl.memory.trainer import TRANSIENT
 
     chosen = args.only if args.only else range(len(CASES))
-    cases = [(i, replace(CASES[i], extra=CASES[i].extra + tuple(args.set))) for i in chosen]
+    cases = [(i, replace(CASES[i], extra=CASES[i].extra + tuple(args.set), arch=args.arch or CASES[i].arch))
+             for i in chosen]
     rows = []
     print(f"{'#':>2} {'configuration':<80} {'phase':<7} {'malloc':<6} {'predicted':>9} {'measured':>9} {'error':>7} "
           f"{'phase s':>7}", flush=True)

@@ -292,6 +292,18 @@ def test_the_teacher_built_is_the_teacher_planned(overrides, supervised, tiny_mo
         assert any(b.role == "teacher" and b.colocated_with == "actor" for b in built_groups[0])
 
 
+def test_a_supervised_run_turns_distillation_off_and_plans_no_teacher_phase(tiny_model_dir, tmp_path):
+    from fitrl.planner import Hardware, plan_config
+    from fitrl.trainer.sft import supervised_config
+
+    cfg = toy_config(tiny_model_dir, tmp_path / "run", "trainer.device=cpu", *distill(tiny_model_dir))
+    notes = supervised_config(cfg)  # what `fitrl sft` does before the run
+    assert cfg.algorithm.distill.weight == 0.0
+    assert any(n.startswith("algorithm.distill.weight=0 (was 0.5") for n in notes), notes
+    plan = plan_config(cfg, Hardware.cpu(host_memory=64 * 2**30), supervised=True)
+    assert "teacher_logprob" not in plan.phases
+
+
 # ------------------------------------------------------------------------------ bad inputs
 
 

@@ -45,8 +45,12 @@ def supervised_config(cfg: FitrlConfig) -> list[str]:
         if now != off:
             changed.append(f"{what}={off} (was {now}: a supervised run has one target per prompt, no reference "
                            f"and no critic)")
+    if a.distill.weight:
+        changed.append(f"algorithm.distill.weight=0 (was {a.distill.weight:g}: a supervised run trains on its "
+                       f"targets, not toward a teacher)")
     cfg.rollout.n = 1
     a.use_kl_loss = a.kl_in_reward.enable = False
+    a.distill.weight = 0.0
     if a.adv_estimator == "gae":
         a.adv_estimator = "grpo"
     optim = cfg.actor.optim

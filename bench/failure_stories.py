@@ -32,6 +32,7 @@ for _path in (ROOT, ROOT / "bench"):  # run as a script from anywhere, or loaded
 from fitrl.config import load_config  # noqa: E402
 from fitrl.planner import Hardware, plan_config  # noqa: E402
 from fitrl.memory.model import Plan  # noqa: E402
+import doc_section  # noqa: E402
 from story_model import (ASPECTS, Change, Failure, Figure, Outcome, Story,  # noqa: E402
                          checkpoint_copies, gib, peak, per_gpu_at, _peak_text)
 
@@ -334,11 +335,7 @@ def section(stories=STORIES) -> str:
 
 
 def splice(readme: str, body: str) -> str:
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
-        raise SystemExit(f"docs/failure-stories.md needs one {BEGIN} ... {END} pair")
-    head, rest = readme.split(BEGIN)
-    _, tail = rest.split(END)
-    return f"{head}{BEGIN}\n{body}\n{END}{tail}"
+    return doc_section.splice(readme, body, BEGIN, END, "docs/failure-stories.md")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -352,22 +349,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except StaleStory as e:
         print(f"failure stories: {e}", file=sys.stderr)
         return 2
-    if args.print:
-        print(body)
-        return 0
-    readme = DOC.read_text()
-    new = splice(readme, body)
-    if args.check:
-        if new != readme:
-            print("docs/failure-stories.md's failure-story section is stale: run .venv/bin/python bench/failure_stories.py",
-                  file=sys.stderr)
-            return 1
-        print("docs/failure-stories.md's failure-story section is current")
-        return 0
-    if new != readme:
-        DOC.write_text(new)
-    print(f"docs/failure-stories.md: failure-story section {'rewritten' if new != readme else 'unchanged'}")
-    return 0
+    return doc_section.write_section(DOC, body, BEGIN, END, what="failure-story", script="bench/failure_stories.py",
+                                     check=args.check, show=args.print)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from anywhere, or loaded by path (tests)
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "bench"):  # run as a script from anywhere, or loaded by path (tests)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from fitrl.config.import_defaults import DEFAULTS, LAYOUTS, LEFT_TO_FITRL, SOURCE_NAMES, with_defaults  # noqa: E402
 from fitrl.config.import_maps import APPROXIMATED, EASYR1, EASYR1_PREFIXES, VERL, VERL_PREFIXES  # noqa: E402
 from fitrl.config.importer import translate  # noqa: E402
+import doc_section  # noqa: E402
 
 DOC = ROOT / "docs" / "switching.md"
 BEGIN, END = "<!-- defaults:begin -->", "<!-- defaults:end -->"
@@ -112,11 +114,7 @@ def render() -> str:
 
 
 def splice(doc: str, body: str) -> str:
-    if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
-        raise SystemExit(f"docs/switching.md needs one {BEGIN} ... {END} pair")
-    head, rest = doc.split(BEGIN)
-    _, tail = rest.split(END)
-    return f"{head}{BEGIN}\n{body}\n{END}{tail}"
+    return doc_section.splice(doc, body, BEGIN, END, "docs/switching.md")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -125,24 +123,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 when docs/switching.md's defaults section is stale")
     mode.add_argument("--print", action="store_true", help="print the section; write nothing")
     args = ap.parse_args(argv)
-    body = render()
-    if args.print:
-        print(body)
-        return 0
-    doc = DOC.read_text()
-    new = splice(doc, body)
-    if args.check:
-        if new != doc:
-            print("docs/switching.md's defaults section is stale: run .venv/bin/python bench/switching_table.py",
-                  file=sys.stderr)
-            return 1
-        print("docs/switching.md's defaults section is current")
-        return 0
-    if new != doc:
-        DOC.write_text(new)
-    print(f"docs/switching.md: defaults section {'rewritten' if new != doc else 'unchanged'}")
-    return 0
-
+    return doc_section.write_section(DOC, render(), BEGIN, END, what="defaults", script="bench/switching_table.py",
+                                     check=args.check, show=args.print)
 
 
 if __name__ == "__main__":

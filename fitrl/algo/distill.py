@@ -1,5 +1,6 @@
 """On-policy distillation losses: the student samples, a teacher scores the student's own tokens
-(issue 64). Pure tensor functions, like fitrl/algo/losses.py: nothing here loads a model or reads
+(docs/algorithms.md, "On-policy distillation"). Pure tensor functions, like fitrl/algo/losses.py:
+nothing here loads a model or reads
 a config; the caller passes tensors, an aggregation mode and the mini-batch :class:`Denominators`.
 
 Two signals, both at the states ``s_t = (prompt, y_<t)`` the student visited, ``pi`` the student

@@ -1,4 +1,4 @@
-"""The actor's on-policy distillation term (``algorithm.distill``, issue 64): the loss of
+"""The actor's on-policy distillation term (``algorithm.distill``, docs/algorithms.md): the loss of
 fitrl/algo/distill.py on one micro-batch, from the teacher's columns of the batch
 (fitrl/roles/teacher.py) and the student's forward, mixed with the policy loss by
 :func:`~fitrl.algo.distill.mix_distill_loss` in ``Actor._micro_loss`` (fitrl/roles/actor.py).

@@ -1,5 +1,5 @@
-"""The teacher of on-policy distillation (``algorithm.distill``, issue 64): a frozen model scoring
-the student's own rollouts token by token.
+"""The teacher of on-policy distillation (``algorithm.distill``, docs/algorithms.md): a frozen
+model scoring the student's own rollouts token by token.
 
 Built and placed as the reference is (fitrl/roles/workers.py, ``ReferenceWorker``): its own model
 through the same loading code (fitrl/models/loading.py, sharded by ``teacher.sharding`` under

@@ -1,4 +1,5 @@
-"""The passes of on-policy distillation that need more than one label per token (issue 64).
+"""The passes of on-policy distillation that need more than one label per token
+(docs/algorithms.md, "On-policy distillation").
 
 The teacher keeps, per response position, its log-prob of the sampled token and its ``k`` likeliest
 tokens' log-probs and ids (:func:`teacher_token_stats`); the student, for the top-k forward KL,

@@ -27,6 +27,9 @@ from fitrl.core.errors import ConfigError
 
 PYTHON_REWARDS: dict[str, Callable[..., Any]] = {}
 """``python:<names>`` -> the batched function that scores with the given callables (this process only)."""
+WANTS_SAMPLED_IDS: set[str] = set()
+"""The names of :data:`PYTHON_REWARDS` with a TRL function that reads ``completion_ids``: only their
+samples carry the sampled ids (:data:`SAMPLED_IDS_KEY`), a response's worth of ints each."""
 
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 """What TRL's GRPOTrainer passes besides the dataset's columns."""
@@ -129,6 +132,8 @@ def register_python_rewards(fns: Sequence[Callable[..., Any]], weights: Optional
 
     name = "python:" + "+".join(names)
     PYTHON_REWARDS[name] = combined
+    if any(is_trl_style(f) and _takes(f, "completion_ids") for f in fns):
+        WANTS_SAMPLED_IDS.add(name)
     return name
 
 
@@ -195,6 +200,12 @@ def _tokenizer(path: Optional[str]) -> Any:
     if ref is not None:
         path = str(hub.snapshot(ref, f"the tokenizer of {path!r}", allow=hub.TOKENIZER_PATTERNS)[0].path)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    """Does ``fn`` take ``name`` (by name, or through ``**kwargs``)?"""
+    params = _parameters(fn) or {}
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _parameters(fn: Callable[..., Any]) -> Optional[dict[str, inspect.Parameter]]:

@@ -22,7 +22,7 @@ from fitrl.config.algorithm import RewardConfig
 from fitrl.config.reward_sources import RewardSourceConfig
 from fitrl.data.batch import Batch
 from fitrl.rewards.mix import parse_grade, weighted_total
-from fitrl.rewards.python import SAMPLED_IDS_KEY, STEP_KEY
+from fitrl.rewards.python import SAMPLED_IDS_KEY, STEP_KEY, WANTS_SAMPLED_IDS
 from fitrl.roles.reward import RewardScorer, Scored
 from fitrl.workers.group import RoleHandle
 
@@ -112,7 +112,7 @@ class RewardSources:
 
     def _function(self, name: str, batch: Batch) -> Scored:
         return self.functions[name].score(batch["response_text"], batch["answer"], batch["source"],
-                                          extras=_with_sampled(batch))
+                                          extras=_with_sampled(batch, self.functions[name].name in WANTS_SAMPLED_IDS))
 
     def _grades(self, name: str, src: RewardSourceConfig, replies: list[str],
                 batch: Batch) -> tuple[torch.Tensor, float]:
@@ -140,13 +140,14 @@ class RewardSources:
         self.close()
 
 
-def _with_sampled(batch: Batch) -> list[dict]:
-    """Each sample's ``extra`` with what a reward function may read of its sampling: the token ids
-    the policy sampled (the response mask applied: TRL's ``completion_ids``) and, in a training
-    step's rollout, the step (``batch.meta["step"]``, set by fitrl/trainer/collect.py)."""
+def _with_sampled(batch: Batch, with_ids: bool) -> list[dict]:
+    """Each sample's ``extra`` with what a reward function may read of its sampling: in a training
+    step's rollout, the step (``batch.meta["step"]``, set by fitrl/trainer/collect.py); with
+    ``with_ids`` (a function that reads them), the token ids the policy sampled (the response
+    mask applied: TRL's ``completion_ids``)."""
     step = batch.meta.get("step")
     ids = ([row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
-           if "responses" in batch and "response_mask" in batch else None)
+           if with_ids and "responses" in batch and "response_mask" in batch else None)
     out = []
     for i, extra in enumerate(batch["extra"]):
         extra = dict(extra)

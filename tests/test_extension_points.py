@@ -2,8 +2,8 @@
 engine has its memory planner beside it, under the same name, and a plan of a run on it includes
 what its planner says it holds; a vision-language family describes its tower (memory, FLOPs) and
 its media processing; every model type's family describes its decoder, of the row's kind (dense
-or mixture of experts); a model-holding role has its memory planner. A dummy engine, family,
-decoder and role show the check can fail, then pass."""
+or mixture of experts); a model-holding role has its memory planner and its line in the run
+layout. A dummy engine, family, decoder and role show the check can fail, then pass."""
 
 import io
 import json
@@ -21,6 +21,7 @@ from fitrl.memory.model import PHASES, ProcessPlan, Usage
 from fitrl.planner import Hardware, plan_config
 from fitrl.planner.report import process_table
 from fitrl.config import ConfigError
+from fitrl.config.layout import ROLE_LINES, RoleLine, run_layout
 from fitrl.trainer.complete import missing_counterparts
 from fitrl.rollout.engine import ROLLOUT_ENGINES, RolloutEngine
 from fitrl.core.model_types import MODEL_TYPES, ModelType
@@ -338,11 +339,9 @@ def test_a_dense_row_with_its_decoder_passes_and_plans(dummy_lm_dir, tiny_model_
 
 
 class DummyRolePlanner(RolePlanner):
-    """A frozen 64 MiB model of its own in every run, computing in the update."""
+    """A frozen 64 MiB model of its own (built in every run: its layout line says so), computing in
+    the update."""
     name, title = "dummy", "dummy rank (Ray actor)"
-
-    def built(self, run):
-        return True
 
     def states(self, run):
         return States(64 * 2**20), run.cfg.ref  # (sharded and offloaded as the reference's section says)
@@ -360,6 +359,12 @@ def dummy_role():
         ROLE_PLANNERS.remove("dummy")
 
 
+@pytest.fixture
+def dummy_line(monkeypatch):
+    """The dummy role's line in the run layout: built in every run."""
+    monkeypatch.setitem(ROLE_LINES, "dummy", RoleLine(lambda facts: True))
+
+
 def test_every_builtin_role_has_its_planner():
     assert missing_counterparts() == []
     assert ROLES.names() == ROLE_PLANNERS.names() == ["actor", "critic", "judge", "ref", "reward_model", "rollout",
@@ -367,7 +372,8 @@ def test_every_builtin_role_has_its_planner():
 
 
 @pytest.mark.parametrize("backend", ["inprocess", "ray"])
-def test_a_role_without_a_planner_fails_the_check_then_plans_with_one(dummy_role, backend, tiny_model_dir, tmp_path):
+def test_a_role_without_a_planner_fails_the_check_then_plans_with_one(dummy_role, dummy_line, backend, tiny_model_dir,
+                                                                      tmp_path):
     assert missing_counterparts() == ["role 'dummy' has no memory planner (fitrl/memory/roles.py, ROLE_PLANNERS)"]
     with pytest.raises(ValueError, match="role 'dummy' has no memory planner"):
         make_group("dummy", None, "dummy", None)  # never run unplanned
@@ -386,3 +392,24 @@ def test_a_role_without_a_planner_fails_the_check_then_plans_with_one(dummy_role
     else:  # in one process the trainer holds it
         held = plan.process("trainer").phases
     assert all(held[ph].host["dummy params"] == 64 * 2**20 for ph in plan.phases)
+
+
+def test_a_role_without_a_layout_line_fails_the_check_then_is_built_by_it(dummy_role, monkeypatch, tiny_model_dir,
+                                                                         tmp_path):
+    """A role registered with its workers and its planner but no line in the run layout would never
+    be built (the layout is the only place that says when): the check names it."""
+    ROLE_PLANNERS.add("dummy", DummyRolePlanner())
+    assert missing_counterparts() == ["role 'dummy' has no line in the run layout (fitrl/config/layout.py, "
+                                      "ROLE_LINES): no run would build it"]
+    cfg = toy_config(tiny_model_dir, tmp_path, "trainer.device=cpu", "trainer.val_before_train=false")
+    assert run_layout(cfg).role("dummy") is None
+
+    monkeypatch.setitem(ROLE_LINES, "dummy", RoleLine(lambda facts: facts.mode == "rl"))
+    assert missing_counterparts() == []
+    assert run_layout(cfg).builds("dummy") and run_layout(cfg, supervised=True).role("dummy") is None
+
+
+def test_a_layout_line_without_its_role_fails_the_check(monkeypatch):
+    monkeypatch.setitem(ROLE_LINES, "dummy", RoleLine(lambda facts: True))
+    assert missing_counterparts() == ["run layout line 'dummy' builds a role that is not registered "
+                                      "(fitrl/roles/workers.py, ROLES)"]

@@ -6,13 +6,13 @@ worker groups a :class:`RunLayout` lists, and the memory planner (fitrl/memory/r
 cannot disagree about whether, say, a validation-only run starts its rollout workers (it does not).
 
 A role here is a name of fitrl/roles/workers.py ``ROLES`` and of fitrl/memory/roles.py
-``ROLE_PLANNERS``; a new role gets its line in :func:`_roles`, which says when a run builds it.
+``ROLE_PLANNERS``; a new role gets its line in :data:`ROLE_LINES`, which says when a run builds it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 if TYPE_CHECKING:
     from fitrl.config.schema import FitrlConfig
@@ -101,25 +101,58 @@ def run_layout(cfg: "FitrlConfig", supervised: bool = False) -> RunLayout:
                      device=t.device if t.device != "auto" else None)
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What decides which roles a run builds."""
+    cfg: "FitrlConfig"
+    mode: Mode
+    needs: Any
+    """The algorithm's roles (fitrl/config/choices.py, ``algorithm_needs``)."""
+    reward: dict[str, tuple[str, ...]]
+    rollout: Optional[RolloutWorkers]
+
+    @property
+    def trains(self) -> bool:
+        """A supervised step has no KL term and no value model (fitrl/trainer/sft.py)."""
+        return self.mode != "supervised"
+
+
+@dataclass(frozen=True)
+class RoleLine:
+    """When a run builds a role, and how (its :class:`Role`)."""
+    built: Callable[[_Facts], bool]
+    group: Optional[str] = None
+    """Its worker group's name; None: the role's."""
+    stands_in: Callable[[_Facts], Optional[str]] = lambda facts: None
+    """The role whose model computes it instead of a model of its own, or None."""
+    colocated: bool = True
+
+
+ROLE_LINES: dict[str, RoleLine] = {
+    "actor": RoleLine(lambda f: True, group="policy"),
+    # with LoRA the policy's frozen base is the reference: no second model
+    "ref": RoleLine(lambda f: f.trains and f.needs.reference,
+                    stands_in=lambda f: "actor" if f.cfg.actor.lora.enabled else None),
+    "teacher": RoleLine(lambda f: f.mode == "rl" and f.cfg.algorithm.distill.enabled),  # frozen, scoring the rollouts
+    "critic": RoleLine(lambda f: f.trains and f.needs.critic),
+    # validation scores by the reward in every mode, so the reward's models are built in every mode
+    "reward_model": RoleLine(lambda f: "model" in f.reward),
+    "judge": RoleLine(lambda f: "judge" in f.reward),
+    # generation for training only: validation runs on the policy's ranks
+    "rollout": RoleLine(lambda f: f.rollout is not None, colocated=False),
+}
+"""Every role a run can build, in build order (the policy first: the others colocate on its
+bundles; the rollout workers last). A role of ``ROLES`` without a line here would never be built:
+fitrl/trainer/complete.py (``missing_counterparts``) names it."""
+
+
 def _roles(cfg: "FitrlConfig", mode: Mode, reward: dict, rollout: Optional[RolloutWorkers]) -> tuple[Role, ...]:
     # lazy: fitrl.config.choices imports fitrl.algo and so torch, which loading a config must not wait for
     from fitrl.config.choices import algorithm_needs
 
-    needs = algorithm_needs(cfg)
-    trains = mode != "supervised"  # a supervised step has no KL term and no value model (fitrl/trainer/sft.py)
-    roles = [Role("actor", "policy", "actor")]
-    if trains and needs.reference:  # with LoRA the policy's frozen base is the reference: no second model
-        roles.append(Role("ref", "ref", "actor" if cfg.actor.lora.enabled else "ref"))
-    if mode == "rl" and cfg.algorithm.distill.enabled:  # a teacher of its own, frozen, scoring the rollouts
-        roles.append(Role("teacher", "teacher", "teacher"))
-    if trains and needs.critic:
-        roles.append(Role("critic", "critic", "critic"))
-    # validation scores by the reward in every mode, so the reward's models are built in every mode
-    roles += [Role(name, name, name) for name, kind in (("reward_model", "model"), ("judge", "judge"))
-              if kind in reward]
-    if rollout is not None:  # generation for training only: validation runs on the policy's ranks
-        roles.append(Role("rollout", "rollout", "rollout", colocated=False))
-    return tuple(roles)
+    facts = _Facts(cfg, mode, algorithm_needs(cfg), reward, rollout)
+    return tuple(Role(name, line.group or name, line.stands_in(facts) or name, line.colocated)
+                 for name, line in ROLE_LINES.items() if line.built(facts))
 
 
 def _reward_sources(cfg: "FitrlConfig") -> dict[str, tuple[str, ...]]:

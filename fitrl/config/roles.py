@@ -203,27 +203,28 @@ class CriticConfig:
 
 
 @dataclass
-class RefConfig:
+class FrozenRoleConfig:
+    """What the frozen roles that score the policy's samples share: the reference and the teacher."""
     model: Optional[ModelConfig] = None
-    """Reference model; when unset, a frozen copy of the actor's initial model (same path and dtype)."""
+    """The role's model (each role's section says what unset means)."""
     logprob_micro_batch_size: int = 16
-    """Sequences per forward when computing reference log-probs."""
+    """Sequences per forward when computing the role's log-probs (the teacher's top-k too)."""
     sharding: str = "fsdp2"
-    """How the reference model is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``ref.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
+    """How the role's model is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in the section's ``fsdp``, ``ref.fsdp`` or ``teacher.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """Sharding and offload of the reference model (used by the Ray backend)."""
+    """Sharding, mixed precision and offload of the role's model (used by the Ray backend; in one process, ``mixed_precision`` is autocast)."""
 
 
 @dataclass
-class TeacherConfig:
+class RefConfig(FrozenRoleConfig):
+    model: Optional[ModelConfig] = None
+    """Reference model; when unset, a frozen copy of the actor's initial model (same path and dtype)."""
+
+
+@dataclass
+class TeacherConfig(FrozenRoleConfig):
     model: Optional[ModelConfig] = None
     """The teacher of on-policy distillation (``algorithm.distill``): a local model directory or Hub id, loaded as every role's model, frozen. It scores the student's own samples token by token, so it must share the actor's tokenizer (checked before anything loads). Built only when ``algorithm.distill.weight > 0``."""
-    logprob_micro_batch_size: int = 16
-    """Sequences per forward when computing the teacher's log-probs (and top-k)."""
-    sharding: str = "fsdp2"
-    """How the teacher is sharded over its ranks under the Ray backend: a registered sharding backend (``fsdp2``: FSDP2, options in ``teacher.fsdp``; docs/architecture.md, "Adding a sharding backend")."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """Sharding, mixed precision and offload of the teacher (used by the Ray backend; in one process, ``mixed_precision`` is autocast)."""
 
     def __post_init__(self) -> None:
         if self.logprob_micro_batch_size < 1:

@@ -26,21 +26,20 @@ def test_expr(args: list[Arg], double: bool, is_set=lambda name: None) -> Option
     def peek() -> Arg:
         return args[pos] if pos < len(args) else ""
 
-    def or_() -> Optional[bool]:
+    def chain(ops: tuple[str, str], combine, operand) -> Optional[bool]:
+        """``operand (op operand)*``, combined left to right (every operand is read: no short cut)."""
         nonlocal pos
-        value = and_()
-        while pos < len(args) and args[pos] in ("||", "-o"):
+        value = operand()
+        while pos < len(args) and args[pos] in ops:
             pos += 1
-            value = _or(value, and_())
+            value = combine(value, operand())
         return value
 
+    def or_() -> Optional[bool]:
+        return chain(("||", "-o"), _or, and_)
+
     def and_() -> Optional[bool]:
-        nonlocal pos
-        value = not_()
-        while pos < len(args) and args[pos] in ("&&", "-a"):
-            pos += 1
-            value = _and(value, not_())
-        return value
+        return chain(("&&", "-a"), _and, not_)
 
     def not_() -> Optional[bool]:
         nonlocal pos

@@ -16,9 +16,14 @@ from fitrl.core.errors import ConfigError
 # ---- parts of a word ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Lit:
+class _Text:
+    """A part that is a piece of text; its class says which kind (a literal, arithmetic, a command)."""
     text: str
     quoted: bool = False
+
+
+class Lit(_Text):
+    """Literal text."""
 
 
 @dataclass(frozen=True)
@@ -35,17 +40,12 @@ class Var:
     quoted: bool = False
 
 
-@dataclass(frozen=True)
-class Arith:
-    text: str
-    quoted: bool = False
+class Arith(_Text):
+    """``$(( expression ))``, or a ``(( expression ))`` command (a C-style ``for``'s too): the expression's text."""
 
 
-@dataclass(frozen=True)
-class Subst:
+class Subst(_Text):
     """``$(command)`` or a backtick command: its text, never run."""
-    text: str
-    quoted: bool = False
 
 
 @dataclass(frozen=True)

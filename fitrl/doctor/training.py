@@ -99,70 +99,71 @@ def _checkpoint_weights(model_dir) -> dict[str, torch.Tensor]:
 
 
 def fsdp(ctx: RankContext) -> Passed:
-    done, data = [], {"skipped": {}}
-    for case, overrides, where in OFFLOAD_CASES:
-        if ctx.device_type not in where:
-            data["skipped"][case] = NOT_HERE
-            continue
-        worker = build_worker(ctx, *overrides)
-        gathered = full_weights(worker)
-        if ctx.rank == 0:  # the rank-0 broadcast into every rank's shards, gathered back
-            source = _checkpoint_weights(ctx.model_dir)
-            common = sorted(set(source) & set(gathered))
-            off = [k for k in common if not torch.equal(source[k], gathered[k])]
-            if not common or off:
-                raise Failure(f"{case}: the gathered weights are not the checkpoint's ({len(off)} of {len(common)} "
-                              f"differ, e.g. {off[:1] or 'no common names'})",
-                              "the rank-0 broadcast or the gather is broken on this backend: see the collective rung")
-        loss = step(worker, ctx, case)
-        states_in_place(worker, case)
-        pushed = worker.inference_weights("bfloat16")  # the weight push's stream: full_tensor() of every shard
-        if ctx.rank == 0 and not pushed:
-            raise Failure(f"{case}: the weight stream a push drains came back empty")
-        data[case] = {"loss": loss, "pushed_tensors": len(pushed or {})}
-        done.append(case)
-        del worker
-        _free()
-    return Passed(f"{ctx.world} rank(s) on {ctx.device_type}: shard, gather, a step and the push stream with "
-                  f"{', '.join(done)}{_not_run(data)}", data)
+    return _each_case(ctx, OFFLOAD_CASES, _fsdp_case, "shard, gather, a step and the push stream")
 
 
 def checkpoint(ctx: RankContext) -> Passed:
-    import torch.distributed as dist
+    # the offload modes: where resumes went wrong
+    return _each_case(ctx, OFFLOAD_CASES[1:], _checkpoint_case, "save, resume into a fresh worker (same weights, "
+                      "optimizer states in place) and one more step,")
 
+
+def _each_case(ctx: RankContext, cases, run_case, what: str) -> Passed:
+    """``run_case(ctx, case, overrides)`` for each of ``cases`` this device has, its data kept under
+    the case's name, and the case's memory given back before the next one builds (its workers went
+    with its frame); ``what``: what the rung did, for its line."""
     done, data = [], {"skipped": {}}
-    for case, overrides, where in OFFLOAD_CASES[1:]:  # the offload modes: where resumes went wrong
+    for case, overrides, where in cases:
         if ctx.device_type not in where:
             data["skipped"][case] = NOT_HERE
             continue
-        worker = build_worker(ctx, *overrides)
-        step(worker, ctx, case)
-        path = ctx.work / "checkpoint" / case.replace(" ", "-").replace(".", "-") / "actor"
-        worker.save_checkpoint(str(path))
-        saved = full_weights(worker)
-        del worker
-        _free()
-        dist.barrier()
-        resumed = build_worker(ctx, *overrides)  # a resume, or an automatic restart, builds afresh
-        resumed.load_checkpoint(str(path))
-        back = full_weights(resumed)
-        if ctx.rank == 0:
-            off = [k for k in saved if not torch.equal(saved[k], back.get(k, torch.empty(0)))]
-            if off:
-                raise Failure(f"{case}: {len(off)} weight(s) differ after the resume, e.g. {off[0]}",
-                              "the checkpoint did not restore the shards: `fitrl checkpoint verify` the run's")
-        states_in_place(resumed, f"{case}, after the resume")
-        loss = step(resumed, ctx, f"{case}, after the resume")
-        data[case] = {"loss_after_resume": loss}
+        data[case] = run_case(ctx, case, overrides)
         done.append(case)
-        del resumed
         _free()
-    return Passed(f"{ctx.world} rank(s) on {ctx.device_type}: save, resume into a fresh worker (same weights, "
-                  f"optimizer states in place) and one more step, with {', '.join(done)}{_not_run(data)}", data)
+    not_run = "".join(f"; {case}: skipped, CUDA only" for case in data["skipped"])
+    return Passed(f"{ctx.world} rank(s) on {ctx.device_type}: {what} with {', '.join(done)}{not_run}", data)
 
 
-def _not_run(data: dict) -> str:
-    return "".join(f"; {case}: skipped, CUDA only" for case in data["skipped"])
+def _fsdp_case(ctx: RankContext, case: str, overrides: tuple[str, ...]) -> dict:
+    worker = build_worker(ctx, *overrides)
+    gathered = full_weights(worker)
+    if ctx.rank == 0:  # the rank-0 broadcast into every rank's shards, gathered back
+        source = _checkpoint_weights(ctx.model_dir)
+        common = sorted(set(source) & set(gathered))
+        off = [k for k in common if not torch.equal(source[k], gathered[k])]
+        if not common or off:
+            raise Failure(f"{case}: the gathered weights are not the checkpoint's ({len(off)} of {len(common)} "
+                          f"differ, e.g. {off[:1] or 'no common names'})",
+                          "the rank-0 broadcast or the gather is broken on this backend: see the collective rung")
+    loss = step(worker, ctx, case)
+    states_in_place(worker, case)
+    pushed = worker.inference_weights("bfloat16")  # the weight push's stream: full_tensor() of every shard
+    if ctx.rank == 0 and not pushed:
+        raise Failure(f"{case}: the weight stream a push drains came back empty")
+    return {"loss": loss, "pushed_tensors": len(pushed or {})}
+
+
+def _checkpoint_case(ctx: RankContext, case: str, overrides: tuple[str, ...]) -> dict:
+    import torch.distributed as dist
+
+    worker = build_worker(ctx, *overrides)
+    step(worker, ctx, case)
+    path = ctx.work / "checkpoint" / case.replace(" ", "-").replace(".", "-") / "actor"
+    worker.save_checkpoint(str(path))
+    saved = full_weights(worker)
+    del worker
+    _free()
+    dist.barrier()
+    resumed = build_worker(ctx, *overrides)  # a resume, or an automatic restart, builds afresh
+    resumed.load_checkpoint(str(path))
+    back = full_weights(resumed)
+    if ctx.rank == 0:
+        off = [k for k in saved if not torch.equal(saved[k], back.get(k, torch.empty(0)))]
+        if off:
+            raise Failure(f"{case}: {len(off)} weight(s) differ after the resume, e.g. {off[0]}",
+                          "the checkpoint did not restore the shards: `fitrl checkpoint verify` the run's")
+    states_in_place(resumed, f"{case}, after the resume")
+    return {"loss_after_resume": step(resumed, ctx, f"{case}, after the resume")}
 
 
 def _free() -> None:

@@ -83,61 +83,30 @@ __all__ = ["ARCHS", "MOE_ARCHS", "MOE_EXPERTS", "SIZES", "VL_ARCHS", "VISION_SIZ
 # which is the BPE target (the model's vocab is ``len(tokenizer)``, whatever BPE reaches), and
 # ``corpus``, the tokenizer's training text (default "base").
 # ---------------------------------------------------------------------------------------------
+_SIZE_COLUMNS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "vocab_size", "tie_word_embeddings")
+
+
+def _size(*values: Any, **extra: Any) -> dict[str, Any]:
+    """One row of :data:`SIZES`: the values of ``_SIZE_COLUMNS`` in order, then any other key."""
+    return dict(zip(_SIZE_COLUMNS, values, strict=True), **extra)
+
+
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        vocab_size=512,
-        tie_word_embeddings=True,
-    ),
-    "small": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=1408,
-        vocab_size=8192,
-        tie_word_embeddings=False,
-    ),
+    #                hidden, layers, heads, kv heads, intermediate, vocab (the BPE target), tied
+    "tiny":    _size(64,    2,  4,  2,  256,   512, True),
+    "small":   _size(512,   8,  8,  4, 1408,  8192, False),
     # ~18M parameters: deeper and narrower than small, with twice its vocabulary (the logits weigh
     # more against the activations); the CPU memory corpus's third shape (bench/cpu_corpus.py)
-    "deep": dict(
-        hidden_size=256,
-        num_hidden_layers=12,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=768,
-        vocab_size=16384,
-        tie_word_embeddings=False,
-    ),
+    "deep":    _size(256,  12,  4,  2,  768, 16384, False),
     # ~0.7M parameters with a tokenizer trained on tool-calling conversations too (``corpus``, see
     # fitrl/models/tiny_tokenizer.py CORPORA): the agent example's model (examples/mul_tools.yaml),
     # wide enough to learn, in a few hundred supervised steps, to copy numbers from the question
     # into a call and from the tool's reply into the answer (tiny's 64 did not in 300)
-    "agent": dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        vocab_size=1024,
-        tie_word_embeddings=True,
-        corpus="agent",
-    ),
+    "agent":   _size(128,   2,  4,  2,  512,  1024, True, corpus="agent"),
     # ~0.2B parameters (0.8 GiB in fp32): big enough that loading, not process overhead,
     # dominates host memory in the rank-0 initialisation benchmark
-    "medium": dict(
-        hidden_size=1024,
-        num_hidden_layers=14,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        intermediate_size=2816,
-        vocab_size=8192,
-        tie_word_embeddings=False,
-    ),
+    "medium":  _size(1024, 14, 16,  4, 2816,  8192, False),
 }
 
 

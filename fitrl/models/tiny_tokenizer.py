@@ -45,6 +45,18 @@ zero one two three four five six seven eight nine ten eleven twelve twenty thirt
 _NAMES = ["Alice", "Bob", "Carol", "Dan", "Eve", "Frank", "Grace", "Tom", "Sara", "Lee"]
 _ITEMS = ["apples", "coins", "books", "cookies", "marbles", "pencils", "cards", "stamps"]
 _N_FAKE_WORDS = 6000
+# The arithmetic lines' phrasings, taken in turn (``str.format`` fields: the operands ``a``, ``b``,
+# the result ``c``, the operator's symbol ``sym`` and its word ``word``).
+_PHRASINGS = (
+    "What is {a} {sym} {b}?",
+    "{a}{sym}{b}={c}",
+    "Compute {a} {sym} {b}. Answer with a number.",
+    "What is {a} {word} {b}? The answer is {c}.",
+    "{a} {sym} {b} = {c}",
+    "Calculate {a} {sym} {b}. Let's think step by step. #### {c}",
+    "Q: {a} {sym} {b} A: {c}",
+    "Solve: {a} {sym} {b}. Final answer: \\boxed{{{c}}} <answer>{c}</answer>",
+)
 
 
 def build_corpus() -> list[str]:
@@ -59,23 +71,7 @@ def build_corpus() -> list[str]:
     for i, (a, b) in enumerate(pairs):
         sym, word, fn = ops[i % 3]
         c = fn(a, b)
-        phrasing = i % 8
-        if phrasing == 0:
-            lines.append(f"What is {a} {sym} {b}?")
-        elif phrasing == 1:
-            lines.append(f"{a}{sym}{b}={c}")
-        elif phrasing == 2:
-            lines.append(f"Compute {a} {sym} {b}. Answer with a number.")
-        elif phrasing == 3:
-            lines.append(f"What is {a} {word} {b}? The answer is {c}.")
-        elif phrasing == 4:
-            lines.append(f"{a} {sym} {b} = {c}")
-        elif phrasing == 5:
-            lines.append(f"Calculate {a} {sym} {b}. Let's think step by step. #### {c}")
-        elif phrasing == 6:
-            lines.append(f"Q: {a} {sym} {b} A: {c}")
-        else:
-            lines.append(f"Solve: {a} {sym} {b}. Final answer: \\boxed{{{c}}} <answer>{c}</answer>")
+        lines.append(_PHRASINGS[i % len(_PHRASINGS)].format(a=a, b=b, c=c, sym=sym, word=word))
     for a in range(0, 50):
         b = rng.randint(1, 12)
         lines.append(f"Compute {a * b} / {b}. The result is {a}.")

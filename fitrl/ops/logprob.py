@@ -179,6 +179,15 @@ def head_logprobs(
     return logp.view(shape), entropy.view(shape) if with_entropy else None
 
 
+def linear_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The module HF's forward calls as the output head (tied or not), which the chunked passes
+    replace for a call; a model whose logits are more than that linear map is refused."""
+    for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
+        if getattr(model.config, name, None) not in (None, 1.0):
+            raise NotImplementedError(f"{type(model).__name__} has {name}; chunked log-probs assume a linear lm_head")
+    return model.get_output_embeddings()
+
+
 def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -215,16 +224,13 @@ def response_logprobs(
     sequence parallelism over that group (fitrl/distributed/ulysses.py), always packed; every
     rank of the group passes the same micro-batch and gets the whole result.
     """
-    for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
-        if getattr(model.config, name, None) not in (None, 1.0):
-            raise NotImplementedError(f"{type(model).__name__} has {name}; chunked log-probs assume a linear lm_head")
+    head = linear_head(model)
     full_length = response_length
     origin = ORIGINS.columns(attention_mask, position_ids, response_length)  # for layer hooks (a MoE's routers)
     # columns that are padding in every row cost compute and activation memory for nothing
     input_ids, attention_mask, position_ids, response_length = trim_padding(
         input_ids, attention_mask, position_ids, response_length)
     labels = input_ids[:, -response_length:]  # (B, R')
-    head = model.get_output_embeddings()  # tied or not, the module HF's forward calls
 
     def chunked_head(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., 2)
         logp, entropy = head_logprobs(hidden, labels, head.weight, head.bias,

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from fitrl.core.packing import PackedLayout
 from fitrl.core.padding import model_positions, trim_padding
-from fitrl.ops.logprob import HeadGrads, choose_layout, head_logprobs
+from fitrl.ops.logprob import HeadGrads, choose_layout, head_logprobs, linear_head
 from fitrl.ops.packed import packed_forward
 from fitrl.ops.shared_prompt import PromptGroups, shared_prompt_forward
 from fitrl.ops.token_origin import ORIGINS
@@ -44,16 +44,13 @@ def head_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     """The model's head replaced by ``head_fn`` over the responses: (B, R, k), zeros where a
     response position is padding. ``extras`` (B, R, ...) reach ``head_fn`` row for row with the
     tokens it scores, whichever layout runs (padding trimmed, as response_logprobs trims it)."""
-    for name in ("final_logit_softcapping", "logit_scale"):  # Gemma-2, Cohere: more than a linear head
-        if getattr(model.config, name, None) not in (None, 1.0):
-            raise NotImplementedError(f"{type(model).__name__} has {name}; chunked log-probs assume a linear lm_head")
+    head = linear_head(model)
     full = response_length
     origin = ORIGINS.columns(attention_mask, position_ids, response_length)  # for layer hooks (a MoE's routers)
     input_ids, attention_mask, position_ids, response_length = trim_padding(
         input_ids, attention_mask, position_ids, response_length)
     R = response_length
     labels, extras = input_ids[:, -R:], extras[:, :R]  # (B, R'), (B, R', ...)
-    head = model.get_output_embeddings()
 
     def on_grid(hidden: torch.Tensor) -> torch.Tensor:  # (B, R', H) -> (B, R', k)
         flat = head_fn(hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), extras.reshape(-1, *extras.shape[2:]))

@@ -22,6 +22,15 @@ TRACKERS: Registry = Registry("tracker", "trainer.loggers")
 INSTALL_HINT = "pip install 'fitrl[trackers]'"
 
 
+def register_tracker(name: str):
+    """``@register_tracker("wandb")`` over a :class:`Tracker` class: registered in :data:`TRACKERS`
+    under ``name``, which is also its ``name`` (what warnings and ``trackers.json`` call it)."""
+    def wrap(cls: type["Tracker"]) -> type["Tracker"]:
+        cls.name = name
+        return TRACKERS.register(name)(cls)
+    return wrap
+
+
 @dataclass
 class TrackerRun:
     """What a tracker is opened with (plain values: this package does not read the config)."""
@@ -50,6 +59,7 @@ class Tracker(ABC):
     and drops the tracker, so a full disk or a dead server never stops training."""
 
     name: ClassVar[str]
+    """The ``trainer.loggers`` name (set by :func:`register_tracker`)."""
     requires: ClassVar[tuple[str, ...]] = ()
     """Modules that must be importable; missing ones stop the run before any model loads."""
 

@@ -7,12 +7,10 @@ list silences the step lines.
 
 from __future__ import annotations
 
-from fitrl.tracking.base import TRACKERS, Tracker
+from fitrl.tracking.base import Tracker, register_tracker
 
 
-@TRACKERS.register("console")
+@register_tracker("console")
 class ConsoleTracker(Tracker):
-    name = "console"
-
     def log(self, step: int, metrics: dict[str, float]) -> None:
         pass

@@ -24,7 +24,7 @@ import warnings
 from typing import Any
 
 from fitrl.core.nested import flatten as flatten_nested
-from fitrl.tracking.base import TRACKERS, Tracker, TrackerRun, cell_text, table_columns
+from fitrl.tracking.base import Tracker, TrackerRun, cell_text, register_tracker, table_columns
 
 METRICS_PER_CALL = 1000  # MLflow's batch limits
 PARAMS_PER_CALL = 100
@@ -41,9 +41,8 @@ def flatten(config: dict[str, Any]) -> dict[str, str]:
     return {mlflow_name(k): str(v)[:MAX_PARAM_LENGTH] for k, v in flatten_nested(config).items()}
 
 
-@TRACKERS.register("mlflow")
+@register_tracker("mlflow")
 class MlflowTracker(Tracker):
-    name = "mlflow"
     requires = ("mlflow", "sqlalchemy", "alembic")
 
     def __init__(self, run: TrackerRun):

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fitrl.tracking.base import TRACKERS, Tracker, TrackerRun, table_columns
+from fitrl.tracking.base import Tracker, TrackerRun, register_tracker, table_columns
 
 LOG_DIR = "tensorboard"
 
 
-@TRACKERS.register("tensorboard")
+@register_tracker("tensorboard")
 class TensorBoardTracker(Tracker):
-    name = "tensorboard"
     requires = ("tensorboard",)
 
     def __init__(self, run: TrackerRun):

@@ -17,7 +17,7 @@ import os
 from typing import Any, Optional
 from urllib.parse import urlparse
 
-from fitrl.tracking.base import TRACKERS, Tracker, TrackerRun, cell_text, table_columns
+from fitrl.tracking.base import Tracker, TrackerRun, cell_text, register_tracker, table_columns
 
 
 def api_key_configured() -> bool:
@@ -41,9 +41,8 @@ def resolve_mode(configured: Optional[str]) -> str:
     return "online" if api_key_configured() else "offline"
 
 
-@TRACKERS.register("wandb")
+@register_tracker("wandb")
 class WandbTracker(Tracker):
-    name = "wandb"
     requires = ("wandb",)
 
     def __init__(self, run: TrackerRun):

@@ -20,7 +20,9 @@
   plan refuses the type, where it would otherwise have to guess a dense model.
 - A model-holding role is registered twice as well: its workers in :data:`fitrl.roles.workers.ROLES`
   and its memory planner in :data:`fitrl.memory.roles.ROLE_PLANNERS`, under the same name (a role
-  without a planner is also refused when a run builds it: fitrl/trainer/run.py, ``make_group``).
+  without a planner is also refused when a run builds it: fitrl/trainer/run.py, ``make_group``),
+  and it has its line in the run layout (:data:`fitrl.config.layout.ROLE_LINES`: when a run
+  builds it; without one no run would).
 - A sharding backend is registered twice, in its own folder (fitrl/sharding/<name>/): its runtime
   in :data:`fitrl.distributed.sharding.SHARDING_BACKENDS` and its memory planner in
   :data:`fitrl.memory.sharding.SHARDING_PLANNERS`, under the same name.
@@ -108,6 +110,7 @@ def _decoder_gap(row, family) -> list[str]:
 
 
 def _role_gaps() -> list[str]:
+    from fitrl.config.layout import ROLE_LINES
     from fitrl.memory.roles import ROLE_PLANNERS
     from fitrl.roles.workers import ROLES
 
@@ -115,6 +118,10 @@ def _role_gaps() -> list[str]:
            for name in ROLES if name not in ROLE_PLANNERS]
     out += [f"role planner {name!r} plans a role that is not registered (fitrl/roles/workers.py, ROLES)"
             for name in ROLE_PLANNERS if name not in ROLES]
+    out += [f"role {name!r} has no line in the run layout (fitrl/config/layout.py, ROLE_LINES): no run would "
+            f"build it" for name in ROLES if name not in ROLE_LINES]
+    out += [f"run layout line {name!r} builds a role that is not registered (fitrl/roles/workers.py, ROLES)"
+            for name in ROLE_LINES if name not in ROLES]
     return out
 
 

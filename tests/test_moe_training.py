@@ -121,11 +121,14 @@ def test_joined_rollouts_pad_the_recorded_experts_with_none(policy):
 # Routing mismatch and replay
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["free", "replay"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_the_same_weights_in_fp32_route_alike_and_the_mismatch_is_0(policy, layout):
+def test_the_same_weights_in_fp32_route_alike_and_the_mismatch_is_0(policy, layout, replay):
+    """The engine's log-probs of the sampled tokens are the trainer's, and the router's own choice
+    the engine's, whether or not the forward replays it."""
     model, tok = policy
     out = _rollout(model, tok)
-    actor = _actor(model, **layout)
+    actor = _actor(model, routing_replay=replay, **layout)
     old = actor.compute_logprob(out, 1.0)["old_logprobs"]
     mask = out["response_mask"].bool()
     assert torch.allclose(old[mask], out["rollout_logprobs"][mask], atol=1e-5)

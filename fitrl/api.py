@@ -18,7 +18,11 @@ YAML file cannot hold is turned into config:
   ``model`` (``rm``, ``rm2``, ...) with its weight, beside the callables' source ``functions``
   (docs/reward-models.md).
 - TRL's ``GRPOConfig`` names (``args=fitrl.GRPOConfig(...)`` or keyword arguments): fitrl's keys
-  (:mod:`fitrl.config.trl_names`).
+  (:mod:`fitrl.config.trl_names`);
+- ``teacher_model`` (TRL's ``DistillationTrainer(teacher_model=...)``; its configs'
+  ``teacher_model_name_or_path``): the teacher of on-policy distillation, ``teacher.model.path``,
+  trained toward with ``algorithm.distill.weight`` (docs/algorithms.md); a teacher given with the
+  weight left at 0 (which builds none) is one line.
 
 Quick start: docs/python-api.md.
 """
@@ -39,15 +43,35 @@ Rows = Union[Sequence[Mapping[str, Any]], Any]
 RewardFunc = Union[Callable[..., Any], str, Path]
 
 
+def _lmbda(v: Any) -> Optional[str]:
+    if float(v) == 1.0:
+        return None
+    return (f"lmbda={v}: GKD's fraction of batches the student generates; fitrl distills on the student's own "
+            f"samples only (lmbda=1): drop it")
+
+
+def _seq_kd(v: Any) -> Optional[str]:
+    return "seq_kd=True: fitrl has no sequence-level KD on the teacher's generations; drop it" if v else None
+
+
+TRL_DISTILL: dict[str, Callable[[Any], Optional[str]]] = {"lmbda": _lmbda, "seq_kd": _seq_kd}
+"""Names of TRL's ``GKDConfig``/``DistillationConfig`` fitrl.train takes beside ``GRPOConfig``'s:
+each value -> None (what fitrl does anyway) or the one-line refusal. ``teacher_model_name_or_path``
+is ``teacher_model``; ``beta`` stays GRPOConfig's KL weight (fitrl's divergence is
+``algorithm.distill.loss``: docs/python-api.md)."""
+
+
 def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Optional[str] = None,
-          train_dataset: Optional[Rows] = None, eval_dataset: Optional[Rows] = None,
+          teacher_model: Optional[str] = None, train_dataset: Optional[Rows] = None, eval_dataset: Optional[Rows] = None,
           reward_funcs: Union[RewardFunc, Sequence[RewardFunc], None] = None,
           reward_weights: Optional[Sequence[float]] = None, args: Union[GRPOConfig, Mapping[str, Any], None] = None,
           overrides: Union[Mapping[str, Any], Sequence[str], None] = None, **trl: Any) -> list[dict[str, float]]:
     """Train and return each step's metrics (``metrics.jsonl`` holds them too).
 
     ``config``: a YAML path, a nested dict of sections, or None (the defaults). ``model``: a local
-    checkpoint directory (``actor.model.path``). ``args`` (a :class:`GRPOConfig` or a dict) and
+    checkpoint directory or Hub id (``actor.model.path``); ``teacher_model``: the distillation
+    teacher's (``teacher.model.path``, with ``algorithm.distill.weight`` > 0 in ``config`` or
+    ``overrides``). ``args`` (a :class:`GRPOConfig` or a dict) and
     further keyword arguments: TRL's ``GRPOConfig`` names (``num_generations=4``,
     ``learning_rate=1e-6``), each mapped to fitrl's key (:mod:`fitrl.config.trl_names`).
     ``overrides``: dotted keys, as a dict (``{"rollout.n": 4}``) or ``key=value`` strings; they win
@@ -58,11 +82,14 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
     from fitrl.trainer.run import train as run
 
     given = {**(args.given() if isinstance(args, GRPOConfig) else dict(args or {})), **trl}
+    teacher = _teacher(teacher_model, given)
     items = _dotted(config) if isinstance(config, Mapping) else []
     path = str(config) if isinstance(config, (str, Path)) else None
     user = _dotted(overrides) if isinstance(overrides, Mapping) else list(overrides or [])
     if model is not None:
         user.append(f"actor.model.path={model}")
+    if teacher is not None:
+        user.append(f"teacher.model.path={teacher}")
     train_rows, eval_rows = _rows(train_dataset, "train"), _rows(eval_dataset, "eval")
     if given:
         cfg = load_config(path, items + user)
@@ -70,6 +97,10 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
         items += [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in mapped]
     items += user
     cfg = load_config(path, items)
+    if teacher is not None and not cfg.algorithm.distill.enabled:
+        raise ConfigError(f"teacher_model={teacher!r} with algorithm.distill.weight=0 builds no teacher: set "
+                          f"overrides={{'algorithm.distill.weight': 1.0}} (pure distillation, as TRL's "
+                          f"DistillationTrainer) or a weight in (0, 1) to mix it with the reward's policy loss")
     funcs = _as_list(reward_funcs)
     calls = [f for f in funcs if not isinstance(f, (str, Path))]
     extra = []
@@ -102,6 +133,21 @@ def train(config: Union[None, str, Path, Mapping[str, Any]] = None, *, model: Op
     if extra:
         cfg = load_config(path, items + extra)
     return run(cfg)
+
+
+def _teacher(teacher_model: Optional[str], given: dict[str, Any]) -> Optional[str]:
+    """The teacher named by ``teacher_model`` or TRL's ``teacher_model_name_or_path`` (taken out
+    of ``given``, as are the other names of :data:`TRL_DISTILL`)."""
+    named = given.pop("teacher_model_name_or_path", None)
+    if named is not None and teacher_model is not None and str(named) != str(teacher_model):
+        raise ConfigError(f"teacher_model={teacher_model!r} and teacher_model_name_or_path={named!r} name two "
+                          f"teachers; give one")
+    for name in [n for n in TRL_DISTILL if n in given]:
+        refusal = TRL_DISTILL[name](given.pop(name))
+        if refusal:
+            raise ConfigError(refusal)
+    teacher = teacher_model if teacher_model is not None else named
+    return None if teacher is None else str(teacher)
 
 
 def _as_list(funcs: Any) -> list:

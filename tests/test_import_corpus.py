@@ -67,6 +67,7 @@ CORPUS: dict[str, Optional[Stops]] = {
     "verl/examples/rloo_trainer/run_qwen2-7b.sh": PLANS,
     "verl/examples/remax_trainer/run_qwen2.5-3b_seq_balance.sh": PLANS,
     "verl/examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh": PLANS,
+    "verl/examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh": PLANS,  # (verl-project/verl: OPD)
     "verl/examples/sapo_trainer/run_qwen30b_sapo.sh": Stops(
         "import", "SLURM_GPUS_PER_NODE is not set in the script",
         "the devices per node come from SLURM's environment (and the nodes too)",
@@ -147,6 +148,9 @@ MEANS: dict[str, dict[str, object]] = {  # source -> fitrl key -> what the sourc
     "verl/examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh": {
         "algorithm.policy_loss": "cispo", "actor.clip_ratio_high": 0.2, "trainer.devices_per_node": 1,
         "algorithm.kl_coef": 0.001},
+    "verl/examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh": {  # pure PG distillation, one sample
+        "algorithm.distill.weight": 1.0, "algorithm.distill.loss": "reverse_kl", "algorithm.distill.top_k": "(unset)",
+        "teacher.model.path": "Qwen/Qwen3-32B", "rollout.n": 1, "actor.router_aux_loss_coef": 0.0},
     "verl/examples/sapo_trainer/run_qwen30b_sapo.sh": {
         "actor.model.path": "Qwen/Qwen3-30B-A3B-Base", "rollout.n": 16, "actor.micro_batch_token_budget": 30720,
         "algorithm.overlong.enable": True, "algorithm.overlong.buffer_length": 4096, "actor.ulysses_size": 4},

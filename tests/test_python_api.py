@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+import yaml
 
 import fitrl
 from fitrl.config import ConfigError
@@ -82,3 +84,62 @@ def test_a_reward_model_path_among_the_reward_funcs(tiny_model_dir, tmp_path):
         assert h["reward/functions"] == pytest.approx(0.5 * h["reward/brief"], abs=1e-6)
     with pytest.raises(ConfigError, match="1 weights for 2 reward functions"):
         fitrl.train(model=str(tiny_model_dir), reward_funcs=[brief, str(rm)], reward_weights=[1.0])
+
+
+# ------------------------------------------------------------------ distillation and MoE, as the CLI runs them
+
+def _short(tmp_path, **more) -> dict:
+    return {"trainer.output_dir": str(tmp_path / "runs"), "trainer.max_steps": 1, "data.rollout_batch_size": 4,
+            "rollout.n": 2, "actor.mini_batch_size": 4, "rollout.max_response_length": 8, "memory.plan": "warn",
+            "trainer.progress_bar": False, "trainer.num_threads": 1, "trainer.val_before_train": False, **more}
+
+
+ROWS = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(8)]
+
+
+def _brief(completions, **kwargs):
+    return [float(len(c) <= 3) for c in completions]
+
+
+def test_a_teacher_by_keyword_is_planned_and_scores_the_samples(tiny_model_dir, tmp_path):
+    """``teacher_model=`` (TRL's ``DistillationTrainer(teacher_model=...)``) is ``teacher.model.path``:
+    the run's pre-flight plan holds the teacher's phase and its steps log the teacher's metrics,
+    as ``fitrl train ... teacher.model.path=...`` would."""
+    history = fitrl.train(model=str(tiny_model_dir), teacher_model=str(tiny_model_dir), train_dataset=ROWS,
+                          reward_funcs=_brief, overrides=_short(tmp_path, **{"algorithm.distill.weight": 0.5,
+                                                                             "algorithm.distill.top_k": 2}))
+    (step,) = history
+    assert step["distill/teacher_logprob"] < 0 and 0 <= step["distill/teacher_agreement"] <= 1
+    assert step["time/teacher_logprob"] > 0 and "distill/loss" in step
+    run = next((tmp_path / "runs").glob("fitrl-*"))
+    assert "teacher_logprob" in json.loads((run / "plan.json").read_text())["phases"]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["teacher"]["model"]["path"] == str(tiny_model_dir) and saved["algorithm"]["distill"]["weight"] == 0.5
+
+
+def test_a_mixture_of_experts_policy_trains_through_the_api(tmp_path):
+    """A MoE policy with routing replay and its load-balancing weight, given as fitrl's keys."""
+    from fitrl.models.tiny import make_tiny_model
+
+    moe = make_tiny_model(tmp_path / "tiny-qwen3-moe", arch="qwen3_moe")
+    (step,) = fitrl.train(model=str(moe), train_dataset=ROWS, reward_funcs=_brief,
+                          overrides=_short(tmp_path, **{"actor.routing_replay": True,
+                                                        "actor.router_aux_loss_coef": 0.01}))
+    assert step["actor/router_aux_loss"] > 0 and step["moe/routing_mismatch"] == 0.0
+    run = next((tmp_path / "runs").glob("fitrl-*"))
+    assert json.loads((run / "plan.json").read_text())["phases"]
+
+
+def test_distillation_mistakes_are_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"teacher_model=.* with algorithm.distill.weight=0 builds no teacher: set "
+                                          r"overrides=\{'algorithm.distill.weight': 1.0\}"):
+        fitrl.train(model=str(tiny_model_dir), teacher_model=str(tiny_model_dir), overrides=_short(tmp_path))
+    with pytest.raises(ConfigError, match=r"teacher_model='.*tiny-qwen2' with .* builds no teacher"):  # TRL's name
+        fitrl.train(model=str(tiny_model_dir), teacher_model_name_or_path=str(tiny_model_dir),
+                    overrides=_short(tmp_path))
+    with pytest.raises(ConfigError, match=r"lmbda=0.5: GKD's fraction .* drop it"):
+        fitrl.train(model=str(tiny_model_dir), lmbda=0.5, overrides=_short(tmp_path))
+    with pytest.raises(ConfigError, match="name two teachers"):
+        fitrl.train(model=str(tiny_model_dir), teacher_model="a", teacher_model_name_or_path="b")
+    with pytest.raises(ConfigError, match="unknown argument 'teacher'"):
+        fitrl.train(model=str(tiny_model_dir), teacher="a")

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 def check_choices(cfg: "FitrlConfig") -> None:
     """Raise ConfigError on the first registry-backed name that is not registered."""
     a = cfg.algorithm
-    if algorithm_needs(cfg).groups and cfg.rollout.n < 2:  # (and the estimator is a registered one)
+    # (pure distillation, weight 1, trains on the teacher's signal alone: one sample per prompt is enough)
+    if algorithm_needs(cfg).groups and cfg.rollout.n < 2 and a.distill.weight < 1.0:
         raise ConfigError(f"algorithm.adv_estimator={a.adv_estimator} compares the samples of each prompt, but "
                           f"rollout.n={cfg.rollout.n}: every advantage would be 0 and nothing would train; set "
                           f"rollout.n to 2 or more (GRPO commonly uses 4-16), or use an estimator without groups "

@@ -15,13 +15,14 @@ from fitrl.config.import_defaults import EASYR1_DEFAULTS, VERL_DEFAULTS  # noqa:
 from fitrl.config.import_kl import (KL_COEF_WHY, easyr1_disable_kl, easyr1_kl, easyr1_kl_penalty,
                                     easyr1_use_kl_loss)
 from fitrl.config.import_more import EASYR1_MORE, EASYR1_MORE_PREFIXES, LORA_EXCLUDE, VERL_MORE, VERL_MORE_PREFIXES
+from fitrl.config.import_moe_opd import VERL_MOE_OPD, VERL_MOE_OPD_PREFIXES
 from fitrl.config.import_rules import (AGENTS, APPROXIMATED, EASYR1_LOSSES, NOT_TRANSLATED,  # noqa: F401
                                        REWARD_FILES, ROLLOUT_MODE_ASYNC, TRANSLATED, VERL_LOSSES, Rule, drop,
                                        easyr1_dynamic_batching, easyr1_filter_key, expand_dict_values, kl_name,
                                        multi_turn_enable, policy_loss, reward_file, reward_kwargs, reward_name, to,
                                        verl_dynamic_bsz, verl_filter_metric, warmup_ratio, warmup_steps,
                                        when_multi_turn)
-from fitrl.config.import_rules import engine_precision, precision, resolve
+from fitrl.config.import_rules import engine_name, engine_precision, precision, resolve
 
 
 def _files(v: Any) -> list:
@@ -69,12 +70,8 @@ def _nodes(v: Any, src: dict) -> list[tuple[str, Any]]:
     return [("trainer.nnodes", max(1, int(v))), ("trainer.backend", "ray")]
 
 
-def _engine(v: Any) -> str:
-    return "vllm" if str(v) in ("vllm", "sglang", "async") else "hf"
-
-
-ENGINE = Rule(lambda v, src: [("rollout.engine", _engine(v))], TRANSLATED)
-ENGINE_APPROX = Rule(lambda v, src: [("rollout.engine", _engine(v))], APPROXIMATED,
+ENGINE = Rule(lambda v, src: [("rollout.engine", engine_name(v))], TRANSLATED)
+ENGINE_APPROX = Rule(lambda v, src: [("rollout.engine", engine_name(v))], APPROXIMATED,
                      "fitrl's engines are hf and vllm: SGLang runs as vllm")
 
 
@@ -282,6 +279,7 @@ VERL: dict[str, Rule] = {
 }
 """veRL (``verl.trainer.main_ppo``; its ``ppo_trainer.yaml`` keys)."""
 VERL.update(VERL_MORE)
+VERL.update(VERL_MOE_OPD)
 
 VERL_PREFIXES: dict[str, Rule] = {
     "actor_rollout_ref.rollout.engine_kwargs.": drop(NO_EFFECT),
@@ -294,6 +292,7 @@ VERL_PREFIXES: dict[str, Rule] = {
     "actor_rollout_ref.actor.profiler.": drop(NO_EFFECT),
     "reward_model.model.": drop(NO_EFFECT),
     **VERL_MORE_PREFIXES,
+    **VERL_MOE_OPD_PREFIXES,
 }
 """Rules for every key below a section."""
 

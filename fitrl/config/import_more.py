@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitrl.config.import_kl import v02_kl_loss_type, v02_loss_kl, v02_use_kl_loss
+from fitrl.config.import_moe_opd import router_replay_rules, teacher_path_rules
 from fitrl.config.import_rules import (AGENTS, APPROXIMATED, TRANSLATED, Rule, drop, is_true, to, warmup_ratio,
                                        warmup_steps)
 
@@ -178,6 +179,11 @@ VERL_MORE: dict[str, Rule] = {
                                                           "setting"),
     "actor_rollout_ref.actor.tau_pos": drop(SAPO),
     "actor_rollout_ref.actor.tau_neg": drop(SAPO),
+    "actor_rollout_ref.actor.use_torch_compile": drop("veRL compiles its entropy-from-logits function: fitrl computes "
+                                                      "log-probs and entropy in chunks, uncompiled (fitrl/ops/logprob.py)"),
+    "trainer.balance_batch": Rule(None, TRANSLATED, "fitrl always gives each data-parallel rank equal sequence counts "
+                                                    "with similar token totals (fitrl/workers/group.py): the same "
+                                                    "gradients, only which rank computes which sequence changes"),
     "data.filter_overlong_prompts_workers": drop("workers of veRL's prompt-length filter: fitrl measures the prompts "
                                                  "at start-up"),
     # DAPO's overlong punishment as veRL's dapo reward manager's kwargs (its recipe's newer scripts)
@@ -230,6 +236,8 @@ VERL_MORE_PREFIXES: dict[str, Rule] = {
     "reward_model.rollout.": drop(REWARD_LOOP),
     "actor_rollout_ref.model.override_config.": drop("veRL's overrides of the model's config.json (dropout, attention "
                                                      "kernel): fitrl builds the model from config.json as it is"),
+    "ray_kwargs.": drop("veRL's ray.init arguments (its runtime environment, the Python its workers run): fitrl "
+                        "starts or joins Ray itself (trainer.backend=ray, docs/distributed.md)"),
     "global_profiler.": drop("veRL's profiler (what is measured, not what is trained): no fitrl setting"),
     "retriever.": drop(f"Search-R1's search service: a fitrl agent calls it from a tool function "
                        f"(rollout.agent.tools, docs/agents.md)"),
@@ -263,11 +271,14 @@ REWARD_KWARGS = "custom_reward_function.reward_kwargs."
 
 def per_key_rules(fmt: str, flat: dict[str, Any]) -> dict[str, Rule]:
     """Rules named by the key itself: veRL's ``custom_reward_function.reward_kwargs.<name>``, the
-    keyword arguments veRL passes the user's function, become fitrl's ``reward.kwargs.<name>``."""
+    keyword arguments veRL passes the user's function, become fitrl's ``reward.kwargs.<name>``;
+    its ``distillation.teacher_models.<name>.model_path``, fitrl's teacher when it names one; a
+    router replay mode, dropped when the source's engine is one fitrl runs as vllm."""
     if fmt != "verl":
         return {}
     own = bool(flat.get("custom_reward_function.path"))
-    return {key: to(f"reward.kwargs.{key[len(REWARD_KWARGS):]}", why="a keyword argument of your reward function, "
-                                                                     "as veRL passes it")
-            if own else drop("an argument of veRL's default scorer: fitrl's by_source takes none")
-            for key in flat if key.startswith(REWARD_KWARGS)}
+    return {**{key: to(f"reward.kwargs.{key[len(REWARD_KWARGS):]}", why="a keyword argument of your reward "
+                                                                        "function, as veRL passes it")
+               if own else drop("an argument of veRL's default scorer: fitrl's by_source takes none")
+               for key in flat if key.startswith(REWARD_KWARGS)},
+            **teacher_path_rules(flat), **router_replay_rules(flat)}

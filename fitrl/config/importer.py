@@ -22,6 +22,7 @@ from fitrl.config.import_maps import (APPROXIMATED, EASYR1, HUB, NOT_TRANSLATED,
                                       VERL, VERL_PREFIXES, EASYR1_PREFIXES, Rule, expand_dict_values)
 from fitrl.config.import_defaults import LAYOUTS, SOURCE_NAMES, layer, with_defaults
 from fitrl.config.import_more import per_key_rules
+from fitrl.config.import_moe_opd import MOE_AUX_KEYS, MOE_AUX_OFF
 from fitrl.config.shell import SOURCE, Arg, Launch, explain, read_launch
 from fitrl.config.text_file import read_text
 from fitrl.core.errors import ConfigError
@@ -146,6 +147,10 @@ def translate(fmt: str, flat: dict[str, Any], script_dir: Optional[Path] = None)
         out.lines.append((TRANSLATED, "(veRL's dataset layout)",
                           "data.answer_key=reward_model.ground_truth, reward.function=by_source (the rule reward "
                           "by each row's data_source)"))
+    if not any(k in flat for k in MOE_AUX_KEYS):  # (a source key that says it is translated below instead)
+        out.config["actor.router_aux_loss_coef"] = 0.0
+        out.lines.append((TRANSLATED, f"({SOURCE_NAMES[fmt]}'s router loss)",
+                          f"actor.router_aux_loss_coef=0: {MOE_AUX_OFF[fmt]}"))
     for key, value in flat.items():
         if key in SPECIAL or value is None:  # (a null in the source leaves the key unset)
             continue
@@ -175,7 +180,7 @@ def _apply(out: Imported, rule: Rule, key: str, value: Any, flat: dict, shown: s
         out.lines.append((rule.status, shown, rule.why))
         return
     status, why = rule.status, rule.why
-    hub = [v for k, v in pairs if k in ("actor.model.path", "critic.model.path") and _is_hub_id(v)]
+    hub = [v for k, v in pairs if k in ("actor.model.path", "critic.model.path", "teacher.model.path") and _is_hub_id(v)]
     hub += [f for k, v in pairs if k in ("data.train_files", "data.val_files") for f in v if _is_hub_dataset(f)]
     if hub:  # kept as the source names it: resolved through the Hugging Face cache when the run starts
         why = "; ".join(w for w in (why, f"{hub[0]} is a Hub id: {HUB}") if w)

@@ -8,7 +8,8 @@ directory of the standard cache.
   ``HF_HUB_OFFLINE``) or found there, and its setting is replaced by the snapshot's directory,
   so the checks, the plan and every rank (which receive the config) read a local directory. A
   model the run does not build (a reference without KL, a critic without ``gae``) gets only its
-  ``config.json``, which the plan reads. The Hub datasets of ``data.*_files`` are checked
+  ``config.json``, which the plan reads; a teacher while distillation is off
+  (``algorithm.distill.weight=0``: neither built nor planned) is left as it is. The Hub datasets of ``data.*_files`` are checked
   (fitrl/data/hub.py). What was resolved is written to ``<run dir>/hub_refs.json`` (the id, the
   revision asked for, its commit, the directory), and a later launch in the same run directory
   (a resume) uses the recorded commits: a branch that moved since does not change the weights
@@ -16,7 +17,7 @@ directory of the standard cache.
 - :func:`resolve_plan_refs` (``fitrl plan``): only ``config.json`` of each model (and a
   vision-language model's image processor config when it has one; the tokenizer's files when
   the plan samples prompt lengths from local data), never a weight file, so a 72B model is
-  planned after fetching a few kilobytes.
+  planned after fetching a few kilobytes; nothing of a teacher the plan leaves out (distillation off).
 - :func:`resolve_base` (``fitrl export --base``).
 """
 
@@ -64,9 +65,11 @@ def resolve_run_refs(cfg: Any, run_dir: Optional[Path] = None) -> dict[str, dict
     """Resolve the run's Hub ids (models and datasets) in place; returns and records what they
     resolved to (``{}`` when the config names local paths only: nothing is written)."""
     recorded = _recorded(run_dir)
-    built = _built_models(cfg)
+    built, unused = _built_models(cfg), _unused_models(cfg)
     records: dict[str, dict] = {}
     for prefix, model in model_settings(cfg):
+        if id(model) in unused:
+            continue
         for attr in ("path", "tokenizer_path"):
             text = getattr(model, attr)
             ref = hub.parse_model_ref(text)
@@ -112,7 +115,10 @@ def resolve_plan_refs(cfg: Any) -> None:
     d = cfg.data
     sample = (cfg.plan.expected_prompt_length == "auto" and bool(d.train_files)
               and all(os.path.exists(f) for f in d.train_files))
+    unused = _unused_models(cfg)
     for prefix, model in model_settings(cfg):
+        if id(model) in unused:
+            continue
         ref = hub.parse_model_ref(model.path)
         tokenizer = sample and prefix == "actor.model"
         if ref is not None:
@@ -168,6 +174,14 @@ def _built_models(cfg: Any) -> set[int]:
     loaded = {id(m) for m, _, _ in run_models(cfg)}
     skipped = {id(m) for m in (cfg.ref.model, cfg.critic.model) if m is not None and id(m) not in loaded}
     return {id(m) for _, m in model_settings(cfg)} - skipped
+
+
+def _unused_models(cfg: Any) -> set[int]:
+    """``id()`` of the model settings nothing of the run reads, not even the plan: the teacher
+    while distillation is off (``algorithm.distill.weight=0``; fitrl/config/layout.py builds and
+    plans it only when on), so a teacher left in a config need not be in the cache."""
+    teacher = cfg.teacher.model
+    return {id(teacher)} if teacher is not None and not cfg.algorithm.distill.enabled else set()
 
 
 def _recorded(run_dir: Optional[Path]) -> dict[str, dict]:

@@ -22,6 +22,7 @@ MEMORY_PREFIX = "mem/"
 TIME_PREFIX = "time/"
 PERF_PREFIX = "perf/"
 MOE_PREFIX = "moe/"
+DISTILL_PREFIX = "distill/"
 
 
 @dataclass
@@ -96,7 +97,8 @@ def training_charts(step_keys: list[str], val_keys: list[str]) -> list[ChartKeys
                   y_title="tokens", secondary_title="truncated fraction"),
         ChartKeys("Entropy", matching(step_keys, lambda k: "entropy" in last(k) and not k.startswith(MOE_PREFIX)),
                   y_title="nats/token"),
-        ChartKeys("KL", matching(step_keys, lambda k: any(re.search(r"(^|_)kl($|_)", p) for p in _segments(k)))),
+        ChartKeys("KL", matching(step_keys, lambda k: any(re.search(r"(^|_)kl($|_)", p) for p in _segments(k))
+                                 and not k.startswith(DISTILL_PREFIX))),  # (the reference's; the teacher's below)
         ChartKeys("Clip fractions", matching(step_keys, lambda k: "clip_frac" in last(k))),
         ChartKeys("Gradient norm", matching(step_keys, lambda k: last(k) == "grad_norm")),
         ChartKeys("Learning rate", matching(step_keys, lambda k: last(k) in ("lr", "learning_rate"))),
@@ -108,8 +110,27 @@ def training_charts(step_keys: list[str], val_keys: list[str]) -> list[ChartKeys
         ChartKeys("Routing mismatch (engine vs trainer)",
                   matching(step_keys, lambda k: k.startswith(MOE_PREFIX + "routing_mismatch")),
                   y_title="fraction of response tokens"),
+        # on-policy distillation (fitrl/algo/distill.py, fitrl/roles/distill.py; the teacher's own: loop.py)
+        ChartKeys("Distillation: loss and KL to the teacher", distill_loss_keys(step_keys), y_title="nats/token"),
+        ChartKeys("Teacher agreement", [k for k in distill_teacher_keys(step_keys) if "logprob" not in last(k)],
+                  [k for k in distill_teacher_keys(step_keys) if "logprob" in last(k)],
+                  y_title="fraction of response tokens (top-k: of the mass)",
+                  secondary_title="teacher's log-prob of the sampled tokens"),
     ]
     return [c for c in charts if c]
+
+
+def distill_loss_keys(step_keys: list[str]) -> list[str]:
+    """``distill/*`` losses and KLs (``distill/loss``, ``reverse_kl``, ``forward_kl_topk``, ...)."""
+    return [k for k in step_keys if k.startswith(DISTILL_PREFIX)
+            and (_segments(k)[-1] == "loss" or re.search(r"(^|_)kl($|_)", _segments(k)[-1]))]
+
+
+def distill_teacher_keys(step_keys: list[str]) -> list[str]:
+    """The other ``distill/*`` keys: the teacher on the step's samples (its agreement with them,
+    its log-prob of them) and the top-k masses."""
+    losses = set(distill_loss_keys(step_keys))
+    return [k for k in step_keys if k.startswith(DISTILL_PREFIX) and k not in losses]
 
 
 def perf_charts(step_keys: list[str]) -> list[ChartKeys]:

@@ -6,8 +6,11 @@ policy's ``config.json`` (:mod:`fitrl.models.flops`), the device peak from
 :mod:`fitrl.telemetry.perf`. Per phase:
 
 - rollout: tokens generated / ``time/rollout`` (every dynamic-sampling round);
-- log-prob: (prompt + response tokens) x passes / (``time/old_logprob`` + ``time/ref``), a pass
-  for the recomputed old log-probs and one for the reference;
+- log-prob: (prompt + response tokens) x passes / (``time/old_logprob`` + ``time/ref`` +
+  ``time/teacher_logprob``), a pass for the recomputed old log-probs, one for the reference and
+  one for the distillation teacher (``algorithm.distill``), whose FLOPs are its own model's
+  (``teacher.model.path``'s ``config.json``): a forward over the step's sequences, as the
+  reference's; no teacher runs, and none is counted, with distillation off;
 - update: (prompt + response tokens) x ``actor.ppo_epochs`` / ``time/update``;
 - overall: the step batch's prompt + response tokens / ``time/step``, and MFU = the model FLOPs
   of the rollout (ReMax's greedy baseline included), log-prob and update phases / (``time/step``
@@ -88,6 +91,13 @@ class StepPerf:
         self.shape, why = load_flops_shape(cfg.actor.model.path)
         if self.shape is None:
             log.warning("perf/mfu not logged: no FLOPs formula for %s (%s)", cfg.actor.model.path, why)
+        self.teacher_shape: Optional[FlopsShape] = None
+        self.distill = cfg.algorithm.distill.enabled and cfg.teacher.model is not None  # (off: no teacher is built)
+        if self.distill:
+            self.teacher_shape, why = load_flops_shape(cfg.teacher.model.path)
+            if self.teacher_shape is None and self.shape is not None:
+                log.warning("perf/* FLOPs leave out the teacher's pass: no FLOPs formula for %s (%s)",
+                            cfg.teacher.model.path, why)
         self.lora = cfg.actor.lora.enabled
         self.frozen_tower = cfg.actor.model.freeze_vision_tower
         self.ppo_epochs = cfg.actor.ppo_epochs
@@ -119,8 +129,11 @@ class StepPerf:
         tokens = sum(prompt) + sum(response)
         step_time = sum(times.values())
         rollout = generated.get("rollout", [])
-        logprob_passes = int(self.recompute_old_logprob) + int("ref" in times)
-        logprob_time = (times.get("old_logprob", 0.0) if self.recompute_old_logprob else 0.0) + times.get("ref", 0.0)
+        teacher = self.distill and "teacher_logprob" in times  # (the teacher's pass ran this step)
+        policy_passes = int(self.recompute_old_logprob) + int("ref" in times)  # (the policy's weights, or the ref's)
+        logprob_passes = policy_passes + int(teacher)
+        logprob_time = ((times.get("old_logprob", 0.0) if self.recompute_old_logprob else 0.0) + times.get("ref", 0.0)
+                        + (times["teacher_logprob"] if teacher else 0.0))
         m: dict[str, float] = {}
 
         def rate(key: str, amount: float, seconds: float) -> None:
@@ -139,10 +152,11 @@ class StepPerf:
         forward = self.shape.batch_forward_flops(prompt, response)
         skipped = skipped or {}
 
-        def saved(phase: str, training: bool = False) -> int:  # the prompt copies the phase's passes did not run
+        def saved(phase: str, training: bool = False, shape: FlopsShape = self.shape) -> int:
+            """The FLOPs of the prompt copies the phase's passes did not run."""
             if training:
-                return sum(self.shape.training_flops(p, 0, lora=self.lora) for p in skipped.get(phase, ()))
-            return sum(self.shape.forward_flops(p, 0) for p in skipped.get(phase, ()))
+                return sum(shape.training_flops(p, 0, lora=self.lora) for p in skipped.get(phase, ()))
+            return sum(shape.forward_flops(p, 0) for p in skipped.get(phase, ()))
 
         passes = [p for p, on in (("old_logprob", self.recompute_old_logprob), ("ref", "ref" in times)) if on]
         phase_flops = {
@@ -155,10 +169,15 @@ class StepPerf:
         # samples of a prompt are generated as n sequences). In the update: frozen, forward only
         # (nothing upstream of it needs a gradient); LoRA, forward + activation gradients (2x);
         # trained, forward + backward (3x)
-        vision = sum(self.shape.vision_flops(p) for p in image_patches(batch))
+        patches = image_patches(batch)
+        vision = sum(self.shape.vision_flops(p) for p in patches)
+        if teacher and self.teacher_shape is not None:  # its own model's forward over the same sequences
+            t = self.teacher_shape
+            phase_flops["logprob"] += (t.batch_forward_flops(prompt, response) - saved("teacher_logprob", shape=t)
+                                       + sum(t.vision_flops(p) for p in patches))
         if vision:
             phase_flops["rollout"] += vision
-            phase_flops["logprob"] += logprob_passes * vision
+            phase_flops["logprob"] += policy_passes * vision
             if phase_flops["update"]:
                 phase_flops["update"] += self.ppo_epochs * vision * (1 if self.frozen_tower else 2 if self.lora else 3)
         # (ReMax's greedy baseline: one sequence per prompt, nothing shared)

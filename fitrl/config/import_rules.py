@@ -355,6 +355,12 @@ def when_multi_turn(key: str, convert: Callable[[Any], Any] = int, why: str = ""
     return Rule(setter, TRANSLATED, why)
 
 
+def engine_name(v: Any) -> str:
+    """fitrl's ``rollout.engine`` for a source's rollout name: vLLM's and SGLang's servers run as
+    fitrl's vllm engine, the rest as hf."""
+    return "vllm" if str(v) in ("vllm", "sglang", "async") else "hf"
+
+
 ROLLOUT_MODE_ASYNC = ("veRL's async mode serves generation from an AsyncLLM server (agent loops); training stays "
                       "on-policy, as fitrl's rollout.mode=sync (fitrl's one_step_off and async overlap generation "
                       "with the update: docs/async.md)")

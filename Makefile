@@ -2,6 +2,7 @@
 #   make demo   -- build the venv, make a tiny local model, run GRPO on the toy task
 #   make demo-vl -- the same with a tiny vision-language model on pictures of shapes (CPU, minutes)
 #   make demo-tools -- an agent: two-digit products through the calculator tool (CPU, ~11 min)
+#   make demo-distill -- the text demo's student trained toward a local teacher, mixed with GRPO (CPU, minutes)
 #   make test   -- build the venv, run the test suite (what CI runs)
 #   make test-fast -- the fast tier: unit and single-process tests, two to three minutes
 #   make test-vllm -- the vLLM engine's tier alone, in its own environment (.venv-vllm)
@@ -22,7 +23,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_BIN := $(BENCH_VENV)/bin
 BENCH_STAMP := $(BENCH_VENV)/.fitrl-installed
 
-.PHONY: demo demo-tools demo-vl test test-unit test-fast test-vllm gpu-check bench bench-trl install browser clean allocators
+.PHONY: demo demo-distill demo-tools demo-vl test test-unit test-fast test-vllm gpu-check bench bench-trl install browser clean allocators
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +71,9 @@ demo: $(STAMP)
 
 demo-tools: $(STAMP)
 	$(BIN)/fitrl demo --tools
+
+demo-distill: $(STAMP)
+	$(BIN)/fitrl demo --distill
 
 demo-vl: $(STAMP)
 	$(BIN)/fitrl demo --vl

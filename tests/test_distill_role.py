@@ -251,6 +251,22 @@ def test_resume_mid_run_equals_an_uninterrupted_run(tiny_model_dir, teacher_dir,
     assert len(steps) == 4 and all("reward/mean" in r for r in steps)
 
 
+def test_a_lora_student_distills_toward_the_teacher_beside_its_reference(tiny_model_dir, teacher_dir, tmp_path):
+    """A LoRA student (its reference is the base with the adapters off) trains toward the teacher,
+    which is a model of its own beside the reference."""
+    from fitrl.trainer.run import train
+
+    run = tmp_path / "run"
+    cfg = toy_config(tiny_model_dir, run, *SMALL, "trainer.max_steps=2", "trainer.val_freq=0", "data.val_files=[]",
+                     "actor.lora.rank=4", "actor.lora.alpha=8", "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.01",
+                     *distill(teacher_dir, "algorithm.distill.weight=0.5", "algorithm.distill.loss=topk_forward_kl",
+                              "algorithm.distill.top_k=4"))
+    train(cfg)
+    records = read_metrics(run)
+    assert len(records) == 2 and all(r["actor/grad_norm"] > 0 and r["distill/forward_kl_topk"] >= 0 for r in records)
+    assert all(r["time/teacher_logprob"] > 0 and r["time/ref"] > 0 for r in records)
+
+
 def test_a_checkpoint_saved_before_distillation_resumes(tiny_model_dir, tmp_path):
     """A checkpoint's config.yaml written before ``teacher`` and ``algorithm.distill`` existed was
     saved with their defaults: resuming it with them at their defaults is no change of config."""

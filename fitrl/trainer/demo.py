@@ -23,7 +23,11 @@ DEMOS = {
     "reward_model": ("examples/arith_rm.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
     "tools": ("examples/mul_tools.yaml", "qwen2", "agent", "fitrl.data.toy_tools:write_mul_tools_data",
               "examples/mul_tools_sft.yaml"),
+    "distill": ("examples/arith_distill.yaml", "qwen2", "tiny", None, "examples/arith_sft.yaml"),
 }
+# the demo variants whose teacher (teacher.model.path) is made when missing: its supervised warm
+# start and the GRPO config that trains it from there (exported to teacher.model.path)
+TEACHERS = {"distill": ("examples/arith_sft.yaml", "examples/arith_teacher.yaml")}
 # the demo variants whose reward comes from a model trained for the task, made when missing
 # ("module:function(out_dir, seed)", written to reward.sources.<name>.model.path)
 REWARD_MODELS = {"reward_model": "fitrl.models.tiny_reward:train_arith_reward_model"}
@@ -44,6 +48,9 @@ def add_demo_command(subparsers, load: Callable, on_config: Callable) -> argpars
     p.add_argument("--tools", action="store_true",
                    help="an agent: two-digit products answered through the calculator tool in multi-turn episodes, "
                         "warm-started on demonstration conversations: examples/mul_tools.yaml (docs/agents.md)")
+    p.add_argument("--distill", action="store_true",
+                   help="on-policy distillation: the warm-started student trained toward a larger local teacher "
+                        "(made when missing) on its own samples, mixed with GRPO: examples/arith_distill.yaml")
     p.add_argument("--warm-start-steps", type=int, default=None,
                    help="supervised steps before GRPO (default: the warm start config's; 0: none, GRPO "
                         "from the random model)")
@@ -58,7 +65,7 @@ def run_demo(args: argparse.Namespace, load: Callable, on_config: Callable) -> i
     reward curve (a collapse to a degenerate policy is called that). ``args``: `fitrl demo`'s
     (fitrl/cli.py); ``load(config, overrides)``: the CLI's config loader; ``on_config(cfg)``: called
     once GRPO's config is read, before anything heavy (the CLI restarts under the host allocator)."""
-    variant = "vl" if args.vl else "reward_model" if args.reward_model else "tools" if args.tools else "text"
+    variant = next((v for v in ("vl", "reward_model", "tools", "distill") if getattr(args, v, False)), "text")
     config, arch, size, write_data, warm_start = DEMOS[variant]
     root = Path(__file__).resolve().parent.parent.parent
     if not Path(config).is_file() and (root / config).is_file():
@@ -84,6 +91,8 @@ def run_demo(args: argparse.Namespace, load: Callable, on_config: Callable) -> i
         getattr(importlib.import_module(module), name)(data_files[0].parent, seed=0)
     if variant in REWARD_MODELS:
         _make_reward_models(cfg, REWARD_MODELS[variant], console)
+    if variant in TEACHERS:
+        make_teacher(cfg, *TEACHERS[variant], args, console, load)
     if warm_start and args.warm_start_steps != 0:
         cfg.actor.model.path = _warm_start(warm_start, model_dir, args, console, cfg.trainer.run_dir, load)
     where: dict = {}
@@ -94,7 +103,8 @@ def run_demo(args: argparse.Namespace, load: Callable, on_config: Callable) -> i
         verdict["message"] = verdict["message"].replace("rose beyond noise", "rose") + (
             f", but the policy collapsed: {collapse}; it has not learned the task")
     console.print(verdict["message"], highlight=False)
-    gain = accuracy_gain(Path(where["run_dir"]) / "metrics.jsonl", prompts=where.get("val_prompts", 0))
+    gain = accuracy_gain(Path(where["run_dir"]) / "metrics.jsonl", prompts=where.get("val_prompts", 0),
+                         by="distillation with GRPO" if variant == "distill" else "GRPO")
     if gain is not None:
         console.print(gain["message"], highlight=False)
     if collapse:
@@ -120,8 +130,32 @@ def _make_reward_models(cfg, maker: str, console) -> None:
                           f"with the rule {f['held_out_correlation']:.3f}", highlight=False)
 
 
+def make_teacher(cfg, warm_start: str, config: str, args: argparse.Namespace, console, load: Callable) -> None:
+    """Make the distillation teacher at ``cfg.teacher.model.path`` when it is missing: the demo's
+    tiny model (``cfg.actor.model.path``) warm-started by ``warm_start`` and trained by GRPO on
+    ``config`` under ``config``'s own seed, exported there. One teacher for every student: the
+    demo's seed is not passed on (its device and threads are)."""
+    from fitrl.checkpoint.export import export_checkpoint
+    from fitrl.trainer.run import train
+
+    out = Path(cfg.teacher.model.path)
+    if (out / "config.json").is_file():
+        return
+    keep = [o for o in args.overrides if o.startswith(WARM_START_KEYS[1:])]
+    teacher_cfg = load(config, keep)
+    seed = f"trainer.seed={teacher_cfg.trainer.seed}"
+    warm = _warm_start(warm_start, Path(cfg.actor.model.path), argparse.Namespace(overrides=[*keep, seed],
+                       warm_start_steps=None), console, None, load, title="teacher's warm start",
+                       then=f", then {teacher_cfg.trainer.max_steps} GRPO steps ({config})")
+    teacher_cfg.actor.model.path = warm
+    where: dict = {}
+    train(teacher_cfg, console, where=where)
+    export_checkpoint(str(where["run_dir"]), str(out))
+    console.print(f"teacher exported to {out} (made once; the student's run follows)", highlight=False)
+
+
 def _warm_start(config: str, model_dir: Path, args: argparse.Namespace, console, run_dir: str | None,
-                load: Callable) -> str:
+                load: Callable, title: str = "warm start", then: str = ", then GRPO from the result") -> str:
     """``fitrl sft`` on ``config`` from ``model_dir``, exported: the directory GRPO starts from.
     ``run_dir``: GRPO's, when given (the warm start's is beside it, ``<run_dir>-sft``)."""
     from fitrl.checkpoint.export import export_checkpoint
@@ -133,11 +167,11 @@ def _warm_start(config: str, model_dir: Path, args: argparse.Namespace, console,
     if run_dir:
         overrides.append(f"trainer.run_dir={run_dir}-sft")
     cfg = load(config, overrides)
-    console.print(f"[bold]warm start[/]: {cfg.trainer.max_steps} supervised steps on the answers ({config}, "
-                  f"fitrl sft), then GRPO from the result", highlight=False)
+    console.print(f"[bold]{title}[/]: {cfg.trainer.max_steps} supervised steps on the answers ({config}, "
+                  f"fitrl sft){then}", highlight=False)
     where: dict = {}
     train(cfg, console, supervised=True, where=where)
     out = Path(where["run_dir"]) / "hf"
     export_checkpoint(str(where["run_dir"]), str(out))
-    console.print(f"warm start exported to {out}", highlight=False)
+    console.print(f"{title} exported to {out}", highlight=False)
     return str(out)

@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def accuracy_gain(metrics_file: Path, prompts: int = 0) -> dict | None:
+def accuracy_gain(metrics_file: Path, prompts: int = 0, by: str = "GRPO") -> dict | None:
     """Validation accuracy (the reward's ``exact`` component, else the mean reward) at the first
     and the last validation of a run: what GRPO did to the policy it started from. With the
     number of validation ``prompts``, an accuracy's rise is also judged against noise: it must
     exceed 2 standard errors of the difference of two proportions over that many prompts
     (binomial, the two validations treated as independent: conservative, since they score the
-    same prompts)."""
+    same prompts). ``by``: what trained the policy, as the message names it."""
     import json
 
     vals = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if "val/reward/mean" in r]
@@ -23,7 +23,7 @@ def accuracy_gain(metrics_file: Path, prompts: int = 0) -> dict | None:
     name = "exact-match accuracy" if key.endswith("exact") else "mean reward"
     before, after = vals[0][key], vals[-1][key]
     parts = [f"{after / before:.2f}x"] if before > 0 else []
-    said = "GRPO raised it" if after > before else "GRPO did NOT raise it"
+    said = f"{by} raised it" if after > before else f"{by} did NOT raise it"
     beyond = None
     if prompts > 0 and key.endswith("exact"):  # a proportion of prompts answered exactly
         se = ((before * (1 - before) + after * (1 - after)) / prompts) ** 0.5

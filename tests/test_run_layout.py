@@ -172,6 +172,8 @@ def local_models(cfg, model_dir: Path) -> None:
     cfg.actor.model.path = str(model_dir)
     if cfg.ref.model is not None and cfg.ref.model.path:
         cfg.ref.model.path = str(model_dir)
+    if cfg.teacher.model is not None and cfg.teacher.model.path:
+        cfg.teacher.model.path = str(model_dir)
     for src in cfg.reward.sources.values():
         if src.kind != "function":
             src.model.path = str(model_dir)

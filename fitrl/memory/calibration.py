@@ -357,6 +357,14 @@ GiB on 0.07-0.20 GiB of traced transients: a multiple of them does not follow it
 shapes. 3.3 covers four of the five (configuration 3's log-prob -7.7%) and over-predicts 14 by
 +33%; covering all (4.2) would put 14 at +48%. In every measured configuration the log-prob
 phase is 0.3-1.7 GiB below the update, so this factor does not move a fit-deciding peak there."""
+CPU_TRIMMED_TEACHER_PROCESS_RSS_FACTOR = 2.7
+"""Measured: the same ratio for the distillation teacher's pass in a process of its own (its Ray
+ranks, whose heap only ever holds that pass: no update shaped it), ``bench/plan_accuracy.py --only
+8 --teacher medium`` and ``--teacher small`` (``--top-k 8``, 2 FSDP2 ranks): 2.03 (the medium
+teacher) and 2.68 (the small one); 1.04 for the tiny one (7 MB of transients: noise). 3.3 put the
+medium teacher +27.7 % over its peak; 2.7 covers both (+14.6 %, +12.2 % on a second run; +0.4 %). In one process the
+teacher's pass runs on the trainer's heap and takes its factor (3.74 measured, -1.9 %). The
+reference's own process, unmeasured, keeps the trainer's."""
 CPU_TRIMMED_ROLLOUT_RSS_FACTOR = 2.2
 """Measured once: the same ratio for generation (HF ``generate``: KV cache, prefill activations,
 sampling buffers), 2.17 in configuration 14 (the deep model, 8 sequences P32 / R256, the second

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitrl.core.registry import Registry
+from fitrl.memory.distill import teacher_topk_pass
 from fitrl.memory.engines import engine_planner
 from fitrl.memory.model import ACTOR_PHASES, Usage
 from fitrl.memory.sharding import sharding_plan
@@ -207,7 +208,8 @@ class TeacherPlanner(RolePlanner):
                           dtype=dtype, chunk=a.logprob_chunk_size, attn=t.model.attn_implementation)
         traced = transient_bytes(spec, shape.layers)
         logits = min(traced, 2 * min(a.logprob_chunk_size, b * run.response_len) * shape.vocab * 4)  # two (chunk, V) fp32
-        out = {"activations": traced - logits, "logits": logits, "top-k buffers": _topk_bytes(run, seqs)}
+        out = {"activations": traced - logits, "logits": logits,
+               "top-k buffers": teacher_topk_pass(run, seqs, b, traced)}  # (its outputs while it runs)
         cb = DTYPE_BYTES[dtype]
         if run.distributed:
             out["gathered weights"] = sh.gathered(root_bytes(shape, cb), layer_bytes(shape, cb), shape.num_params * cb)

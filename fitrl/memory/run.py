@@ -211,8 +211,20 @@ class Run:
 
     def batch_bytes(self, seqs: int) -> int:
         """A rollout batch's token tensors for ``seqs`` sequences (closed form); its images are
-        counted per prompt (:meth:`pixel_values_bytes`), not per sequence."""
-        return seqs * (self.seq_len * C.BATCH_BYTES_PER_TOKEN + self.response_len * C.BATCH_BYTES_PER_RESPONSE_TOKEN)
+        counted per prompt (:meth:`pixel_values_bytes`), not per sequence. A mixture of experts'
+        batch from an engine that records its routing carries ``routed_experts`` too: int16 ids of
+        each response token's experts, ``top_k`` per sparse layer (fitrl/rollout/hf.py records them
+        for every MoE, whatever ``actor.routing_replay``; agent episodes carry none)."""
+        per_response_token = C.BATCH_BYTES_PER_RESPONSE_TOKEN + 2 * self.routed_ids_per_token
+        return seqs * (self.seq_len * C.BATCH_BYTES_PER_TOKEN + self.response_len * per_response_token)
+
+    @property
+    def routed_ids_per_token(self) -> int:
+        """Recorded experts per response token in the batch's ``routed_experts`` (0: none recorded)."""
+        r = self.cfg.rollout
+        if not r.capabilities.records_routing or r.agent.enabled:
+            return 0
+        return getattr(self.shape.decoder, "routed_ids_per_token", 0)  # (a dense decoder routes nothing)
 
     # ------------------------------------------------------------------ images (docs/architecture.md, "Memory model")
     @property

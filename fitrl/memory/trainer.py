@@ -11,6 +11,7 @@ LoRA the reference log-probs come from the policy itself, adapters off (fitrl/ro
 from __future__ import annotations
 
 from fitrl.memory import calibration as C
+from fitrl.memory import mapped
 from fitrl.memory.engines import active_phases, engine_planner
 from fitrl.memory.gpu_terms import NCCL, OUTSIDE_ALLOCATOR, nccl_buffers, pinned_optimizer
 from fitrl.memory.model import ProcessPlan, Usage
@@ -94,6 +95,8 @@ def _rank_plan(run: Run, kind: str, roles: dict, notes: list[str]) -> ProcessPla
             u.add(dev if opt_dev else "host", f"{'' if opt_dev or not cuda else 'offloaded '}{label}optimizer",
                   st.optimizer)
             pinned_optimizer(run, section, full, st, opt_dev, u, label)  # its pinned blocks (assumed)
+            if ph != "load":  # (loading's own checkpoint copy stands for the file's pages there)
+                u.add("host", f"{label}{mapped.LABEL}", mapped.stacked_experts_mapped(run, section))
             for part, size in ROLE_PLANNERS.get(role).own_pass(run, ph).items():  # a reward model's, a judge's
                 u.add(dev, part, size * (1.0 if cuda else C.CPU_ALLOCATOR_SLACK))
             for part, size in ROLE_PLANNERS.get(role).own_host(run, ph).items():  # a rollout worker's mailbox
@@ -273,6 +276,8 @@ def _cpu_retention(phases: dict[str, Usage], unretained: int = 0, trimmed: bool 
         own = _host_transients(u)
         if trimmed:
             factor = C.CPU_TRIMMED_ROLLOUT_RSS_FACTOR if ph in ("rollout", "validation") else C.CPU_TRIMMED_PHASE_RSS_FACTOR
+            if ph == "teacher_logprob" and not update:  # the teacher's own process: no update ever shaped its heap
+                factor = C.CPU_TRIMMED_TEACHER_PROCESS_RSS_FACTOR
             u.add("host", "allocator (regrown heap)", (factor - 1) * own)
         else:
             u.add("host", "allocator (retained)", retained - own)

@@ -238,6 +238,19 @@ class MoeDecoder:
         return sum(self.sparse(i) for i in range(self.layers))
 
     @property
+    def stacked_expert_params(self) -> int:
+        """The routed experts' parameters, every sparse layer's 3-D ``gate_up_proj`` and
+        ``down_proj``: what transformers 5 stacks at load time from a checkpoint's per-expert
+        matrices (the layout it also saves), into new tensors (fitrl/memory/mapped.py)."""
+        return self.sparse_layers * self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def routed_ids_per_token(self) -> int:
+        """A sampled token's recorded experts, ``top_k`` per sparse layer (the batch's
+        ``routed_experts``, int16: fitrl/models/moe_routing.py)."""
+        return self.sparse_layers * self.top_k
+
+    @property
     def intermediate(self) -> int:
         """The widest MLP a token goes through: its top-k experts' (and the shared expert's) on a
         sparse layer, the dense MLP elsewhere (8 x 768 = 6144 for Qwen3-30B-A3B)."""

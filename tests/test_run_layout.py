@@ -82,12 +82,12 @@ def built_groups(monkeypatch):
     built: list[Built] = []
     planned: dict = {}
 
-    def make_group(role, cfg, name, stack, colocate_with=None):
+    def make_group(role, cfg, name, stack, colocate_with=None, models=None):
         built.append(Built(role, name, colocate_with.role if colocate_with else None,
                            cfg.rollout.workers if role == "rollout" else cfg.world_size))
         return FakeHandle(role)
 
-    def preflight(cfg, console=None, supervised=False):
+    def preflight(cfg, console=None, supervised=False, models=None):
         planned.update(cfg=cfg, supervised=supervised)
         return None
 
@@ -97,10 +97,10 @@ def built_groups(monkeypatch):
         return stop
 
     for name, value in {"make_group": make_group, "preflight": preflight, "RewardSources": FakeReward,
-                        "check_model_configs": lambda cfg: None, "check_installed": lambda loggers: None,
-                        "check_run_models": lambda cfg: SimpleNamespace(pad_token_id=0),
-                        "check_agent": lambda cfg, tok: None, "check_reward_sources": lambda cfg: None,
-                        "build_datasets": lambda cfg, tok: (None, None), "check_shared": lambda path, group: None,
+                        "check_model_configs": lambda cfg, configs=None: None, "check_installed": lambda loggers: None,
+                        "check_run_models": lambda cfg, configs=None: SimpleNamespace(pad_token_id=0),
+                        "check_agent": lambda cfg, tok: None, "check_reward_sources": lambda cfg, models=None: None,
+                        "build_datasets": lambda cfg, tok, models=None: (None, None), "check_shared": lambda path, group: None,
                         "RLTrainer": trainer("rl"), "SFTTrainer": trainer("supervised"),
                         # (the start-up line names the device: a CUDA config is described, not run, here)
                         "resolve_device": lambda device: torch.device("cpu" if device == "auto" else device)}.items():

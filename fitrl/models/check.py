@@ -348,12 +348,14 @@ def run_models(cfg) -> list[tuple[Any, str, str]]:
     return models
 
 
-def check_model_configs(cfg) -> None:
+def check_model_configs(cfg, configs: Optional[dict[str, dict[str, Any]]] = None) -> None:
     """Every ``config.json`` the run reads, and its model type: what the memory plan needs, so
-    this runs before it (a directory holding only ``config.json`` can still be planned)."""
+    this runs before it (a directory holding only ``config.json`` can still be planned).
+    ``configs``: each config section's parsed ``config.json`` when already read
+    (fitrl/models/description.py, ``RunModels.configs``); otherwise each is read here."""
     vocab = {}
     for model, prefix, head in run_models(cfg):
-        config = read_model_config(model.path, f"{prefix}.path")
+        config = _config_of(configs, model, prefix)
         check_model_type(config, model.path, head)
         vocab[prefix] = shape_value(config, "vocab_size")
         if head == "causal_lm" and cfg.actor.ulysses_size > 1 and prefix != "teacher.model":  # (no SP: its own pass)
@@ -363,10 +365,17 @@ def check_model_configs(cfg) -> None:
                           "and its rope has three position axes): its forwards stay padded")
     for name, src in cfg.reward.sources.items():  # reward models and judges: their own vocabularies
         if src.kind != "function":
-            config = read_model_config(src.model.path, f"reward.sources.{name}.model.path")
+            config = _config_of(configs, src.model, f"reward.sources.{name}.model")
             check_model_type(config, src.model.path, "reward" if src.kind == "model" else "causal_lm")
     if "teacher.model" in vocab:
         check_topk_fits(cfg, min(vocab["teacher.model"], vocab["actor.model"]))
+
+
+def _config_of(configs: Optional[dict[str, dict[str, Any]]], model, prefix: str) -> dict[str, Any]:
+    """The parsed ``config.json`` of section ``prefix`` from ``configs``, or read now."""
+    if configs is not None and prefix in configs:
+        return configs[prefix]
+    return read_model_config(model.path, f"{prefix}.path")
 
 
 def check_sequence_parallel(config: dict[str, Any], model, prefix: str, size: int) -> None:
@@ -388,13 +397,13 @@ def ulysses_refusal(config: dict[str, Any], attn: str, size: int, attn_key: str 
     return check_heads(config.get("num_attention_heads"), config.get("num_key_value_heads"), size)
 
 
-def check_run_models(cfg) -> Any:
+def check_run_models(cfg, configs: Optional[dict[str, dict[str, Any]]] = None) -> Any:
     """The weights of every model directory the run loads and the actor's tokenizer, before the
-    reward, the data or any model loads (after :func:`check_model_configs`). Returns the
-    actor's tokenizer, so the run does not load it twice."""
+    reward, the data or any model loads (after :func:`check_model_configs`; ``configs`` as
+    there). Returns the actor's tokenizer, so the run does not load it twice."""
     tokenizer = None
     for model, prefix, head in run_models(cfg):
-        config = read_model_config(model.path, f"{prefix}.path")
+        config = _config_of(configs, model, prefix)
         check_weights(model.path, config, f"{prefix}.path")
         if tokenizer is None:  # the actor: its tokenizer is the run's
             tokenizer = check_tokenizer(model.path, model.tokenizer_path, config, prefix=prefix,

@@ -22,8 +22,7 @@ in torchtitan:
 from __future__ import annotations
 
 import socket
-from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -33,20 +32,12 @@ from fitrl.core.errors import ModelDirError
 from fitrl.core.faults import own_disk
 from fitrl.distributed.collectives import distributed, rank
 from fitrl.distributed.sharding import sharding_backend
-from fitrl.models.check import load_local_tokenizer, read_model_config
-from fitrl.models.families import family_for
+from fitrl.models.check import load_local_tokenizer
+from fitrl.models.description import ModelDescription
 from fitrl.models.params import ParameterSet
 from fitrl.ops.varlen import use_varlen_vision
 
 FULL = ParameterSet()
-
-
-def check_model_dir(path: str, what: str = "actor.model.path") -> Path:
-    """The quick check a worker repeats before it builds a model (the driver ran the full one,
-    :func:`fitrl.models.check.check_run_models`, before anything loaded)."""
-    check_on_this_node(path, what)
-    read_model_config(path, what)
-    return Path(path)
 
 
 def check_on_this_node(path: str, key: str) -> None:
@@ -80,16 +71,18 @@ def load_tokenizer(model: ModelConfig, key: str = "actor.model"):
 
 def build_model(kind: str, model: ModelConfig, section: Any, device: torch.device, *,
                 what: str = "actor.model.path", nnodes: int = 1, params: ParameterSet = FULL,
-                replicate: bool = False) -> nn.Module:
+                replicate: bool = False, description: Optional[ModelDescription] = None) -> nn.Module:
     """The role's model on this rank: plain when there is no process group, sharded otherwise
     by the backend ``section.sharding`` names (``section``: the role's config section, ``cfg.actor``).
 
     ``kind``: ``"causal_lm"`` (policy, reference) or ``"value"`` (critic); ``what`` names the
     config key of ``model.path`` in error messages; ``nnodes`` shapes a hybrid-shard mesh;
     ``params``: which parameters train (LoRA adapters are injected into every copy built here);
-    ``replicate``: a whole copy on every rank even under a process group (a rollout worker's)."""
-    check_model_dir(model.path, what)
-    family = family_for(model.path)
+    ``replicate``: a whole copy on every rank even under a process group (a rollout worker's);
+    ``description``: the model's, read by the driver (fitrl/models/description.py): its family,
+    and no ``config.json`` read here (without one it is read, checked, here)."""
+    check_on_this_node(model.path, what)
+    family = (description or ModelDescription.read(model, what)).family
     load, build = family.builders(kind, model)
     from_pretrained, from_config = (lambda: params.apply(load())), (lambda: params.apply(build()))
     if replicate or not distributed():

@@ -29,6 +29,7 @@ from fitrl.core.padding import left_pad, right_pad
 from fitrl.data.batch import Batch
 from fitrl.distributed.sharding import gathered_for_generation
 from fitrl.models.check import check_weights, read_model_config
+from fitrl.models.description import ModelDescription, RunModels, described
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.ops.score import last_token_scores
 from fitrl.roles.offload import OffloadBetweenPhases
@@ -49,14 +50,16 @@ def length_cap(cfg: FitrlConfig, src: RewardSourceConfig) -> int:
     return src.max_length or cfg.data.max_prompt_length + cfg.rollout.max_response_length
 
 
-def check_reward_sources(cfg: FitrlConfig) -> None:
+def check_reward_sources(cfg: FitrlConfig, models: RunModels | None = None) -> None:
     """Before any model loads: each model source's directory, what its config says it is, and a
-    chat template in its tokenizer (one line each, naming the key and the fix)."""
+    chat template in its tokenizer (one line each, naming the key and the fix). ``models``: the
+    run's descriptions (fitrl/models/description.py), whose configs are not read again."""
     for name, src in cfg.reward.sources.items():
         if src.kind == "function":
             continue
         key = f"reward.sources.{name}.model.path"
-        config = read_model_config(src.model.path, key)
+        known = models.get(f"reward.sources.{name}.model") if models is not None else None
+        config = known.config if known is not None else read_model_config(src.model.path, key)
         check_weights(src.model.path, config, key)
         archs = config.get("architectures") or []
         classifier = any(a.endswith("ForSequenceClassification") for a in archs)
@@ -89,11 +92,12 @@ def judge_prompt(src: RewardSourceConfig, messages: list[dict], response: str, a
 class _ModelSource:
     """One source's model, tokenizer and offload on this rank."""
 
-    def __init__(self, cfg: FitrlConfig, name: str, src: RewardSourceConfig, head: str, device: torch.device):
+    def __init__(self, cfg: FitrlConfig, name: str, src: RewardSourceConfig, head: str, device: torch.device,
+                 description: ModelDescription):
         self.name, self.src, self.device = name, src, device
         self.tokenizer = load_tokenizer(src.model, key=f"reward.sources.{name}.model")
         self.model = build_model(head, src.model, src, device, what=f"reward.sources.{name}.model.path",
-                                 nnodes=cfg.trainer.nnodes)
+                                 nnodes=cfg.trainer.nnodes, description=description)
         self.model.eval().requires_grad_(False)
         self.offload = OffloadBetweenPhases(self.model, src.fsdp, device, trim=cfg.memory.trim_heap)
         self.cap = length_cap(cfg, src)
@@ -110,11 +114,12 @@ class _SourcesWorker:
     """The models of every ``reward.sources`` entry of ``kind`` on one rank, built as ``head``."""
     kind, head = "", ""
 
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int, models: RunModels | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
-        self.sources = [_ModelSource(cfg, name, src, self.head, self.device)
+        self.sources = [_ModelSource(cfg, name, src, self.head, self.device,
+                                     described(models, f"reward.sources.{name}.model", src.model))
                         for name, src in sources_of(cfg, self.kind).items()]
 
 
@@ -152,8 +157,8 @@ class JudgeWorker(_SourcesWorker):
     """The LLM judges of ``reward.sources`` (``kind: judge``) on one rank: greedy replies."""
     kind, head = "judge", "causal_lm"
 
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
-        super().__init__(cfg, rank=rank, world_size=world_size)
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int, models: RunModels | None = None):
+        super().__init__(cfg, rank=rank, world_size=world_size, models=models)
         for s in self.sources:  # a prompted sequence holds the template's own tokens besides the run's caps
             s.cap += _template_tokens(s)
 

@@ -32,7 +32,7 @@ from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.distributed.weight_sync import ChannelAddress, WeightChannel
-from fitrl.models.families import family_for
+from fitrl.models.description import ModelDescription, RunModels, described
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.rollout import build_engine
 from fitrl.rollout.agent import AgentRollout
@@ -64,13 +64,13 @@ def episode_runner(cfg: FitrlConfig, engine: RolloutEngine, model: torch.nn.Modu
                         max_prompt_length=cfg.data.max_prompt_length)
 
 
-def shape_only(model_cfg) -> torch.nn.Module:
+def shape_only(model_cfg, description: ModelDescription) -> torch.nn.Module:
     """The policy's architecture on the ``meta`` device (no memory), with the checkpoint's
     generation config (its EOS ids), for an engine that holds the weights itself."""
     from transformers import GenerationConfig
 
     with torch.device("meta"):
-        model = family_for(model_cfg.path).builders("causal_lm", model_cfg)[1]()
+        model = description.family.builders("causal_lm", model_cfg)[1]()
     try:
         model.generation_config = GenerationConfig.from_pretrained(model_cfg.path)
     except OSError:  # no generation_config.json: the one built from config.json stays
@@ -79,8 +79,9 @@ def shape_only(model_cfg) -> torch.nn.Module:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int, models: RunModels | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        description = described(models, "actor.model", cfg.actor.model)
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + 104_729 + rank)  # its own sampling stream
@@ -93,13 +94,14 @@ class RolloutWorker:
         self.own_copy = cfg.rollout.capabilities.holds_own_weights  # the engine holds the weights, not self.model
         self._pushing: dict[str, torch.Tensor] = {}  # the version being streamed into such an engine
         if self.own_copy:
-            self.model = shape_only(model_cfg)
+            self.model = shape_only(model_cfg, description)
         else:
-            self.model = build_model("causal_lm", model_cfg, cfg.actor, self.device, replicate=True)
+            self.model = build_model("causal_lm", model_cfg, cfg.actor, self.device, replicate=True,
+                                     description=description)
         self.model.eval().requires_grad_(False)
-        inputs = family_for(cfg.actor.model.path).inputs_for(self.model)
+        inputs = description.family.inputs_for(self.model)
         context = EngineContext(
-            model_path=cfg.actor.model.path, tokenizer_path=cfg.actor.model.tokenizer_path or cfg.actor.model.path,
+            model_path=description.path, tokenizer_path=description.tokenizer_path,
             dtype=self.dtype, max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
             seed=cfg.trainer.seed + 104_729 + rank, device=self.device,
             limit_images=cfg.data.limit_images if getattr(self.model.config, "vision_config", None) else 0,

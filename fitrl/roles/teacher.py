@@ -20,9 +20,7 @@ import torch
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import autocast, resolve_device
 from fitrl.data.batch import Batch
-from fitrl.models.check import shape_value
-from fitrl.models.config_json import read_config_json
-from fitrl.models.families import family_for
+from fitrl.models.description import RunModels, described
 from fitrl.models.loading import build_model
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.varlen import packed_attention
@@ -36,20 +34,21 @@ from fitrl.workers.group import dispatch
 class TeacherWorker:
     """One rank of the teacher: ``compute_teacher_logprob`` over its share of a rollout."""
 
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int, models: RunModels | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
         model_cfg = cfg.teacher.model
+        description = described(models, "teacher.model", model_cfg)
         self.model = build_model("causal_lm", model_cfg, cfg.teacher, self.device, what="teacher.model.path",
-                                 nnodes=cfg.trainer.nnodes)
+                                 nnodes=cfg.trainer.nnodes, description=description)
         self.model.eval().requires_grad_(False)
-        self.inputs = family_for(model_cfg.path).inputs_for(self.model)
+        self.inputs = description.family.inputs_for(self.model)
         self.offload = OffloadBetweenPhases(self.model, cfg.teacher.fsdp, self.device, trim=cfg.memory.trim_heap)
         self.top_k = cfg.algorithm.distill.top_k
         # the top-k ids index the student's vocabulary too: a teacher's padded embedding may have
         # more rows than the student's (the ids past it are never tokens of the shared tokenizer)
-        student = shape_value(read_config_json(cfg.actor.model.path, "actor.model.path"), "vocab_size")
+        student = described(models, "actor.model", cfg.actor.model).vocab_size
         self.vocab = min(self.model.get_output_embeddings().weight.shape[0], student)
 
     def _attention(self):

@@ -29,7 +29,7 @@ from fitrl.distributed.state import full_state_dict
 from fitrl.distributed.ulysses import over_pass, sequence_groups
 from fitrl.distributed.weight_sync import ChannelAddress, WeightChannel, open_rendezvous
 from fitrl.ops.varlen import packed_attention
-from fitrl.models.families import family_for
+from fitrl.models.description import RunModels, described
 from fitrl.models.loading import build_model, load_tokenizer
 from fitrl.models.params import parameter_set
 from fitrl.ops.logprob import response_logprobs
@@ -48,20 +48,23 @@ ROLES: Registry[type] = Registry("role", "")
 """The model-holding roles by name, each a worker class (one instance per rank). A role's memory
 planner is registered under the same name (fitrl/memory/roles.py, ``ROLE_PLANNERS``); a role
 without one never runs (fitrl/trainer/run.py, ``make_group``) and fails
-``tests/test_extension_points.py``."""
+``tests/test_extension_points.py``. Each is built ``worker_cls(cfg, rank=, world_size=, models=)``:
+``models``, the run's model descriptions read once by the driver (fitrl/models/description.py),
+is None where a worker is built directly (it then reads its own model's directory)."""
 
 
 class PolicyWorker:
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int, models: RunModels | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.description = described(models, "actor.model", cfg.actor.model)
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.params = parameter_set(cfg.actor.lora)  # full, or LoRA adapters on a frozen base
         self.model = build_model("causal_lm", cfg.actor.model, cfg.actor, self.device,
-                                 nnodes=cfg.trainer.nnodes, params=self.params)
-        inputs = family_for(cfg.actor.model.path).inputs_for(self.model)  # positions, images
+                                 nnodes=cfg.trainer.nnodes, params=self.params, description=self.description)
+        inputs = self.description.family.inputs_for(self.model)  # positions, images
         self.autocast_dtype = low_precision(cfg.autocast_dtype("actor"))  # mixed precision in one process
         self.actor = Actor(self.model, cfg.actor, cfg.algorithm, total_steps=cfg.trainer.max_steps,
                            seed=cfg.trainer.seed, max_response_length=cfg.rollout.max_response_length,
@@ -82,7 +85,7 @@ class PolicyWorker:
         cfg = self.cfg
         mixed = cfg.actor.fsdp.mixed_precision  # bf16 compute, by FSDP2 or by autocast
         return EngineContext(
-            model_path=cfg.actor.model.path, tokenizer_path=cfg.actor.model.tokenizer_path or cfg.actor.model.path,
+            model_path=self.description.path, tokenizer_path=self.description.tokenizer_path,
             dtype="bfloat16" if mixed else cfg.actor.model.dtype,
             max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
             # the ranks of one engine (rollout.tensor_parallel_size of them, consecutive) build it alike
@@ -232,15 +235,16 @@ class PolicyWorker:
 
 
 class ReferenceWorker:
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int, models: RunModels | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
         model_cfg = cfg.ref.model or cfg.actor.model
+        description = described(models, "ref.model", model_cfg)
         self.model = build_model("causal_lm", model_cfg, cfg.ref, self.device, what="ref.model.path",
-                                 nnodes=cfg.trainer.nnodes)
+                                 nnodes=cfg.trainer.nnodes, description=description)
         self.model.eval().requires_grad_(False)
-        self.inputs = family_for(model_cfg.path).inputs_for(self.model)
+        self.inputs = description.family.inputs_for(self.model)
         self.offload = OffloadBetweenPhases(self.model, cfg.ref.fsdp, self.device, trim=cfg.memory.trim_heap)
         self.sequence_group = sequence_groups(cfg.actor.ulysses_size)  # as the policy's ranks
         self.routers = replay_routers(self.model, cfg.actor)  # actor.routing_replay on a MoE (fitrl/roles/moe.py)
@@ -274,17 +278,18 @@ class ReferenceWorker:
 
 
 class CriticWorker:
-    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int):
+    def __init__(self, cfg: FitrlConfig, *, rank: int, world_size: int, models: RunModels | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.trainer.device)
         GUARD.configure(cfg.memory)
         torch.manual_seed(cfg.trainer.seed + 7919)  # the value head's init (rank 0's is broadcast)
         model_cfg = cfg.critic.model or cfg.actor.model
+        description = described(models, "critic.model", model_cfg)
         self.model = build_model("value", model_cfg, cfg.critic, self.device,
-                                 what="critic.model.path", nnodes=cfg.trainer.nnodes)
+                                 what="critic.model.path", nnodes=cfg.trainer.nnodes, description=description)
         self.critic = Critic(self.model, cfg.critic, total_steps=cfg.trainer.max_steps,
                              max_response_length=cfg.rollout.max_response_length,
-                             inputs=family_for(model_cfg.path).inputs_for(self.model),
+                             inputs=description.family.inputs_for(self.model),
                              after_micro_batch=lambda: self.offload.micro_batch_done())
         self.offload = OffloadBetweenPhases(self.model, cfg.critic.fsdp, self.device, self.critic.optimizer,
                                             trim=cfg.memory.trim_heap)

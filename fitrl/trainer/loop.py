@@ -27,6 +27,7 @@ from fitrl.config.schema import FitrlConfig
 from fitrl.core.errors import Interrupted
 from fitrl.data.batch import Batch
 from fitrl.data.dataset import PromptDataset, PromptSampler
+from fitrl.models.description import RunModels
 from fitrl.roles.reward import REWARD_COMPONENTS
 from fitrl.roles.reward_sources import RewardSources
 from fitrl.telemetry.memory import host_memory
@@ -86,10 +87,11 @@ class RLTrainer:
                  val_data: Optional[PromptDataset], reward: RewardSources, run_dir: Path, console: Console,
                  pad_id: int, checkpoints: Optional[CheckpointManager] = None,
                  history: Optional[list[dict[str, float]]] = None, rollout: Optional[RoleHandle] = None,
-                 teacher: Optional[RoleHandle] = None):
+                 teacher: Optional[RoleHandle] = None, models: Optional[RunModels] = None):
         """``rollout``: rollout workers of their own (``rollout.workers``): they generate the
         training samples, the policy only validation's (fitrl/trainer/pipeline.py). ``teacher``:
-        on-policy distillation's (``algorithm.distill``), scoring every step's rollout."""
+        on-policy distillation's (``algorithm.distill``), scoring every step's rollout. ``models``:
+        the run's model descriptions (fitrl/models/description.py; else the directories are read)."""
         self.cfg, self.policy, self.ref, self.critic, self.teacher = cfg, policy, ref, critic, teacher
         self.train_data, self.val_data, self.reward = train_data, val_data, reward
         self.run_dir, self.console = run_dir, console
@@ -107,7 +109,7 @@ class RLTrainer:
             self.collector = RolloutCollector(
                 cfg, generate, reward, train_data, sampler, self.train_sampling,
                 needs_baseline=algorithm_needs(cfg).baseline, pad_id=pad_id)
-        self.perf = StepPerf(cfg)  # perf/*: tokens/s per phase, model FLOPs, MFU
+        self.perf = StepPerf(cfg, models)  # perf/*: tokens/s per phase, model FLOPs, MFU
         kr = algo.kl_in_reward
         self.kl_in_reward = KL_ESTIMATORS.get(kr.estimator) if kr.enable else None
         self.kl_ctrl = (AdaptiveKLController(kr.coef, kr.target_kl, kr.horizon) if kr.controller == "adaptive"
@@ -121,7 +123,8 @@ class RLTrainer:
                                             **({"critic": critic} if critic else {}),
                                             **({"rollout": rollout} if rollout else {}),
                                             **reward.groups()},
-                              saved=self.roles, writer=self.writer, console=console, checkpoints=checkpoints)
+                              saved=self.roles, writer=self.writer, console=console, checkpoints=checkpoints,
+                              models=models)
         self.memory = self.stops.memory
         self.step = 0
 

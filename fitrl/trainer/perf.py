@@ -33,6 +33,7 @@ from typing import Iterable, Optional
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
+from fitrl.models.description import RunModels
 from fitrl.models.flops import FlopsShape
 from fitrl.ops.sharing import SKIPPED_PROMPTS, merge_skipped
 from fitrl.telemetry.perf import device_peak_flops, mfu
@@ -87,8 +88,9 @@ def skipped_prompts(groups: Iterable) -> dict[str, list[int]]:
 class StepPerf:
     """``perf/*`` metrics of a step from its batch, the sequences generated and the phase times."""
 
-    def __init__(self, cfg: FitrlConfig):
-        self.shape, why = load_flops_shape(cfg.actor.model.path)
+    def __init__(self, cfg: FitrlConfig, models: Optional[RunModels] = None):
+        # (``models``: the run's model descriptions, fitrl/models/description.py; else the directory is read)
+        self.shape, why = models.actor.flops_shape() if models is not None else load_flops_shape(cfg.actor.model.path)
         if self.shape is None:
             log.warning("perf/mfu not logged: no FLOPs formula for %s (%s)", cfg.actor.model.path, why)
         self.teacher_shape: Optional[FlopsShape] = None

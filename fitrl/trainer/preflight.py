@@ -40,6 +40,7 @@ from fitrl.memory.model import Hardware, Plan
 from fitrl.planner.plan import plan_config
 from fitrl.planner.recommend import as_overrides, recommend
 from fitrl.planner.report import print_plan
+from fitrl.models.description import RunModels
 from fitrl.models.shape import ModelShape
 from fitrl.telemetry.memory import node_total_bytes
 
@@ -69,10 +70,12 @@ def detect_hardware(cfg: FitrlConfig) -> Hardware:
                     host_memory=host_memory, device=device)
 
 
-def preflight(cfg: FitrlConfig, console: Optional[Console] = None, supervised: bool = False) -> Optional[Plan]:
+def preflight(cfg: FitrlConfig, console: Optional[Console] = None, supervised: bool = False,
+              models: Optional[RunModels] = None) -> Optional[Plan]:
     """Plan ``cfg`` on this machine before any model loads; returns the :class:`~fitrl.memory.model.Plan`
     (None with ``memory.plan=off`` or when the planner could not plan this run). ``supervised``: a
-    ``fitrl sft`` run, planned with the processes it starts (fitrl/config/layout.py).
+    ``fitrl sft`` run, planned with the processes it starts (fitrl/config/layout.py). ``models``:
+    the run's model descriptions, the policy's shape read from them (else from its directory).
 
     Raises :class:`~fitrl.core.errors.RunStopped` with ``memory.plan=enforce`` when it does not fit.
     """
@@ -97,8 +100,8 @@ def preflight(cfg: FitrlConfig, console: Optional[Console] = None, supervised: b
         else:
             # the plan at expected lengths even when the caps fit: plan.json keeps it, and `fitrl report`
             # holds the run's measurements against it (0.2-0.3 s more on a first launch)
-            plan = plan_config(cfg, hardware, shape=ModelShape.from_path(cfg.actor.model.path), lengths=lengths,
-                               supervised=supervised)
+            shape = models.actor.shape if models is not None else ModelShape.from_path(cfg.actor.model.path)
+            plan = plan_config(cfg, hardware, shape=shape, lengths=lengths, supervised=supervised)
             # Recommendations re-plan the run once per candidate change: only worth it when it does not fit.
             recs, combo = ([], None) if plan.verdict == "fits" else recommend(plan, first_fit=True)
             plan_cache.store(key, (plan, recs, combo))

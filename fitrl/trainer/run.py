@@ -21,6 +21,7 @@ from fitrl.core.device import ClusterDevices, GPUFacts, cuda_in_use, driving, pi
 from fitrl.core.errors import DataError, EngineBroken, Hung, WorkerFailed
 from fitrl.data.dataset import PromptDataset
 from fitrl.models.check import check_model_configs, check_run_models
+from fitrl.models.description import RunModels
 from fitrl.models.families import media_spec_of
 from fitrl.models.hub import resolve_run_refs
 from fitrl.roles.model_reward import check_reward_sources
@@ -47,10 +48,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_datasets(cfg: FitrlConfig, tokenizer) -> tuple[PromptDataset | None, PromptDataset | None]:
+def build_datasets(cfg: FitrlConfig, tokenizer,
+                   models: RunModels | None = None) -> tuple[PromptDataset | None, PromptDataset | None]:
+    """``models``: the run's model descriptions (without them the policy's directory is read)."""
     d = cfg.data
     # a vision-language policy (None for a text model): image rows, pixel budget, tokenizer check
-    vision = media_spec_of(cfg.actor.model.path)
+    vision = models.actor.media_spec if models is not None else media_spec_of(cfg.actor.model.path)
     tools = tool_schemas(cfg.rollout.agent.tools) if cfg.rollout.agent.enabled else None  # in every prompt
     train = None
     if not cfg.trainer.val_only:
@@ -77,10 +80,11 @@ def _quiet_transformers() -> None:
 
 
 def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
-               colocate_with: RoleHandle | None = None) -> RoleHandle:
+               colocate_with: RoleHandle | None = None, models: RunModels | None = None) -> RoleHandle:
     """The workers of ``role`` (a name in ``ROLES``) on the configured backend; torn down when
     ``stack`` closes. A role without a memory planner (fitrl/memory/roles.py) is refused: it would
-    run unplanned.
+    run unplanned. ``models``: the run's model descriptions, handed to every rank (pickled to a
+    Ray rank), so no rank reads a model's ``config.json`` again.
 
     Under Ray, the reference and critic ranks share the policy's slots rank by rank (same node,
     same GPU): the roles take turns, and the planner counts their memory per phase.
@@ -96,7 +100,7 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
     # their own; in one process a thread beside the driver's (fitrl/trainer/pipeline.py)
     own = role == "rollout"
     if t.backend == "inprocess":
-        group = InProcessWorkerGroup(worker_cls, cfg, threaded=own)
+        group = InProcessWorkerGroup(worker_cls, cfg, threaded=own, models=models)
         stack.callback(group.shutdown)
         return RoleHandle(group)
     from fitrl.workers.ray_group import RayWorkerGroup, ensure_ray
@@ -111,7 +115,7 @@ def make_group(role: str, cfg: FitrlConfig, name: str, stack: ExitStack,
                            name=name, colocate_with=colocate_with.group if colocate_with else None,
                            dist_timeout_s=collective_timeout_s(t.hang_timeout_s, t.hang_timeouts),
                            placement_timeout_s=t.placement_timeout_s,
-                           env_vars=_worker_env(cfg))
+                           env_vars=_worker_env(cfg), models=models)
     stack.callback(group.shutdown)
     return RoleHandle(group, sequence_parallel=sequence_parallel)
 
@@ -234,20 +238,21 @@ def _worker_env(cfg: FitrlConfig) -> dict:
     return env
 
 
-def build_groups(cfg: FitrlConfig, layout: RunLayout, stack: ExitStack, run_dir) -> dict[str, RoleHandle]:
+def build_groups(cfg: FitrlConfig, layout: RunLayout, stack: ExitStack, run_dir,
+                 models: RunModels | None = None) -> dict[str, RoleHandle]:
     """The worker groups of the roles ``layout`` lists, in its order, by role name: the policy's
     first (the others colocate on its bundles); a role another stands in for is that role's
     handle (LoRA's reference: the policy with its adapters off)."""
     if layout.builds("critic"):  # (a config check: before any model loads)
         check_critic_batch_sizes(cfg, world_size=cfg.world_size)
     first, *others = layout.roles
-    policy = make_group(first.name, cfg, first.group, stack)
+    policy = make_group(first.name, cfg, first.group, stack, models=models)
     if cfg.trainer.backend == "ray":  # ranks write their shards where they see run_dir: one directory for all
         check_shared(run_dir, policy.group)
     groups = {first.name: policy}
     for role in others:
         groups[role.name] = groups[role.model] if not role.own_model else make_group(
-            role.name, cfg, role.group, stack, colocate_with=policy if role.colocated else None)
+            role.name, cfg, role.group, stack, colocate_with=policy if role.colocated else None, models=models)
     return groups
 
 
@@ -266,17 +271,20 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         run_dir = where["run_dir"] = lock.path
         console_log = stack.enter_context(ConsoleLog(console, run_dir))  # what it prints from here: console.log
         resolve_run_refs(cfg, run_dir)  # Hub ids -> snapshot directories of the HF cache, recorded (fitrl/models/hub.py)
-        check_model_configs(cfg)  # config.json of every model: what the memory plan reads
+        # every model's config.json read once, its family picked once: what every step below and
+        # every rank reads instead of the directories (fitrl/models/description.py)
+        models = RunModels.read(cfg)
+        check_model_configs(cfg, models.configs())  # config.json of every model: what the memory plan reads
         layout = run_layout(cfg, supervised)  # the groups built below: what preflight plans for this mode
-        plan = preflight(cfg, console, supervised)  # memory.plan: stops a run predicted not to fit before loading
+        plan = preflight(cfg, console, supervised, models=models)  # memory.plan: stops a run predicted not to fit
         # Cheap checks before any model is loaded: a typo in the reward, a broken model directory
         # or bad data fails in seconds.
         agent = cfg.rollout.agent
         reward = stack.enter_context(RewardSources(cfg.reward, agent_reward=agent.reward if agent.enabled else ""))
-        tokenizer = check_run_models(cfg)  # weights' headers, the tokenizer (loaded once, here)
+        tokenizer = check_run_models(cfg, models.configs())  # weights' headers, the tokenizer (loaded once, here)
         check_agent(cfg, tokenizer)  # the environment imports, the tools' schemas render in the chat template
-        check_reward_sources(cfg)  # reward models' and judges' directories and chat templates
-        train_data, val_data = build_datasets(cfg, tokenizer)
+        check_reward_sources(cfg, models)  # reward models' and judges' directories and chat templates
+        train_data, val_data = build_datasets(cfg, tokenizer, models)
         where["val_prompts"] = len(val_data) if val_data is not None else 0  # (what a verdict's noise is over)
         checkpoints = CheckpointManager(cfg, run_dir, console)
         resume = checkpoints.resume_point()  # config checked against the checkpoint's before any model loads
@@ -298,7 +306,7 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
             checkpoints.restart_metrics()
 
         with LoadMemory(cfg.memory.telemetry) as load:  # its memory: a metrics.jsonl event (telemetry/run_memory.py)
-            groups = build_groups(cfg, layout, stack, run_dir)
+            groups = build_groups(cfg, layout, stack, run_dir, models)
         policy, ref, critic, rollout, teacher = (groups.get(name) for name in ("actor", "ref", "critic", "rollout",
                                                                               "teacher"))
         reward.attach(groups.get("reward_model"), groups.get("judge"))
@@ -321,7 +329,8 @@ def _train_once(cfg: FitrlConfig, console: Console, where: dict, restart_event: 
         trainer = (SFTTrainer if supervised else RLTrainer)(cfg, policy=policy, ref=ref, critic=critic, train_data=train_data, val_data=val_data,
                             reward=reward, run_dir=run_dir, console=console,
                             pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                            checkpoints=checkpoints, history=history, **({"rollout": rollout} if rollout else {}),
+                            checkpoints=checkpoints, history=history, models=models,
+                            **({"rollout": rollout} if rollout else {}),
                             **({"teacher": teacher} if teacher else {}))
         stack.callback(trainer.close)
         if resume is not None:

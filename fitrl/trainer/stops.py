@@ -34,6 +34,7 @@ from fitrl.checkpoint import layout
 from fitrl.checkpoint.manager import CheckpointManager
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.errors import Diverged, EngineBroken, Interrupted
+from fitrl.models.description import RunModels
 from fitrl.telemetry.timer import PhaseTimer
 from fitrl.trainer.divergence import DivergenceJudge, vocab_size
 from fitrl.trainer.memory_watch import MemoryWatch
@@ -48,11 +49,13 @@ that a slow drift (the policy's, in overlapped modes) moves the baseline along."
 
 class RunStops:
     def __init__(self, cfg: FitrlConfig, *, watched: dict[str, RoleHandle], saved: Callable[[], dict[str, RoleHandle]],
-                 writer: RunLog, console: Console, checkpoints: Optional[CheckpointManager]):
+                 writer: RunLog, console: Console, checkpoints: Optional[CheckpointManager],
+                 models: Optional[RunModels] = None):
         """``watched``: the roles whose processes' memory is watched; ``saved()``: the roles a
-        checkpoint holds."""
+        checkpoint holds; ``models``: the run's model descriptions (else the policy's directory is read)."""
         self.cfg, self.writer, self.console, self.checkpoints, self.saved = cfg, writer, console, checkpoints, saved
-        self.divergence = DivergenceJudge(cfg.trainer.divergence, vocab_size(cfg.actor.model.path))
+        vocab = models.actor.vocab_size if models is not None else vocab_size(cfg.actor.model.path)
+        self.divergence = DivergenceJudge(cfg.trainer.divergence, vocab)
         self.memory = MemoryWatch(cfg, watched, console, write=writer.write, save=self.emergency_save)
         self.start_step = 0  # the step a resumed run continues after
         self.recent_kl: deque[float] = deque(maxlen=MISMATCH_WINDOW)  # the sound steps' rollout/kl

@@ -153,3 +153,14 @@ def assert_text_full_attention_only(can, model) -> None:
         sliding.config.sliding_window = 16
     assert not can(sliding, pos, None)
 
+
+def positions_run(model, fn) -> int:
+    """The token positions the first decoder layer ran over ``fn()`` (a packed or shared-prompt
+    forward runs fewer than a padded one)."""
+    seen = []
+    hook = model.model.layers[0].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:2].numel()))
+    try:
+        fn()
+    finally:
+        hook.remove()
+    return sum(seen)

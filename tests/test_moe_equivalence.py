@@ -22,7 +22,7 @@ from fitrl.config.schema import ActorConfig, AlgorithmConfig, SamplingConfig
 from fitrl.data.batch import Batch
 from fitrl.models.moe_routing import ROUTED_EXPERTS
 from fitrl.roles.actor import Actor, WeightedMetrics
-from helpers import FP32_UNIT_ROUNDOFF, assert_same_adam_step, toy_config
+from helpers import FP32_UNIT_ROUNDOFF, assert_same_adam_step, positions_run, toy_config
 from test_moe_training import _EngineRoutesOtherwise
 
 LR, ADAM_EPS, AUX = 1e-4, 1e-8, 0.1
@@ -203,17 +203,6 @@ LAYOUTS = {"padded": dict(packing=False, share_prompts=False), "packed": dict(pa
            "shared": dict(packing=False, share_prompts=True)}
 
 
-def _positions_run(model, fn) -> int:
-    """The token positions the first decoder layer ran over ``fn()``."""
-    seen = []
-    hook = model.model.layers[0].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:2].numel()))
-    try:
-        fn()
-    finally:
-        hook.remove()
-    return sum(seen)
-
-
 @pytest.mark.parametrize("replay", REPLAY, ids=["free", "replay"])
 def test_packed_and_shared_micro_batches_train_a_moe_as_padded_ones(tiny_moe_dir, sampled, replay):
     """Old log-probs, moe/* counts, losses (policy and load-balancing) and every gradient of one
@@ -228,7 +217,7 @@ def test_packed_and_shared_micro_batches_train_a_moe_as_padded_ones(tiny_moe_dir
         actor = Actor(m, ActorConfig(micro_batch_size=4, routing_replay=replay, router_aux_loss_coef=AUX, **layout),
                       AlgorithmConfig(), total_steps=1, max_response_length=6)
         batch = sampled.index(slice(None))  # (a copy: the fixture is shared)
-        ran = _positions_run(m, lambda: batch.update(actor.compute_logprob(batch, 1.0)))
+        ran = positions_run(m, lambda: batch.update(actor.compute_logprob(batch, 1.0)))
         moe = actor.moe.metrics()
         actor.model.train()
         metrics = WeightedMetrics()

@@ -16,7 +16,7 @@ from fitrl.data.batch import Batch
 from fitrl.ops.logprob import choose_layout, response_logprobs
 from fitrl.ops.packed import can_pack
 from fitrl.roles.actor import Actor, WeightedMetrics
-from helpers import assert_same_pass, assert_text_full_attention_only, logprobs_and_grads
+from helpers import assert_same_pass, assert_text_full_attention_only, logprobs_and_grads, positions_run
 
 
 def test_rows_are_first_fit_decreasing():
@@ -66,16 +66,6 @@ def mixed_batch(vocab, prompts=(9, 3, 5, 2, 7, 4), responses=(12, 2, 3, 1, 6, 12
     for b, (p, r) in enumerate(zip(prompts, responses)):
         mask[b, P - p:P + r] = 1
     return ids, mask, position_ids_from_mask(mask), R
-
-
-def positions_run(model, fn):
-    seen = []
-    hook = model.model.layers[0].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:2].numel()))
-    try:
-        fn()
-    finally:
-        hook.remove()
-    return sum(seen)
 
 
 @pytest.mark.parametrize("temperature,entropy_grad", [(1.0, False), (0.7, True)])

@@ -70,11 +70,16 @@ class DistillConfig:
     """Tokens per position whose teacher log-probs and ids the teacher's pass keeps (``topk_forward_kl`` needs >= 1, e.g. 20; with ``reverse_kl`` optional, for ``distill/teacher_agreement``). Costs tokens x k x 12 bytes per step; at most the vocabulary size."""
     agg_mode: Optional[str] = None
     """Aggregation of the per-token distillation loss (as ``algorithm.loss_agg_mode``); unset: ``algorithm.loss_agg_mode``'s."""
+    decay_steps: int = 0
+    """0: ``weight`` holds for the whole run. N > 0: distill, then RL: the weight falls linearly from ``weight`` at step 1 to 0 at step N + 1, and from there the run is RL alone (the teacher's pass is skipped; the teacher stays loaded)."""
 
     def __post_init__(self) -> None:
         w = self.weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
             raise ConfigError(f"algorithm.distill.weight must be in [0, 1] (0: pure RL, 1: pure distillation), got {w}")
+        if isinstance(self.decay_steps, bool) or not isinstance(self.decay_steps, int) or self.decay_steps < 0:
+            raise ConfigError(f"algorithm.distill.decay_steps must be an integer >= 0 (0: a constant weight), "
+                              f"got {self.decay_steps!r}")
         if self.top_k < 0:
             raise ConfigError(f"algorithm.distill.top_k must be >= 0 (0: no top-k), got {self.top_k}")
         if self.loss == "topk_forward_kl" and w > 0 and self.top_k < 1:
@@ -84,6 +89,17 @@ class DistillConfig:
     @property
     def enabled(self) -> bool:
         return self.weight > 0
+
+    def weight_at(self, step: int) -> float:
+        """The mixing weight of RL step ``step`` (1-based): ``weight``, or with ``decay_steps`` its
+        linear fall to 0 at step ``decay_steps + 1``.
+
+        >>> DistillConfig(weight=1.0, decay_steps=4).weight_at(3)
+        0.5
+        """
+        if not self.decay_steps:
+            return float(self.weight)
+        return float(self.weight) * max(0.0, 1.0 - (step - 1) / self.decay_steps)
 
 
 @dataclass

@@ -132,6 +132,7 @@ class Actor:
         self.correction = algo_cfg.rollout_correction if algo_cfg.rollout_correction.mode != "off" else None
         # on-policy distillation (the batch carries the teacher's columns: fitrl/roles/teacher.py)
         self.distill = DistillTerm(algo_cfg, self.policy_loss) if algo_cfg.distill.enabled else None
+        self.distill_weight = algo_cfg.distill.weight  # this update's (update() sets it: a decaying weight)
         self.moe = MoeTerms.for_model(model, actor_cfg)  # a mixture of experts' loss, replay, metrics; None: dense
 
     def state_dict(self) -> dict:
@@ -200,7 +201,8 @@ class Actor:
                             max_response_length=self.max_response_length)
 
     def update(self, batch: Batch, *, sequences_per_mini_batch: int, temperature: float,
-               old_logprobs_from: str = "batch", supervised: bool = False) -> dict[str, float]:
+               old_logprobs_from: str = "batch", supervised: bool = False,
+               distill_weight: float | None = None) -> dict[str, float]:
         """One RL step of optimisation over ``batch`` (needs advantages, ref_logprobs when KL is in
         the loss, rollout_logprobs with ``algorithm.rollout_correction``, and the teacher's columns
         with ``algorithm.distill``: fitrl/roles/teacher.py). ``old_logprobs_from``
@@ -210,8 +212,13 @@ class Actor:
 
         ``supervised``: a step of supervised fine-tuning instead (``fitrl sft``): the responses
         are the targets and the loss their negative log-likelihood (:meth:`_micro_nll`), with the
-        same mini-batches, micro-batches, clipping, schedule and metrics."""
+        same mini-batches, micro-batches, clipping, schedule and metrics.
+
+        ``distill_weight``: this step's distillation weight (``algorithm.distill.weight_at``, said
+        by the loop); unset: the configured one. At 0 the batch needs no teacher columns."""
         self.model.train()
+        self.distill_weight = (0.0 if self.distill is None else
+                               self.distill.weight if distill_weight is None else float(distill_weight))
         metrics = WeightedMetrics()
         grad_norms, skipped = [], 0
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.num_updates)
@@ -306,8 +313,9 @@ class Actor:
         mode = self.algo.loss_agg_mode
         # entropy is logged every step; it joins the graph only when it is in the loss
         entropy_grad = self.cfg.entropy_coeff != 0
-        if self.distill is not None:  # (with the student's log-probs at the teacher's top-k ids, when its loss needs them)
-            logp, entropy, student_topk = self.distill.forward(self, micro, temperature, entropy_grad)
+        distill = self.distill if self.distill_weight > 0 else None  # (a decayed weight: RL alone)
+        if distill is not None:  # (with the student's log-probs at the teacher's top-k ids, when its loss needs them)
+            logp, entropy, student_topk = distill.forward(self, micro, temperature, entropy_grad)
         else:
             logp, entropy = self._forward(micro, temperature, with_entropy=True, entropy_grad=entropy_grad)
         # the behaviour policy: recomputed before the update, or (one on-policy step) these very
@@ -332,11 +340,11 @@ class Actor:
         # rescaled to this micro-batch's own token mean so WeightedMetrics can average them.
         local = Denominators(tokens=float(mask.sum().clamp(min=1)), sequences=float(len(micro)),
                              max_response_length=denom.max_response_length)
-        if self.distill is not None:  # (1 - w) * policy loss + w * distillation loss (w = 1: rewards only logged)
-            d = self.distill
+        if distill is not None:  # (1 - w) * policy loss + w * distillation loss (w = 1: rewards only logged)
+            d = distill
             distill_loss, dm = d.loss(micro, logp, old_logprobs, student_topk, mask, denom,
                                       on_policy=own_old_logprobs, **clip)
-            loss = mix_distill_loss(pg_loss, distill_loss, d.weight)
+            loss = mix_distill_loss(pg_loss, distill_loss, self.distill_weight)
             m.update(dm)
             m["distill/loss"] = aggregate_like(distill_loss, denom, local, d.agg_mode)
         with torch.no_grad():

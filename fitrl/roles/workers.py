@@ -136,13 +136,14 @@ class PolicyWorker:
         return metrics
 
     @dispatch("dp", sequence_parallel=True)
-    def update(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch, distill_weight: float | None = None) -> dict[str, float]:
+        """One RL step; ``distill_weight``: this step's (``algorithm.distill.weight_at``), said by the loop."""
         seqs = BatchSizes.of(self.cfg, self.cfg.data_parallel_size).mini_batch_per_rank
         own = self.cfg.old_logprob_source == "update"  # else the batch carries them (a pass, or the engine's)
         with self.offload.phase(needs_optimizer=True):
             metrics = self.actor.update(batch.to(self.device), sequences_per_mini_batch=seqs,
                                         temperature=self.cfg.rollout.temperature,
-                                        old_logprobs_from="update" if own else "batch")
+                                        old_logprobs_from="update" if own else "batch", distill_weight=distill_weight)
         self.rollout.push_weights()  # the next rollout samples from the updated policy
         return {**metrics, **self.rollout.metrics()}
 

@@ -265,7 +265,9 @@ class RLTrainer:
         if self.ref is not None:
             with timer.phase("ref"):
                 batch.update(self.ref.compute_ref_logprob(batch))
-        if self.teacher is not None:  # its log-prob of every sampled token (and top-k): the distillation signal
+        # this step's distillation weight (algorithm.distill.decay_steps: 0 from some step on, RL alone)
+        distill_weight = algo.distill.weight_at(step) if self.teacher is not None else 0.0
+        if distill_weight > 0:  # the teacher's log-prob of every sampled token (and top-k): the distillation signal
             with timer.phase("teacher_logprob"):
                 batch.update(self.teacher.compute_teacher_logprob(batch))
         if self.critic is not None:
@@ -289,7 +291,8 @@ class RLTrainer:
                 metrics.update(self.critic.update(batch))
         if step > self.cfg.critic.warmup_steps or self.critic is None:
             with timer.phase("update"):
-                metrics.update(self.policy.update(batch))
+                metrics.update(self.policy.update(batch, **({"distill_weight": distill_weight}
+                                                            if self.teacher is not None else {})))
         if self.pipeline is not None:
             with timer.phase("weight_sync"):  # the next generations sample from the updated policy
                 self.pipeline.send_weights(step)
@@ -340,9 +343,12 @@ class RLTrainer:
         groups = group_index(batch["uid"])
         varied = groups[group_is_informative(batch["scores"], groups)].unique().numel()
         m["adv/zero_variance_groups"] = float(int(groups.max()) + 1 - varied) if len(groups) else 0.0
-        if self.teacher is not None:
+        d = self.cfg.algorithm.distill
+        if "teacher_logprobs" in batch:  # (not once a decaying weight has reached 0)
             m.update(teacher_metrics(batch, mask))
-        pure_distill = self.cfg.algorithm.distill.weight == 1.0  # (the teacher's signal alone trains then)
+        if self.teacher is not None and d.decay_steps:
+            m["distill/weight"] = d.weight_at(step)
+        pure_distill = self.teacher is not None and d.weight_at(step) == 1.0  # (the teacher's signal alone trains then)
         if not pure_distill and not bool((batch["advantages"] * mask).any()):
             self.console.print(f"[yellow]step {step}: no learning signal: every advantage is 0 "
                                f"({int(m['adv/zero_variance_groups'])} of {int(groups.max()) + 1} groups scored "

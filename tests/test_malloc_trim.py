@@ -10,6 +10,7 @@ from fitrl.config.schema import FSDPConfig
 from fitrl.memory import calibration as C
 from fitrl.roles import offload, workers
 from fitrl.roles.offload import OffloadBetweenPhases
+from fitrl.sharding.fsdp2.plan import CPU_UNIT_BUFFERS
 from fitrl.telemetry import memory as mem
 from helpers import toy_config
 
@@ -180,7 +181,7 @@ def test_cpu_plan_fsdp_unit_buffers(tmp_path, tiny_model_dir):
     glibc, bare = plan(), plan("plan.host_malloc=mmap")
     g, b = (p.process("trainer").phases["update"].host for p in (glibc, bare))
     traced = b.get("activations", 0) + b.get("logits", 0)
-    units = int(C.CPU_FSDP_UNIT_BUFFERS * 8 * glibc.shape.num_params)
+    units = int(CPU_UNIT_BUFFERS * 8 * glibc.shape.num_params)
     residue = g["allocator (heap residue)"]  # this rank's half of the gradients, or the transients
     assert residue == pytest.approx(C.CPU_UPDATE_HEAP_FIXED + C.CPU_UPDATE_HEAP_PINNED * min(
         traced, 4 * glibc.shape.num_params // 2), abs=2)

@@ -305,7 +305,7 @@ cast weights are held apart as ``autocast weights`` for one forward): 0.82 (conf
 small; same command with ``--only 16``; 1.40 with the residue in it), 0.86 in an earlier run
 (1.44). Below the fp32 factor, for reasons not measured apart; set to 1.0, the traced
 transients themselves. Two FSDP2 ranks with bf16 compute (configuration 17) are
-:data:`CPU_FSDP_UNIT_BUFFERS`' case."""
+the case of ``CPU_UNIT_BUFFERS`` in fitrl/sharding/fsdp2/plan.py."""
 CPU_BF16_WIDENING_RSS_FACTOR = 2.4
 """Measured: the RSS that bf16 products widened to fp32 (fitrl/core/bf16_matmul.py, autocast on a
 CPU without bf16 GEMM kernels) add to a phase / the largest product's fp32 operands and result
@@ -316,23 +316,6 @@ widening (2026-11-24, the 2-core machine): ``bench/plan_accuracy.py --only 16`` 
 below the term (+17 MiB of live bytes, +21-30 MiB of RSS on the small model's log-prob and
 update micro-batch); the rest is the fp32 GEMM's own per-thread buffers, which a bf16 run never
 allocated before and fp32 runs' factors already hold."""
-CPU_FSDP_UNIT_BUFFERS = 1.06
-"""Measured (default glibc, trimmed): on a CPU rank of two or more FSDP2 ranks an update's RSS
-stays above its live tensors by about one unsharded copy of the parameters in the compute
-dtype plus one of the gradients in fp32, however small its activations: the all-gather outputs
-and unsharded gradients of unit after unit (layer-sized, below glibc's mmap threshold) leave
-their blocks in the heap. The small model (32M parameters) on two fp32 ranks, 16 sequences P32
-R128: RSS above the live tensors measured with ``MALLOC_MMAP_THRESHOLD_=65536`` 0.23-0.27 GiB
-against 0.24 GiB of parameters and gradients, with one or two micro-batches and with or without
-checkpointing (a /tmp script over ``bench/plan_accuracy.py``'s ``measure`` and ``predict``,
-2026-11-24); 0.105 GiB for the deep model (18M) on two bf16 ranks (configuration 17 of
-``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12).
-The planner counts the larger of this and the activations' own excess
-(``heap_buffers`` in fitrl/sharding/fsdp2/plan.py), and the heap residue on top: FSDP2 ranks start
-their update 0.04-0.05 GiB above runtime and states too (configurations 8, 9 and 17, and
-``bench/cpu_corpus.py`` 5; the /tmp script of :data:`CPU_UPDATE_HEAP_PINNED`, 2026-11-24). 1.06:
-configuration 17 (two bf16 ranks) measured 0.122 GiB above its held memory and transients,
-against 0.115 of parameters and gradients."""
 CPU_TRIMMED_RECOMPUTE_RSS_FACTOR = 2.35
 """Measured: the same ratio (residue off) with gradient checkpointing, whose recomputation
 allocates and frees every layer's activations again inside backward: 2.25 (configuration 2,

@@ -12,6 +12,7 @@ from fitrl.memory.engines import ENGINE_PLANNERS, EnginePlanner
 from fitrl.memory.model import Usage
 from fitrl.memory.passes import adapter_params, autocast_weights, bf16_widening, micro_images, traced_transient, vision_activations
 from fitrl.memory.run import Run
+from fitrl.memory.sharding import sharding_plan
 from fitrl.memory.states import DTYPE_BYTES
 
 
@@ -32,8 +33,9 @@ class HFPlanner(EnginePlanner):
     def notes(self, run: Run) -> list[str]:
         if not run.cuda:
             return []
-        return ["rollout engine: transformers generate inside each trainer rank, on the actor's weights "
-                "(gathered once per call under FSDP2)"]
+        sharding = sharding_plan(run.cfg.actor)  # (a sharded policy's weights are gathered for generate)
+        gathered = f" (gathered once per call under {sharding.title})" if sharding.name != "plain" else ""
+        return [f"rollout engine: transformers generate inside each trainer rank, on the actor's weights{gathered}"]
 
 
 def _generation(run: Run, ph: str, u: Usage, dev: str, seqs: int | None = None, own_copy: bool = False) -> None:

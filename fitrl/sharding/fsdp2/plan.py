@@ -10,7 +10,7 @@ fitrl/memory/sharding.py asks it.
   backward, two decoder layers in flight (one computing, one prefetched); a ``generate`` call
   gathers every weight once (``gathered_for_generation`` of the runtime, :mod:`.runtime`).
 - On a CPU rank glibc's heap keeps FSDP2's per-unit buffers over an update (measured:
-  :data:`fitrl.memory.calibration.CPU_FSDP_UNIT_BUFFERS`).
+  :data:`CPU_UNIT_BUFFERS`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,24 @@ from fitrl.sharding.fsdp2.runtime import NAME
 
 _OPTIONS = {"states": "cpu_offload", "params": "offload_params", "optimizer": "offload_optimizer"}
 UNIT_BUFFERS = "allocator (FSDP2 unit buffers)"
+CPU_UNIT_BUFFERS = 1.06
+"""Measured (default glibc, trimmed): on a CPU rank of two or more FSDP2 ranks an update's RSS
+stays above its live tensors by about one unsharded copy of the parameters in the compute
+dtype plus one of the gradients in fp32, however small its activations: the all-gather outputs
+and unsharded gradients of unit after unit (layer-sized, below glibc's mmap threshold) leave
+their blocks in the heap. The small model (32M parameters) on two fp32 ranks, 16 sequences P32
+R128: RSS above the live tensors measured with ``MALLOC_MMAP_THRESHOLD_=65536`` 0.23-0.27 GiB
+against 0.24 GiB of parameters and gradients, with one or two micro-batches and with or without
+checkpointing (a /tmp script over ``bench/plan_accuracy.py``'s ``measure`` and ``predict``,
+2026-11-24); 0.105 GiB for the deep model (18M) on two bf16 ranks (configuration 17 of
+``bench/plan_accuracy.py``, 2 + 4 bytes per parameter and 2 per parameter of its shard: 0.12).
+The planner counts the larger of this and the activations' own excess
+(:meth:`FSDP2Planner.heap_buffers`), and the heap residue on top: FSDP2 ranks start
+their update 0.04-0.05 GiB above runtime and states too (configurations 8, 9 and 17, and
+``bench/cpu_corpus.py`` 5; the /tmp script of ``CPU_UPDATE_HEAP_PINNED`` in
+fitrl/memory/calibration.py, 2026-11-24). 1.06:
+configuration 17 (two bf16 ranks) measured 0.122 GiB above its held memory and transients,
+against 0.115 of parameters and gradients."""
 
 
 class FSDP2Planner(ShardingPlanner):
@@ -69,7 +87,7 @@ class FSDP2Planner(ShardingPlanner):
         # (the reduce dtype): layer-sized blocks the heap keeps in place as it goes through the units
         n = run.shape.num_params
         cast = n // run.world * cb if cb < 4 else 0  # bf16 all-gather inputs (shards)
-        return UNIT_BUFFERS, int(C.CPU_FSDP_UNIT_BUFFERS * (n * cb + trained * 4 + cast))
+        return UNIT_BUFFERS, int(CPU_UNIT_BUFFERS * (n * cb + trained * 4 + cast))
 
     def candidates(self, prefix: str, section: Any, distributed: bool) -> list[tuple[str, Any, str, str]]:
         key = f"{prefix}.fsdp.init"

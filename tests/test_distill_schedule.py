@@ -1,5 +1,7 @@
-"""Distill, then RL (``algorithm.distill.decay_steps``, issue 64): the weight's linear fall, its
-bad values, and a run whose teacher trains the first steps and is then skipped, RL alone.
+"""When and where the teacher's term applies (issue 64): distill, then RL
+(``algorithm.distill.decay_steps``: the weight's linear fall, its bad values, and a run whose
+teacher trains the first steps and is then skipped, RL alone), and reward-guided masking
+(``algorithm.distill.solved_score``: solved responses left to the RL term).
 
 The teacher is the student's own tiny model (the same tokenizer by construction): what is checked
 is which steps mix which losses and run which phases, not what is learned.
@@ -47,3 +49,35 @@ def test_distill_then_rl_runs_the_teacher_only_while_its_weight_is_above_zero(ti
     for r in records[2:]:
         assert not any(k.startswith(("distill/loss", "distill/teacher", "time/teacher")) for k in r), sorted(r)
         assert r["actor/grad_norm"] > 0  # the policy loss still trains
+
+
+def test_solved_responses_are_left_to_the_rl_term():
+    """``solved_score``: a response the reward accepts adds nothing to the distillation loss, whose
+    token mean still runs over the whole mini-batch (the solved tokens count, at 0)."""
+    import torch
+
+    from fitrl.algo.distill import topk_forward_kl_gathered
+    from fitrl.algo.losses import Denominators
+    from fitrl.config.algorithm import AlgorithmConfig
+    from fitrl.data.batch import Batch
+    from fitrl.roles.distill import DistillTerm
+
+    g = torch.Generator().manual_seed(0)
+    B, R, k = 3, 4, 2
+    teacher = torch.log_softmax(torch.randn(B, R, k + 1, generator=g), -1)[..., :k]
+    student = torch.log_softmax(torch.randn(B, R, k + 1, generator=g), -1)[..., :k]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    micro = Batch(tensors={"teacher_logprobs": teacher[..., 0], "teacher_topk_logprobs": teacher,
+                           "scores": torch.tensor([1.0, 0.4, 0.0])})
+    denom = Denominators(tokens=float(mask.sum()), sequences=B, max_response_length=R)
+
+    def term(solved):
+        algo = AlgorithmConfig(distill=DistillConfig(weight=0.5, loss="topk_forward_kl", top_k=k, solved_score=solved))
+        return DistillTerm(algo, policy_loss=None).loss(micro, teacher[..., 0], teacher[..., 0], student, mask, denom,
+                                                         on_policy=True)
+
+    (gated, m), (every, _) = term(1.0), term(None)
+    unsolved = mask * torch.tensor([0.0, 1.0, 1.0])[:, None]
+    expected, _ = topk_forward_kl_gathered(student, teacher, unsolved, denom=denom)
+    assert torch.allclose(gated, expected) and float(m["distill/distilled_fraction"]) == pytest.approx(2 / 3)
+    assert float(gated) < float(every)  # the solved row's KL is gone, the denominator is the same

@@ -70,6 +70,8 @@ class DistillConfig:
     """Tokens per position whose teacher log-probs and ids the teacher's pass keeps (``topk_forward_kl`` needs >= 1, e.g. 20; with ``reverse_kl`` optional, for ``distill/teacher_agreement``). Costs tokens x k x 12 bytes per step; at most the vocabulary size."""
     agg_mode: Optional[str] = None
     """Aggregation of the per-token distillation loss (as ``algorithm.loss_agg_mode``); unset: ``algorithm.loss_agg_mode``'s."""
+    solved_score: Optional[float] = None
+    """Reward-guided masking: a response whose score is at least this is left to the RL term (not distilled: the teacher cannot pull an answer the reward accepts toward its own mistakes); unset: every response is distilled."""
     decay_steps: int = 0
     """0: ``weight`` holds for the whole run. N > 0: distill, then RL: the weight falls linearly from ``weight`` at step 1 to 0 at step N + 1, and from there the run is RL alone (the teacher's pass is skipped; the teacher stays loaded)."""
 

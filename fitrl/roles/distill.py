@@ -35,6 +35,7 @@ class DistillTerm:
         self.weight = d.weight
         self.topk = d.loss == "topk_forward_kl"
         self.agg_mode = d.agg_mode or algo.loss_agg_mode
+        self.solved_score = d.solved_score
         self.policy_loss = policy_loss
 
     def forward(self, actor, micro: Batch, temperature: float, entropy_grad: bool):
@@ -57,16 +58,22 @@ class DistillTerm:
         micro-batch's token means). ``clip``: the policy loss's clip ratios (the off-policy
         reverse KL's surrogate)."""
         teacher = micro["teacher_logprobs"]
+        m = {}
+        if self.solved_score is not None:  # solved responses: RL alone (their tokens count in denom, at 0)
+            unsolved = (micro["scores"] < self.solved_score).to(mask.dtype)  # (B,)
+            m["distill/distilled_fraction"] = unsolved.mean()
+            mask = mask * unsolved[:, None]
         if self.topk:
-            loss, m = topk_forward_kl_gathered(student_topk, micro["teacher_topk_logprobs"], mask,
-                                               agg_mode=self.agg_mode, denom=denom)
+            loss, lm = topk_forward_kl_gathered(student_topk, micro["teacher_topk_logprobs"], mask,
+                                                agg_mode=self.agg_mode, denom=denom)
+            m.update(lm)
         elif on_policy:
-            loss, m = reverse_kl_pg_loss(logp, teacher, mask, agg_mode=self.agg_mode, denom=denom)
+            loss, lm = reverse_kl_pg_loss(logp, teacher, mask, agg_mode=self.agg_mode, denom=denom)
+            m.update(lm)
         else:
             advantages = reverse_kl_advantages(old_logprobs, teacher, mask)
             loss, _ = self.policy_loss(logp, old_logprobs, advantages, mask, agg_mode=self.agg_mode, denom=denom,
                                        **clip)
-            m = {}
         if "distill/reverse_kl" not in m:  # the sampled tokens' KL under the current weights, whatever the loss
             valid = mask > 0
             k1 = reverse_kl_sampled(torch.where(valid, logp.detach(), 0.0), torch.where(valid, teacher, 0.0))

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from fitrl.config.schema import ModelConfig
-from fitrl.models.description import ModelDescription, RunModels, described
+from fitrl.models.description import ModelDescription, RunModels
+from fitrl.models.loading import described
 from helpers import toy_config
 
 ONE_STEP = ["trainer.max_steps=1", "trainer.num_threads=1", "rollout.n=2", "trainer.val_before_train=false",

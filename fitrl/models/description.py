@@ -6,7 +6,7 @@ else asks about a model: each ``config.json`` is parsed (and its shape keys chec
 family picked from its ``model_type`` once, and the start-up checks, the memory plan, the data
 path, the divergence judge, the FLOPs counter and every worker (through its group, pickled to a
 Ray rank) read these values instead of the directory. A worker built without one (tests,
-benchmarks) reads its own from the path: :func:`described`.
+benchmarks) reads its own from the path: ``described`` in fitrl/models/loading.py.
 """
 
 from __future__ import annotations
@@ -138,19 +138,3 @@ class RunModels:
         """Each section's parsed ``config.json``, for the start-up checks (fitrl/models/check.py)."""
         return {key: d.config for key, d in self.by_key.items()}
 
-
-def described(models: Optional[RunModels], key: str, model: "ModelConfig") -> ModelDescription:
-    """The description of ``model`` (config section ``key``, ``ref.model``) from ``models``,
-    handed down from ``train()``; without them (a worker built directly), read from its
-    directory now, which is checked to be on this node first, as a model to be loaded is
-    (fitrl/models/loading.py). Descriptions of another directory than ``model``'s are a
-    programming error."""
-    found = models.get(key) if models is not None else None
-    if found is None:
-        from fitrl.models.loading import check_on_this_node  # (loading imports this module)
-
-        check_on_this_node(model.path, f"{key}.path")
-        return ModelDescription.read(model, f"{key}.path")
-    if found.path != model.path:
-        raise ValueError(f"the run's description of {key} is of {found.path!r}, not of {key}.path={model.path!r}")
-    return found

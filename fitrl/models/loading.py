@@ -33,7 +33,7 @@ from fitrl.core.faults import own_disk
 from fitrl.distributed.collectives import distributed, rank
 from fitrl.distributed.sharding import sharding_backend
 from fitrl.models.check import load_local_tokenizer
-from fitrl.models.description import ModelDescription
+from fitrl.models.description import ModelDescription, RunModels
 from fitrl.models.params import ParameterSet
 from fitrl.ops.varlen import use_varlen_vision
 
@@ -54,6 +54,21 @@ def check_on_this_node(path: str, key: str) -> None:
     raise ModelDirError(f"{key}={path} {state} on host {socket.gethostname()}, where this process runs: every node "
                         f"of a Ray cluster needs it at the same path (shared storage, or a copy on each node; "
                         f"docs/distributed.md)")
+
+
+def described(models: Optional[RunModels], key: str, model: ModelConfig) -> ModelDescription:
+    """The description of ``model`` (config section ``key``, ``ref.model``) from ``models``,
+    handed down from ``train()``; without them (a worker built directly), read from its
+    directory now, which is checked to be on this node first, as a model to be loaded is.
+    Descriptions of another directory than ``model``'s are a
+    programming error."""
+    found = models.get(key) if models is not None else None
+    if found is None:
+        check_on_this_node(model.path, f"{key}.path")
+        return ModelDescription.read(model, f"{key}.path")
+    if found.path != model.path:
+        raise ValueError(f"the run's description of {key} is of {found.path!r}, not of {key}.path={model.path!r}")
+    return found
 
 
 def load_tokenizer(model: ModelConfig, key: str = "actor.model"):

@@ -29,8 +29,8 @@ from fitrl.core.padding import left_pad, right_pad
 from fitrl.data.batch import Batch
 from fitrl.distributed.sharding import gathered_for_generation
 from fitrl.models.check import check_weights, read_model_config
-from fitrl.models.description import ModelDescription, RunModels, described
-from fitrl.models.loading import build_model, load_tokenizer
+from fitrl.models.description import ModelDescription, RunModels
+from fitrl.models.loading import build_model, described, load_tokenizer
 from fitrl.ops.score import last_token_scores
 from fitrl.roles.offload import OffloadBetweenPhases
 from fitrl.telemetry.guard import GUARD

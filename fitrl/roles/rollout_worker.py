@@ -32,8 +32,8 @@ from fitrl.config.schema import FitrlConfig, SamplingConfig
 from fitrl.core.device import resolve_device
 from fitrl.data.batch import Batch
 from fitrl.distributed.weight_sync import ChannelAddress, WeightChannel
-from fitrl.models.description import ModelDescription, RunModels, described
-from fitrl.models.loading import build_model, load_tokenizer
+from fitrl.models.description import ModelDescription, RunModels
+from fitrl.models.loading import build_model, described, load_tokenizer
 from fitrl.rollout import build_engine
 from fitrl.rollout.agent import AgentRollout
 from fitrl.rollout.engine import EngineContext, RolloutEngine

@@ -20,8 +20,8 @@ import torch
 from fitrl.config.schema import FitrlConfig
 from fitrl.core.device import autocast, resolve_device
 from fitrl.data.batch import Batch
-from fitrl.models.description import RunModels, described
-from fitrl.models.loading import build_model
+from fitrl.models.description import RunModels
+from fitrl.models.loading import build_model, described
 from fitrl.ops.logprob import response_logprobs
 from fitrl.ops.varlen import packed_attention
 from fitrl.roles.offload import OffloadBetweenPhases, low_precision

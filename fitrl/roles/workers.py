@@ -29,8 +29,8 @@ from fitrl.distributed.state import full_state_dict
 from fitrl.distributed.ulysses import over_pass, sequence_groups
 from fitrl.distributed.weight_sync import ChannelAddress, WeightChannel, open_rendezvous
 from fitrl.ops.varlen import packed_attention
-from fitrl.models.description import RunModels, described
-from fitrl.models.loading import build_model, load_tokenizer
+from fitrl.models.description import RunModels
+from fitrl.models.loading import build_model, described, load_tokenizer
 from fitrl.models.params import parameter_set
 from fitrl.ops.logprob import response_logprobs
 from fitrl.roles.actor import Actor
